@@ -1,0 +1,1 @@
+//! Tether shared core: the gradient codec, the wire protocol and transport, layout and configuration.

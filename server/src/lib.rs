@@ -1,0 +1,1 @@
+//! Tether parameter-server shards: optimizers, the SSP clock table, checkpoints and the shard actors.

@@ -1,0 +1,1 @@
+//! Tether workers: models, data loading, compute backends and the worker actor.
