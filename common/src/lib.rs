@@ -1,1 +1,5 @@
-//! Tether shared core: the gradient codec, the wire protocol and transport, layout and configuration.
+//! Tether shared core: the gradient codec, the wire protocol and transport, the parameter layout, the cluster
+//! configuration and the run report. Pure logic lives here; the server and worker crates are shells around it.
+
+pub mod config;
+pub mod layout;
