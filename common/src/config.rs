@@ -3,7 +3,7 @@
 //! against the directory of the file itself. Parsing is pure; [`Config::load`] is the only function touching disk.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
