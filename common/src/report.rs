@@ -1,0 +1,127 @@
+//! The JSON run report (DESIGN.md §6) written by workers, servers and the embedded cluster, and the staleness
+//! histogram shape it carries. Plain data: building it is the caller's job, this module only fixes the schema.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// One bucket of a staleness histogram: values in `lo..=hi` were seen `count` times (`hi = None` is open-ended).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistogramBucket {
+    /// Smallest value in the bucket.
+    pub lo: u64,
+    /// Largest value in the bucket (`None`: no upper end).
+    pub hi: Option<u64>,
+    /// Number of observations.
+    pub count: u64,
+}
+
+/// The run report; the required keys of DESIGN.md §6 plus a few extensions (documented in the README).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct RunReport {
+    /// Dataset name (`fashion-mnist`, `digits`, ...).
+    pub dataset: String,
+    /// Model description (e.g. `mlp 784-256-128-10`).
+    pub model: String,
+    /// Number of parameters.
+    pub params: u64,
+    /// Number of workers.
+    pub workers: u32,
+    /// Number of shards.
+    pub shards: u32,
+    /// Staleness bound (`"inf"` or a number).
+    pub staleness_bound: String,
+    /// Compression scheme (`q4`, `none`, ...).
+    pub compression: String,
+    /// Push rounds completed, summed over workers.
+    pub steps: u64,
+    /// Epochs requested per worker.
+    pub epochs: u32,
+    /// Wall time of the run in seconds.
+    pub wall_seconds: f64,
+    /// Mean training loss over the last steps.
+    pub final_train_loss: f64,
+    /// Test accuracy of the final model.
+    pub final_test_accuracy: f64,
+    /// Bytes of encoded gradient frames pushed (what crossed the wire, before QUIC/TLS overhead).
+    pub wire_bytes_pushed: u64,
+    /// Bytes the same pushes would have taken as raw fp32.
+    pub fp32_bytes_pushed: u64,
+    /// Bytes of parameter replies pulled.
+    pub wire_bytes_pulled: u64,
+    /// Updates applied by the shards (summed over shards).
+    pub updates_applied: u64,
+    /// Updates rejected by the shards (summed over shards).
+    pub updates_rejected: u64,
+    /// Largest clock lead (worker clock − min clock) seen when a pull was answered.
+    pub max_clock_lead_observed: u64,
+    /// Largest staleness (in updates) of an applied gradient.
+    pub max_staleness_observed: u64,
+    /// Histogram of applied-gradient staleness (summed over shards).
+    pub staleness_histogram: Vec<HistogramBucket>,
+    /// Training loss over time: `[step, seconds, loss]`.
+    pub loss_curve: Vec<(u64, f64, f64)>,
+    /// Test accuracy over time: `[step, seconds, accuracy]`.
+    pub accuracy_curve: Vec<(u64, f64, f64)>,
+    /// Extension: pushes a worker refused to send because the gradient was not finite.
+    #[serde(default)]
+    pub nonfinite_skipped: u64,
+    /// Extension: free-form notes (e.g. "fashion-mnist not found, trained on digits").
+    #[serde(default)]
+    pub notes: Vec<String>,
+}
+
+impl RunReport {
+    /// Wire bytes pushed as a fraction of fp32 (0 when nothing was pushed).
+    pub fn push_ratio(&self) -> f64 {
+        if self.fp32_bytes_pushed == 0 {
+            0.0
+        } else {
+            self.wire_bytes_pushed as f64 / self.fp32_bytes_pushed as f64
+        }
+    }
+
+    /// Writes the report as pretty JSON to `path` (via a temporary file and rename).
+    pub fn write_json(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(tmp, path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_has_every_required_key() {
+        let v = serde_json::to_value(RunReport::default()).unwrap();
+        for key in [
+            "dataset",
+            "model",
+            "params",
+            "workers",
+            "shards",
+            "staleness_bound",
+            "compression",
+            "steps",
+            "epochs",
+            "wall_seconds",
+            "final_train_loss",
+            "final_test_accuracy",
+            "wire_bytes_pushed",
+            "fp32_bytes_pushed",
+            "wire_bytes_pulled",
+            "updates_applied",
+            "updates_rejected",
+            "max_clock_lead_observed",
+            "max_staleness_observed",
+            "staleness_histogram",
+            "loss_curve",
+            "accuracy_curve",
+        ] {
+            assert!(v.get(key).is_some(), "missing {key}");
+        }
+    }
+}
