@@ -3,4 +3,5 @@
 
 pub mod config;
 pub mod layout;
+pub mod metrics;
 pub mod report;

@@ -1,0 +1,434 @@
+//! `ShardCore`: the deterministic state machine of one parameter shard — its weights, optimizer state, version and
+//! SSP clock table. It validates and applies pushes, gates pulls, and snapshots for checkpoints. No actors, sockets or
+//! clocks: time comes in as `now_ms`. A rejected push leaves every bit of state untouched (validation and decoding
+//! happen into scratch space before the optimizer runs). The `ShardActor` is a thin shell around this.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use tether_common::codec::{CodecError, Decoder};
+use tether_common::config::{OptimizerConfig, Staleness};
+use tether_common::layout::Layout;
+
+use crate::checkpoint::ShardSnapshot;
+use crate::clock::{ClockError, ClockTable, StalenessHistogram};
+use crate::optim::Optimizer;
+
+/// Why a push or pull was refused. Each maps to a stable wire error code.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum ShardError {
+    /// The frame names another shard.
+    #[error("push for shard {found}, this is shard {expected}")]
+    WrongShard {
+        /// This shard.
+        expected: u32,
+        /// The shard named in the frame.
+        found: u32,
+    },
+    /// The frame's range is not this shard's range.
+    #[error("push range {found:?} does not match shard range {expected:?}")]
+    BadRange {
+        /// This shard's range.
+        expected: Range<u64>,
+        /// The frame's range.
+        found: Range<u64>,
+    },
+    /// The codec frame is malformed, of the wrong length, or carries non-finite values.
+    #[error("bad gradient frame: {0}")]
+    Codec(String),
+    /// The decoded gradient holds NaN or ±Inf.
+    #[error("non-finite gradient value at index {0}")]
+    NonFinite(usize),
+    /// The push is for a clock the worker has not reached.
+    #[error("push for clock {found} but worker {worker} is at clock {expected}")]
+    ClockFromFuture {
+        /// The worker.
+        worker: u32,
+        /// The clock the shard expects.
+        expected: u64,
+        /// The clock in the frame.
+        found: u64,
+    },
+    /// The push repeats a clock already applied.
+    #[error("replayed push for clock {found} from worker {worker} (already at {expected})")]
+    Replay {
+        /// The worker.
+        worker: u32,
+        /// The clock the shard expects.
+        expected: u64,
+        /// The clock in the frame.
+        found: u64,
+    },
+    /// The push's read version is newer than this shard's version.
+    #[error("read version {found} is ahead of shard version {current}")]
+    VersionFromFuture {
+        /// Shard version.
+        current: u64,
+        /// Version claimed by the worker.
+        found: u64,
+    },
+    /// The worker has not joined (or was evicted and has not rejoined).
+    #[error("worker {0} is not a live member of this shard")]
+    NotMember(u32),
+    /// The gradient norm is far beyond the recent median (numerical guard).
+    #[error("gradient norm {norm:.3e} exceeds {limit:.3e} (spike guard)")]
+    NormSpike {
+        /// Norm of the rejected gradient.
+        norm: f32,
+        /// The limit it broke.
+        limit: f32,
+    },
+    /// Too many pulls are parked already.
+    #[error("too many parked pulls")]
+    Overloaded,
+}
+
+impl From<ClockError> for ShardError {
+    fn from(e: ClockError) -> Self {
+        match e {
+            ClockError::UnknownWorker(w) | ClockError::Evicted(w) => ShardError::NotMember(w),
+            ClockError::NotNext { worker, current, found } => {
+                if found <= current {
+                    ShardError::Replay { worker, expected: current, found }
+                } else {
+                    ShardError::ClockFromFuture { worker, expected: current, found }
+                }
+            }
+        }
+    }
+}
+
+/// Why a push was rejected, as a metric label.
+pub fn reject_reason(e: &ShardError) -> &'static str {
+    match e {
+        ShardError::WrongShard { .. } => "wrong_shard",
+        ShardError::BadRange { .. } => "bad_range",
+        ShardError::Codec(_) => "bad_frame",
+        ShardError::NonFinite(_) => "non_finite",
+        ShardError::ClockFromFuture { .. } => "clock_from_future",
+        ShardError::Replay { .. } => "replay",
+        ShardError::VersionFromFuture { .. } => "version_from_future",
+        ShardError::NotMember(_) => "not_member",
+        ShardError::NormSpike { .. } => "norm_spike",
+        ShardError::Overloaded => "overloaded",
+    }
+}
+
+/// One gradient push, as the shard sees it (already framed and authenticated by the session).
+#[derive(Debug, Clone, Copy)]
+pub struct Push<'a> {
+    /// Pushing worker (from its certificate).
+    pub worker: u32,
+    /// The worker's clock for this round.
+    pub clock: u64,
+    /// Target shard.
+    pub shard: u32,
+    /// Target range in the flat layout.
+    pub range: (u64, u64),
+    /// Shard version the worker computed its gradient against.
+    pub read_version: u64,
+    /// The codec frame.
+    pub payload: &'a [u8],
+}
+
+/// What applying a push did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Applied {
+    /// Shard version after the update.
+    pub version: u64,
+    /// Staleness of the gradient in updates.
+    pub staleness: u64,
+    /// The worker's clock after the push.
+    pub clock: u64,
+}
+
+/// Counters a shard keeps for reports and metrics.
+#[derive(Debug, Clone, Default)]
+pub struct ShardStats {
+    /// Updates applied.
+    pub updates_applied: u64,
+    /// Rejections by reason label.
+    pub rejected: HashMap<&'static str, u64>,
+    /// Encoded bytes received in accepted and rejected pushes.
+    pub wire_bytes: u64,
+    /// fp32 bytes those pushes represent.
+    pub fp32_bytes: u64,
+    /// Bytes of parameter replies sent.
+    pub pulled_bytes: u64,
+    /// Staleness of applied gradients.
+    pub staleness: StalenessHistogram,
+    /// Largest clock lead at a pull answer.
+    pub max_lead: u64,
+}
+
+impl ShardStats {
+    /// Total rejected updates.
+    pub fn rejected_total(&self) -> u64 {
+        self.rejected.values().sum()
+    }
+}
+
+/// Gradient-norm spike guard: rejects a gradient whose norm exceeds `factor` × the running median of recent norms.
+#[derive(Debug, Clone)]
+struct SpikeGuard {
+    factor: f32,
+    recent: Vec<f32>,
+    next: usize,
+    sorted: Vec<f32>,
+}
+
+impl SpikeGuard {
+    const WINDOW: usize = 64;
+    const WARMUP: usize = 16;
+
+    fn new(factor: f32) -> Self {
+        Self { factor, recent: Vec::with_capacity(Self::WINDOW), next: 0, sorted: Vec::with_capacity(Self::WINDOW) }
+    }
+
+    fn limit(&mut self) -> Option<f32> {
+        if self.factor <= 0.0 || self.recent.len() < Self::WARMUP {
+            return None;
+        }
+        self.sorted.clear();
+        self.sorted.extend_from_slice(&self.recent);
+        self.sorted.sort_by(f32::total_cmp);
+        Some(self.sorted[self.sorted.len() / 2] * self.factor)
+    }
+
+    fn record(&mut self, norm: f32) {
+        if self.recent.len() < Self::WINDOW {
+            self.recent.push(norm);
+        } else {
+            self.recent[self.next] = norm;
+            self.next = (self.next + 1) % Self::WINDOW;
+        }
+    }
+}
+
+/// One shard's state: weights, optimizer, version, clock table.
+pub struct ShardCore {
+    shard: u32,
+    range: Range<u64>,
+    layout_hash: u64,
+    weights: Vec<f32>,
+    optimizer: Optimizer,
+    staleness_aware: bool,
+    version: u64,
+    clocks: ClockTable,
+    decoder: Decoder,
+    scratch: Vec<f32>,
+    guard: SpikeGuard,
+    stats: ShardStats,
+}
+
+/// Parameters to build a shard.
+#[derive(Debug, Clone)]
+pub struct ShardSpec {
+    /// Shard index.
+    pub shard: u32,
+    /// Number of shards.
+    pub shards: u32,
+    /// Seed of the initial weights.
+    pub seed: u64,
+    /// The optimizer.
+    pub optimizer: OptimizerConfig,
+    /// SSP bound.
+    pub staleness: Staleness,
+    /// Eviction timeout.
+    pub worker_timeout_ms: u64,
+    /// Spike-guard factor (0 = off).
+    pub spike_factor: f32,
+}
+
+impl ShardCore {
+    /// A fresh shard with deterministic initial weights for its range of `layout`.
+    pub fn new(layout: &Layout, spec: &ShardSpec) -> Self {
+        let r = layout.shard_range(spec.shard as usize, spec.shards as usize);
+        let mut weights = vec![0.0; r.len()];
+        layout.init_range(spec.seed, r.clone(), &mut weights);
+        Self {
+            shard: spec.shard,
+            range: r.start as u64..r.end as u64,
+            layout_hash: layout.hash(),
+            optimizer: Optimizer::new(&spec.optimizer, r.len()),
+            staleness_aware: spec.optimizer.staleness_aware,
+            version: 0,
+            clocks: ClockTable::new(spec.staleness, spec.worker_timeout_ms),
+            decoder: Decoder::new(r.len()),
+            scratch: vec![0.0; r.len()],
+            guard: SpikeGuard::new(spec.spike_factor),
+            stats: ShardStats::default(),
+            weights,
+        }
+    }
+
+    /// Shard index.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// The flat range this shard owns.
+    pub fn range(&self) -> Range<u64> {
+        self.range.clone()
+    }
+
+    /// Layout fingerprint.
+    pub fn layout_hash(&self) -> u64 {
+        self.layout_hash
+    }
+
+    /// Updates applied so far.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Current weights.
+    pub fn weights(&self) -> &[f32] {
+        &self.weights
+    }
+
+    /// The clock table.
+    pub fn clocks(&self) -> &ClockTable {
+        &self.clocks
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &ShardStats {
+        &self.stats
+    }
+
+    /// A worker joins or rejoins; returns its starting clock.
+    pub fn join(&mut self, worker: u32, now_ms: u64) -> u64 {
+        self.clocks.join(worker, now_ms)
+    }
+
+    /// A worker leaves cleanly (it finished): nobody waits on it any more.
+    pub fn leave(&mut self, worker: u32) {
+        self.clocks.leave(worker);
+    }
+
+    /// A worker is alive.
+    pub fn heartbeat(&mut self, worker: u32, now_ms: u64) {
+        self.clocks.heartbeat(worker, now_ms);
+    }
+
+    /// Evicts workers silent for longer than the timeout.
+    pub fn evict_silent(&mut self, now_ms: u64) -> Vec<u32> {
+        self.clocks.evict_silent(now_ms)
+    }
+
+    /// The worker finished round `clock` without pushing (e.g. it refused a non-finite gradient): advance only.
+    pub fn skip(&mut self, worker: u32, clock: u64, now_ms: u64) -> Result<u64, ShardError> {
+        self.check_clock(worker, clock)?;
+        self.clocks.advance(worker, clock + 1, now_ms)?;
+        Ok(clock + 1)
+    }
+
+    fn check_clock(&self, worker: u32, clock: u64) -> Result<(), ShardError> {
+        let current = self.clocks.clock_of(worker).ok_or(ShardError::NotMember(worker))?;
+        if clock < current {
+            return Err(ShardError::Replay { worker, expected: current, found: clock });
+        }
+        if clock > current {
+            return Err(ShardError::ClockFromFuture { worker, expected: current, found: clock });
+        }
+        Ok(())
+    }
+
+    /// Validates, decodes and applies one push; on error nothing but the rejection counters changes.
+    pub fn apply(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
+        self.stats.wire_bytes += push.payload.len() as u64;
+        self.stats.fp32_bytes += 4 * (self.range.end - self.range.start);
+        let r = self.validate_and_decode(push);
+        let applied = match r {
+            Ok(()) => self.commit(push, now_ms),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = &applied {
+            *self.stats.rejected.entry(reject_reason(e)).or_default() += 1;
+        }
+        applied
+    }
+
+    fn validate_and_decode(&mut self, push: &Push<'_>) -> Result<(), ShardError> {
+        if push.shard != self.shard {
+            return Err(ShardError::WrongShard { expected: self.shard, found: push.shard });
+        }
+        if push.range.0 != self.range.start || push.range.1 != self.range.end {
+            return Err(ShardError::BadRange { expected: self.range.clone(), found: push.range.0..push.range.1 });
+        }
+        self.check_clock(push.worker, push.clock)?;
+        if push.read_version > self.version {
+            return Err(ShardError::VersionFromFuture { current: self.version, found: push.read_version });
+        }
+        self.decoder.decode(push.payload, &mut self.scratch).map_err(|e| match e {
+            CodecError::NonFinite { index } => ShardError::NonFinite(index),
+            other => ShardError::Codec(other.to_string()),
+        })?;
+        let mut sq = 0.0f64;
+        for (i, g) in self.scratch.iter().enumerate() {
+            if !g.is_finite() {
+                return Err(ShardError::NonFinite(i));
+            }
+            sq += f64::from(*g) * f64::from(*g);
+        }
+        let norm = sq.sqrt() as f32;
+        if let Some(limit) = self.guard.limit() {
+            if norm > limit {
+                return Err(ShardError::NormSpike { norm, limit });
+            }
+        }
+        self.guard.record(norm);
+        Ok(())
+    }
+
+    fn commit(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
+        // Clock first: it is the last check that can fail, and it must not fail after the weights changed.
+        self.clocks.advance(push.worker, push.clock + 1, now_ms)?;
+        let staleness = self.version - push.read_version;
+        let scale = if self.staleness_aware { 1.0 / (staleness.max(1) as f32) } else { 1.0 };
+        self.optimizer.step(&mut self.weights, &self.scratch, scale);
+        self.version += 1;
+        self.stats.updates_applied += 1;
+        self.stats.staleness.record(staleness);
+        Ok(Applied { version: self.version, staleness, clock: push.clock + 1 })
+    }
+
+    /// Whether a pull for `clock` may be answered now (the SSP gate).
+    pub fn can_answer(&self, clock: u64) -> bool {
+        self.clocks.can_answer(clock)
+    }
+
+    /// Records that a pull by a worker at `clock` is answered now; returns the clock lead.
+    pub fn answered(&mut self, clock: u64, bytes: u64) -> u64 {
+        let lead = self.clocks.lead(clock);
+        self.stats.max_lead = self.stats.max_lead.max(lead);
+        self.stats.pulled_bytes += bytes;
+        lead
+    }
+
+    /// A consistent copy of everything a checkpoint holds.
+    pub fn snapshot(&self) -> ShardSnapshot {
+        ShardSnapshot {
+            layout_hash: self.layout_hash,
+            shard: self.shard,
+            range: (self.range.start, self.range.end),
+            version: self.version,
+            opt_steps: self.optimizer.steps(),
+            clocks: self.clocks.clocks(),
+            weights: self.weights.clone(),
+            slots: self.optimizer.slots().to_vec(),
+        }
+    }
+
+    /// Restores weights, optimizer state and version from a verified snapshot of this shard.
+    pub fn restore(&mut self, snap: ShardSnapshot, now_ms: u64) -> Result<(), crate::optim::OptimError> {
+        self.optimizer.restore(snap.opt_steps, snap.slots)?;
+        self.weights = snap.weights;
+        self.version = snap.version;
+        for (w, c) in snap.clocks {
+            self.clocks.restore(w, c, now_ms);
+        }
+        Ok(())
+    }
+}
