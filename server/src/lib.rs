@@ -1,1 +1,3 @@
 //! Tether parameter-server shards: optimizers, the SSP clock table, checkpoints and the shard actors.
+
+pub mod clock;
