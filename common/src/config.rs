@@ -3,10 +3,12 @@
 //! against the directory of the file itself. Parsing is pure; [`Config::load`] is the only function touching disk.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::codec::{CodecConfig, Rounding, Scheme};
 
 /// Errors loading or validating a configuration.
 #[derive(Debug, thiserror::Error)]
@@ -158,6 +160,13 @@ pub struct ModelConfig {
     /// Seed of the initial weights (default 42).
     #[serde(default = "d_seed")]
     pub seed: u64,
+    /// Input width (default: from the dataset kind — 784 for fashion-mnist/idx, 64 for digits; required for
+    /// csv/libsvm so servers need not read the data).
+    #[serde(default)]
+    pub features: Option<usize>,
+    /// Number of classes (default 10 for the built-in datasets; required for csv/libsvm).
+    #[serde(default)]
+    pub classes: Option<usize>,
 }
 
 /// Supported dataset sources.
@@ -467,4 +476,280 @@ fn d_every_updates() -> u64 {
 }
 fn d_keep() -> usize {
     3
+}
+
+/// `[compression]`: how workers encode gradient pushes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompressionConfig {
+    /// Codec scheme (default q4).
+    #[serde(default)]
+    pub scheme: Scheme,
+    /// Values per scaling bucket (default 512).
+    #[serde(default = "d_bucket")]
+    pub bucket: usize,
+    /// Worker-side error feedback (default true).
+    #[serde(default = "d_true")]
+    pub error_feedback: bool,
+    /// zstd over the packed body when it helps (default false: it costs CPU and pays only on slow links).
+    #[serde(default)]
+    pub zstd: bool,
+    /// Rounding (default stochastic).
+    #[serde(default)]
+    pub rounding: Rounding,
+}
+
+impl Default for CompressionConfig {
+    fn default() -> Self {
+        Self {
+            scheme: Scheme::default(),
+            bucket: d_bucket(),
+            error_feedback: true,
+            zstd: false,
+            rounding: Rounding::default(),
+        }
+    }
+}
+
+impl CompressionConfig {
+    /// The codec configuration this section describes.
+    pub fn codec(&self) -> CodecConfig {
+        CodecConfig { scheme: self.scheme, bucket: self.bucket, rounding: self.rounding, zstd: self.zstd }
+    }
+}
+
+fn d_bucket() -> usize {
+    512
+}
+fn d_true() -> bool {
+    true
+}
+
+/// The whole `cluster.toml`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[cluster]` (required: `servers`).
+    pub cluster: ClusterConfig,
+    /// `[model]`.
+    #[serde(default)]
+    pub model: ModelConfig,
+    /// `[data]`.
+    #[serde(default)]
+    pub data: DataConfig,
+    /// `[train]`.
+    #[serde(default)]
+    pub train: TrainConfig,
+    /// `[optimizer]`.
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    /// `[compression]`.
+    #[serde(default)]
+    pub compression: CompressionConfig,
+    /// `[checkpoint]`.
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+}
+
+impl Config {
+    /// Reads, parses and validates `path`; relative paths inside resolve against the file's directory.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self::parse(&text, &base).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse { path: Some(path.to_path_buf()), message },
+            other => other,
+        })
+    }
+
+    /// Parses and validates TOML text; relative paths resolve against `base`.
+    pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
+        let mut cfg: Config =
+            toml::from_str(text).map_err(|e| ConfigError::Parse { path: None, message: e.to_string() })?;
+        cfg.resolve_paths(base);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Makes relative paths absolute against `base`.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        for p in [&mut self.cluster.tls_dir, &mut self.data.path, &mut self.checkpoint.dir] {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        if let Some(p) = self.data.test_path.as_mut() {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+    }
+
+    /// Checks ranges and consistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &'static str, reason: &str| Err(ConfigError::Invalid { key, reason: reason.to_string() });
+        if self.cluster.servers.is_empty() {
+            return bad("cluster.servers", "at least one server address is required");
+        }
+        if self.cluster.workers == 0 {
+            return bad("cluster.workers", "must be at least 1");
+        }
+        if self.cluster.worker_timeout_ms == 0 {
+            return bad("cluster.worker_timeout_ms", "must be positive");
+        }
+        if self.train.batch == 0 {
+            return bad("train.batch", "must be at least 1");
+        }
+        if !(self.train.clip_norm >= 0.0 && self.train.clip_norm.is_finite()) {
+            return bad("train.clip_norm", "must be a finite non-negative number");
+        }
+        if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
+            return bad("optimizer.lr", "must be a finite positive number");
+        }
+        if !(0.0..1.0).contains(&self.optimizer.beta1) || !(0.0..1.0).contains(&self.optimizer.beta2) {
+            return bad("optimizer.beta1/beta2", "must be in [0, 1)");
+        }
+        if self.compression.bucket == 0 || self.compression.bucket > (1 << 20) {
+            return bad("compression.bucket", "must be in 1..=1048576");
+        }
+        if self.checkpoint.keep == 0 {
+            return bad("checkpoint.keep", "must be at least 1");
+        }
+        if self.model.kind == ModelKind::Mlp && self.model.hidden.contains(&0) {
+            return bad("model.hidden", "layer widths must be positive");
+        }
+        if self.model.features == Some(0) || self.model.classes.is_some_and(|c| c < 2) {
+            return bad("model.features/classes", "need at least one feature and two classes");
+        }
+        Ok(())
+    }
+
+    /// Input width and class count of the model: from `[model]` when given, else from the dataset kind.
+    pub fn model_io(&self) -> Result<(usize, usize), ConfigError> {
+        let (f, c) = match self.data.dataset {
+            DatasetKind::FashionMnist | DatasetKind::Idx => (Some(784), Some(10)),
+            DatasetKind::Digits => (Some(64), Some(10)),
+            DatasetKind::Csv | DatasetKind::Libsvm => (None, None),
+        };
+        let features = self.model.features.or(f).ok_or(ConfigError::Invalid {
+            key: "model.features",
+            reason: format!("required for dataset {}", self.data.dataset),
+        })?;
+        let classes = self.model.classes.or(c).ok_or(ConfigError::Invalid {
+            key: "model.classes",
+            reason: format!("required for dataset {}", self.data.dataset),
+        })?;
+        Ok((features, classes))
+    }
+
+    /// Layer widths of the configured model, input first and classes last.
+    pub fn model_dims(&self) -> Result<Vec<usize>, ConfigError> {
+        let (features, classes) = self.model_io()?;
+        let mut dims = vec![features];
+        if self.model.kind == ModelKind::Mlp {
+            dims.extend_from_slice(&self.model.hidden);
+        }
+        dims.push(classes);
+        Ok(dims)
+    }
+
+    /// The parameter layout of the configured model (servers and workers must agree on it).
+    pub fn layout(&self) -> Result<crate::layout::Layout, ConfigError> {
+        Ok(crate::layout::mlp_layout(&self.model_dims()?))
+    }
+
+    /// A default configuration for the given server addresses.
+    pub fn with_servers(servers: Vec<String>) -> Self {
+        Self {
+            cluster: ClusterConfig::with_servers(servers),
+            model: ModelConfig::default(),
+            data: DataConfig::default(),
+            train: TrainConfig::default(),
+            optimizer: OptimizerConfig::default(),
+            compression: CompressionConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_file_gets_defaults_and_resolves_paths() {
+        let cfg = Config::parse("[cluster]\nservers = [\"127.0.0.1:7000\"]\n", Path::new("/etc/tether")).unwrap();
+        assert_eq!(cfg.cluster.workers, 4);
+        assert_eq!(cfg.cluster.staleness, Staleness::Bounded(3));
+        assert_eq!(cfg.cluster.tls_dir, PathBuf::from("/etc/tether/certs"));
+        assert_eq!(cfg.checkpoint.dir, PathBuf::from("/etc/tether/ckpt"));
+        assert_eq!(cfg.data.path, PathBuf::from("/usr/share/datasets/fashion-mnist"));
+        assert_eq!(cfg.compression.scheme, Scheme::Q4);
+        assert_eq!(cfg.optimizer.kind, OptimizerKind::Adam);
+        assert_eq!(cfg.model.hidden, vec![256, 128]);
+    }
+
+    #[test]
+    fn design_doc_example_parses() {
+        let text = r#"
+[cluster]
+servers = ["127.0.0.1:7000", "127.0.0.1:7001"]
+workers = 4
+staleness = 3
+worker_timeout_ms = 5000
+tls_dir = "certs"
+[model]
+kind = "mlp"
+hidden = [256, 128]
+seed = 42
+[data]
+dataset = "fashion-mnist"
+path = "/usr/share/datasets/fashion-mnist"
+[train]
+batch = 128
+epochs = 5
+eval_every = 200
+[optimizer]
+kind = "adam"
+lr = 1e-3
+[compression]
+scheme = "q4"
+bucket = 512
+error_feedback = true
+zstd = true
+[checkpoint]
+dir = "ckpt"
+every_updates = 500
+keep = 3
+"#;
+        let cfg = Config::parse(text, Path::new("/x")).unwrap();
+        assert_eq!(cfg.cluster.servers.len(), 2);
+        assert!(cfg.compression.zstd);
+    }
+
+    #[test]
+    fn staleness_accepts_inf_and_numbers_only() {
+        let p = |s: &str| Config::parse(&format!("[cluster]\nservers=[\"a:1\"]\nstaleness={s}\n"), Path::new("/"));
+        assert_eq!(p("\"inf\"").unwrap().cluster.staleness, Staleness::Unbounded);
+        assert_eq!(p("0").unwrap().cluster.staleness, Staleness::Bounded(0));
+        assert!(p("-1").is_err());
+        assert!(p("\"soon\"").is_err());
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_naming_the_key() {
+        let e = Config::parse("[cluster]\nservers=[\"a:1\"]\nworkerz = 3\n", Path::new("/")).unwrap_err();
+        assert!(e.to_string().contains("workerz"), "{e}");
+        let e = Config::parse("[cluster]\nservers=[\"a:1\"]\n[optimiser]\nlr=1\n", Path::new("/")).unwrap_err();
+        assert!(e.to_string().contains("optimiser"), "{e}");
+    }
+
+    #[test]
+    fn missing_servers_and_bad_values_are_rejected() {
+        assert!(Config::parse("[cluster]\nworkers = 2\n", Path::new("/")).is_err());
+        let e = Config::parse("[cluster]\nservers=[\"a:1\"]\n[optimizer]\nlr = -1.0\n", Path::new("/")).unwrap_err();
+        assert!(e.to_string().contains("optimizer.lr"), "{e}");
+        assert!(Config::parse("[cluster]\nservers=[\"a:1\"]\n[compression]\nscheme=\"q3\"\n", Path::new("/")).is_err());
+    }
 }

@@ -167,6 +167,19 @@ impl Layout {
     }
 }
 
+/// The layout of a fully connected network with layer widths `dims` (input first, classes last): for each layer k
+/// (1-based) `fck.weight` `[in, out]` (He-uniform, bound √(6/in)) then `fck.bias` `[out]` (zeros). With two widths it
+/// is multinomial logistic regression. Servers and workers both build the model's layout from this function.
+pub fn mlp_layout(dims: &[usize]) -> Layout {
+    let mut specs = Vec::with_capacity(2 * dims.len().saturating_sub(1));
+    for (k, w) in dims.windows(2).enumerate() {
+        let bound = (6.0 / w[0] as f64).sqrt() as f32;
+        specs.push(TensorSpec::new(format!("fc{}.weight", k + 1), &[w[0], w[1]], Init::Uniform { bound }));
+        specs.push(TensorSpec::new(format!("fc{}.bias", k + 1), &[w[1]], Init::Zeros));
+    }
+    Layout::new(specs)
+}
+
 /// Balanced contiguous split of `total` elements: shard `shard` of `shards` (the first `total % shards` get one more).
 pub fn shard_range(total: usize, shard: usize, shards: usize) -> Range<usize> {
     assert!(

@@ -230,6 +230,29 @@ impl ClockTable {
         }
     }
 
+    /// Raises a live worker's clock to `clock` (never lowers it): a worker announcing its clock after a server
+    /// restart, or after refusing to push a round. Unknown or evicted workers are joined first.
+    pub fn raise(&mut self, worker: u32, clock: u64, now_ms: u64) {
+        self.join(worker, now_ms);
+        if let Some(row) = self.rows.get_mut(&worker) {
+            row.clock = row.clock.max(clock);
+        }
+        self.recompute_min();
+    }
+
+    /// Restores a worker's clock from a checkpoint manifest: the worker is live as of `now_ms` at `clock`, so a
+    /// restarted shard waits for it (up to the timeout) exactly as before the crash.
+    pub fn restore(&mut self, worker: u32, clock: u64, now_ms: u64) {
+        let row = self.rows.entry(worker).or_insert(Row { clock, last_seen: now_ms, live: false });
+        row.clock = clock;
+        row.last_seen = now_ms;
+        if !row.live {
+            row.live = true;
+            self.live += 1;
+        }
+        self.recompute_min();
+    }
+
     fn recompute_min(&mut self) {
         if let Some(m) = self
             .rows
@@ -391,6 +414,18 @@ impl StalenessHistogram {
             sum: 0,
             max: 0,
         }
+    }
+
+    /// The buckets in run-report form (`hi = None` for the open last bucket).
+    pub fn report_buckets(&self) -> Vec<tether_common::report::HistogramBucket> {
+        self.buckets
+            .iter()
+            .map(|b| tether_common::report::HistogramBucket {
+                lo: b.lower,
+                hi: (b.upper != u64::MAX).then_some(b.upper),
+                count: b.count,
+            })
+            .collect()
     }
 
     /// Counts one observation.

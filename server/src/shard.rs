@@ -86,12 +86,12 @@ pub enum ShardError {
 impl From<ClockError> for ShardError {
     fn from(e: ClockError) -> Self {
         match e {
-            ClockError::UnknownWorker(w) | ClockError::Evicted(w) => ShardError::NotMember(w),
-            ClockError::NotNext { worker, current, found } => {
-                if found <= current {
-                    ShardError::Replay { worker, expected: current, found }
+            ClockError::UnknownWorker { worker } | ClockError::Evicted { worker } => ShardError::NotMember(worker),
+            ClockError::NotNext { worker, expected, got } => {
+                if got < expected {
+                    ShardError::Replay { worker, expected: expected.saturating_sub(1), found: got.saturating_sub(1) }
                 } else {
-                    ShardError::ClockFromFuture { worker, expected: current, found }
+                    ShardError::ClockFromFuture { worker, expected: expected.saturating_sub(1), found: got.saturating_sub(1) }
                 }
             }
         }
@@ -159,6 +159,8 @@ pub struct ShardStats {
     pub staleness: StalenessHistogram,
     /// Largest clock lead at a pull answer.
     pub max_lead: u64,
+    /// Workers that finished and left.
+    pub left: u64,
 }
 
 impl ShardStats {
@@ -302,9 +304,20 @@ impl ShardCore {
         self.clocks.join(worker, now_ms)
     }
 
+    /// A worker (re)joins claiming it is at `clock` (after a server restart it may be ahead of the restored table);
+    /// its clock becomes the larger of the two. Returns its clock.
+    pub fn join_at(&mut self, worker: u32, clock: u64, now_ms: u64) -> u64 {
+        let joined = self.clocks.join(worker, now_ms);
+        if clock > joined {
+            self.clocks.raise(worker, clock, now_ms);
+        }
+        self.clocks.clock_of(worker).unwrap_or(joined)
+    }
+
     /// A worker leaves cleanly (it finished): nobody waits on it any more.
     pub fn leave(&mut self, worker: u32) {
         self.clocks.leave(worker);
+        self.stats.left += 1;
     }
 
     /// A worker is alive.
@@ -335,13 +348,20 @@ impl ShardCore {
         Ok(())
     }
 
-    /// Validates, decodes and applies one push; on error nothing but the rejection counters changes.
+    /// Validates, decodes and applies one push. On error the weights, optimizer state and version are untouched;
+    /// only for a well-addressed push whose values are refused by the numerical guard (non-finite, norm spike) does
+    /// the worker's clock still advance, so a worker is never stuck behind its own refused round.
     pub fn apply(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
         self.stats.wire_bytes += push.payload.len() as u64;
         self.stats.fp32_bytes += 4 * (self.range.end - self.range.start);
         let r = self.validate_and_decode(push);
         let applied = match r {
             Ok(()) => self.commit(push, now_ms),
+            Err(e @ (ShardError::NonFinite(_) | ShardError::NormSpike { .. })) => {
+                // The clock was validated before decoding, so this advance cannot fail.
+                let _ = self.clocks.advance(push.worker, push.clock + 1, now_ms);
+                Err(e)
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = &applied {
@@ -415,7 +435,7 @@ impl ShardCore {
             range: (self.range.start, self.range.end),
             version: self.version,
             opt_steps: self.optimizer.steps(),
-            clocks: self.clocks.clocks(),
+            clocks: self.clocks.clocks().collect(),
             weights: self.weights.clone(),
             slots: self.optimizer.slots().to_vec(),
         }

@@ -1,0 +1,291 @@
+//! The main job: train an MLP on Fashion-MNIST (or the embedded digits set when it is not installed) with M shards
+//! and N workers in one process, talking over loopback QUIC with mutual TLS, 4-bit gradients with error feedback and
+//! bounded staleness. Shows progress, ends with a summary table, optionally writes the JSON report and a PNG plot.
+//!
+//! `cargo run --release --example quickstart -- --help`
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio::sync::mpsc;
+
+use tether::common::codec::Scheme;
+use tether::common::config::{Config, DatasetKind, OptimizerKind, Staleness};
+use tether::common::report::RunReport;
+use tether::{loopback_servers, LocalCluster};
+
+/// Train on a local Tether cluster (M shards, N workers, loopback QUIC + mTLS).
+#[derive(Parser, Debug)]
+#[command(name = "quickstart")]
+struct Args {
+    /// Number of workers.
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// Number of parameter shards.
+    #[arg(long, default_value_t = 2)]
+    shards: usize,
+    /// Staleness bound: 0 = BSP, N = SSP, inf = fully asynchronous.
+    #[arg(long, default_value = "3")]
+    staleness: Staleness,
+    /// Gradient compression: none | fp16 | bf16 | q8 | q4 | q2.
+    #[arg(long, default_value = "q4")]
+    compression: Scheme,
+    /// Disable error feedback.
+    #[arg(long)]
+    no_error_feedback: bool,
+    /// zstd over the packed gradients.
+    #[arg(long)]
+    zstd: bool,
+    /// Epochs (passes over each worker's partition).
+    #[arg(long, default_value_t = 10)]
+    epochs: u32,
+    /// Dataset: fashion-mnist | digits | idx | csv | libsvm.
+    #[arg(long, default_value = "fashion-mnist")]
+    dataset: DatasetKind,
+    /// Dataset directory or file (default: /usr/share/datasets/fashion-mnist).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Optimizer: sgd | momentum | nesterov | adam | adamw | adagrad.
+    #[arg(long, default_value = "adam")]
+    optimizer: String,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f32,
+    /// Per-worker batch size.
+    #[arg(long, default_value_t = 128)]
+    batch: usize,
+    /// Hidden layer widths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,128")]
+    hidden: Vec<usize>,
+    /// Evaluate every this many steps of worker 0.
+    #[arg(long, default_value_t = 100)]
+    eval_every: u64,
+    /// Seed of the initial weights.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Write the JSON run report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Write a PNG of loss and accuracy over time here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Working directory for certificates and checkpoints (default: a temporary directory).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut cfg = Config::with_servers(loopback_servers(args.shards.max(1)));
+    cfg.cluster.workers = args.workers.max(1);
+    cfg.cluster.staleness = args.staleness;
+    cfg.compression.scheme = args.compression;
+    cfg.compression.error_feedback = !args.no_error_feedback;
+    cfg.compression.zstd = args.zstd;
+    cfg.train.epochs = args.epochs;
+    cfg.train.batch = args.batch;
+    cfg.train.eval_every = args.eval_every;
+    cfg.model.hidden = args.hidden.clone();
+    cfg.model.seed = args.seed;
+    cfg.data.dataset = args.dataset;
+    if let Some(d) = &args.data_dir {
+        cfg.data.path = d.clone();
+    } else if args.dataset == DatasetKind::Digits {
+        cfg.data.path = PathBuf::new();
+    }
+    cfg.optimizer.kind = parse_optimizer(&args.optimizer)?;
+    cfg.optimizer.lr = args.lr;
+    cfg.checkpoint.every_updates = 0;
+    cfg.validate()?;
+
+    let tmp = tempfile::tempdir().context("cannot create a temporary directory")?;
+    let work_dir = args.work_dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&work_dir).with_context(|| format!("cannot create {}", work_dir.display()))?;
+
+    println!(
+        "Tether quickstart: {} workers, {} shards, staleness {}, compression {}{}, {} epochs",
+        cfg.cluster.workers,
+        cfg.cluster.servers.len(),
+        cfg.cluster.staleness,
+        cfg.compression.scheme,
+        if cfg.compression.error_feedback { " + error feedback" } else { "" },
+        cfg.train.epochs
+    );
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut cluster = LocalCluster::new(cfg.clone(), work_dir);
+    cluster.progress = Some(tx);
+    let ui = std::thread::spawn(move || show_progress(rx));
+    let report = cluster.run();
+    let _ = ui.join();
+    let report = report?;
+    for n in &report.notes {
+        println!("note: {n}");
+    }
+    print_summary(&report);
+    if let Some(p) = &args.report {
+        report.write_json(p).with_context(|| format!("cannot write {}", p.display()))?;
+        println!("report: {}", p.display());
+    }
+    if let Some(p) = &args.plot {
+        plot(&report, p).with_context(|| format!("cannot write {}", p.display()))?;
+        println!("plot: {}", p.display());
+    }
+    Ok(())
+}
+
+fn parse_optimizer(s: &str) -> Result<OptimizerKind> {
+    Ok(match s {
+        "sgd" => OptimizerKind::Sgd,
+        "momentum" => OptimizerKind::Momentum,
+        "nesterov" => OptimizerKind::Nesterov,
+        "adam" => OptimizerKind::Adam,
+        "adamw" => OptimizerKind::Adamw,
+        "adagrad" => OptimizerKind::Adagrad,
+        o => anyhow::bail!("unknown optimizer {o:?} (sgd|momentum|nesterov|adam|adamw|adagrad)"),
+    })
+}
+
+fn show_progress(mut rx: mpsc::UnboundedReceiver<tether::worker::trainer::Progress>) {
+    let tty = std::io::stderr().is_terminal();
+    let mut totals: HashMap<u32, u64> = HashMap::new();
+    let mut done = 0u64;
+    let (mut wire, mut fp32) = (0u64, 0u64);
+    let mut loss_ema: Option<f32> = None;
+    let mut acc: Option<f32> = None;
+    let started = Instant::now();
+    let mut last_line = Instant::now();
+    let bar = tty.then(|| {
+        let b = ProgressBar::new(0);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps {per_sec} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b
+    });
+    while let Some(p) = rx.blocking_recv() {
+        if totals.insert(p.rank, p.total).is_none() {
+            if let Some(b) = &bar {
+                b.set_length(totals.values().sum());
+            }
+        }
+        done += 1;
+        wire += p.wire_bytes;
+        fp32 += p.fp32_bytes;
+        if p.loss.is_finite() {
+            loss_ema = Some(loss_ema.map_or(p.loss, |l| 0.95 * l + 0.05 * p.loss));
+        }
+        if p.accuracy.is_some() {
+            acc = p.accuracy;
+        }
+        let ratio = if wire > 0 { fp32 as f64 / wire as f64 } else { 0.0 };
+        let msg = format!(
+            "loss {:.4}  acc {}  compression {:.1}x",
+            loss_ema.unwrap_or(f32::NAN),
+            acc.map_or("-".to_string(), |a| format!("{a:.4}")),
+            ratio
+        );
+        match &bar {
+            Some(b) => {
+                b.set_position(done);
+                b.set_message(msg);
+            }
+            None if last_line.elapsed().as_secs() >= 5 => {
+                last_line = Instant::now();
+                let total: u64 = totals.values().sum();
+                eprintln!(
+                    "[{:6.1}s] step {done}/{total} ({:.0} steps/s)  {msg}",
+                    started.elapsed().as_secs_f64(),
+                    done as f64 / started.elapsed().as_secs_f64()
+                );
+            }
+            None => {}
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+}
+
+fn print_summary(r: &RunReport) {
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let rows = [
+        ("dataset", r.dataset.clone()),
+        ("model", format!("{} ({} params)", r.model, r.params)),
+        ("workers x shards", format!("{} x {}", r.workers, r.shards)),
+        ("staleness bound", r.staleness_bound.clone()),
+        ("compression", r.compression.clone()),
+        ("steps (all workers)", r.steps.to_string()),
+        ("wall time", format!("{:.1} s", r.wall_seconds)),
+        ("final train loss", format!("{:.4}", r.final_train_loss)),
+        ("final test accuracy", format!("{:.4}", r.final_test_accuracy)),
+        (
+            "pushed: wire vs fp32",
+            format!(
+                "{:.1} MiB vs {:.1} MiB ({:.1}x fewer)",
+                mib(r.wire_bytes_pushed),
+                mib(r.fp32_bytes_pushed),
+                1.0 / r.push_ratio().max(1e-12)
+            ),
+        ),
+        ("pulled", format!("{:.1} MiB", mib(r.wire_bytes_pulled))),
+        ("updates applied / rejected", format!("{} / {}", r.updates_applied, r.updates_rejected)),
+        ("max clock lead (bound)", format!("{} ({})", r.max_clock_lead_observed, r.staleness_bound)),
+        ("max staleness (updates)", r.max_staleness_observed.to_string()),
+    ];
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    println!("\n{:-<1$}", "", w + 40);
+    for (k, v) in rows {
+        println!("{k:<w$}  {v}");
+    }
+    println!("{:-<1$}", "", w + 40);
+}
+
+fn plot(r: &RunReport, path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let font = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"].iter().find_map(|p| std::fs::read(p).ok());
+    let has_font = match font {
+        Some(bytes) => {
+            let leaked: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            plotters::style::register_font("sans-serif", FontStyle::Normal, leaked).is_ok()
+        }
+        None => false,
+    };
+    let root = BitMapBackend::new(path, (1000, 420)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (left, right) = root.split_horizontally(500);
+    let tmax = r.loss_curve.iter().map(|p| p.1).chain(r.accuracy_curve.iter().map(|p| p.1)).fold(1e-3, f64::max);
+    let lmax = r.loss_curve.iter().map(|p| p.2).filter(|l| l.is_finite()).fold(0.1, f64::max);
+    let mut loss = ChartBuilder::on(&left);
+    loss.margin(15);
+    if has_font {
+        loss.caption("training loss", ("sans-serif", 18)).x_label_area_size(30).y_label_area_size(45);
+    }
+    let mut loss = loss.build_cartesian_2d(0.0..tmax, 0.0..lmax)?;
+    if has_font {
+        loss.configure_mesh().x_desc("seconds").draw()?;
+    }
+    loss.draw_series(LineSeries::new(r.loss_curve.iter().map(|p| (p.1, p.2)), &BLUE))?;
+    let mut acc = ChartBuilder::on(&right);
+    acc.margin(15);
+    if has_font {
+        acc.caption("test accuracy", ("sans-serif", 18)).x_label_area_size(30).y_label_area_size(45);
+    }
+    let amin = r.accuracy_curve.iter().map(|p| p.2).fold(1.0, f64::min).min(0.5);
+    let mut acc = acc.build_cartesian_2d(0.0..tmax, amin..1.0)?;
+    if has_font {
+        acc.configure_mesh().x_desc("seconds").draw()?;
+    }
+    acc.draw_series(LineSeries::new(r.accuracy_curve.iter().map(|p| (p.1, p.2)), &RED))?;
+    acc.draw_series(r.accuracy_curve.iter().map(|p| Circle::new((p.1, p.2), 3, RED.filled())))?;
+    root.present()?;
+    Ok(())
+}

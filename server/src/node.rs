@@ -1,0 +1,236 @@
+//! A running shard server: builds the `ShardCore` from the configuration (resuming from the newest verified
+//! checkpoint when asked), starts its `ShardActor` on an Arbiter, binds the mutual-TLS QUIC endpoint and spawns one
+//! session task per connection. Used by the `tether-server` binary and by `tether::LocalCluster`.
+//! Must be called inside an actix `System` running on a multi-threaded tokio runtime.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use actix::{Addr, Arbiter};
+use tokio::sync::Semaphore;
+use tracing::{info, warn};
+
+use tether_common::codec::max_encoded_len;
+use tether_common::config::{Config, ConfigError};
+use tether_common::metrics::ServerMetrics;
+use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
+use tether_common::protocol::{ErrorCode, FrameLimits};
+use tether_common::report::{HistogramBucket, RunReport};
+
+use crate::actor::{CheckpointNow, GetStats, ShardActor};
+use crate::checkpoint::{CheckpointError, CheckpointStore};
+use crate::session::{serve_connection, SessionContext};
+use crate::shard::{ShardCore, ShardSpec, ShardStats};
+
+/// At most this many connections are served at once per shard; more wait in the accept queue.
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// Errors starting or stopping a shard server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Certificates or the endpoint could not be set up.
+    #[error(transparent)]
+    Net(#[from] NetError),
+    /// Resuming from a checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The shard index is not in `cluster.servers`, or an address does not parse.
+    #[error("{0}")]
+    Address(String),
+    /// Restoring optimizer state failed.
+    #[error("cannot restore optimizer state: {0}")]
+    Restore(String),
+    /// The shard actor stopped.
+    #[error("shard actor is gone")]
+    ActorGone,
+}
+
+/// How to start one shard.
+#[derive(Clone, Default)]
+pub struct ShardOptions {
+    /// Shard index K (listens on `cluster.servers[K]` unless `listen` is set).
+    pub shard: u32,
+    /// Listen address override.
+    pub listen: Option<SocketAddr>,
+    /// Load the newest verified checkpoint before serving.
+    pub resume: bool,
+    /// TLS material override (default: `cluster.tls_dir`, stem `server`).
+    pub tls: Option<TlsFiles>,
+    /// Metrics to record into.
+    pub metrics: Option<ServerMetrics>,
+    /// Spike-guard factor (0 = off).
+    pub spike_factor: f32,
+}
+
+/// A shard that is serving.
+pub struct RunningShard {
+    /// The shard actor.
+    pub actor: Addr<ShardActor>,
+    /// The bound UDP address.
+    pub local_addr: SocketAddr,
+    /// Version restored from a checkpoint, if resumed.
+    pub resumed_from: Option<u64>,
+    shard: u32,
+    endpoint: quinn::Endpoint,
+    arbiter: Arbiter,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+/// Parses `host:port` (resolving names) into a socket address.
+pub fn resolve(addr: &str) -> Result<SocketAddr, ServerError> {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()
+        .map_err(|e| ServerError::Address(format!("cannot resolve {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| ServerError::Address(format!("{addr:?} resolves to no address")))
+}
+
+/// Frame limits for a shard of `range_len` parameters under the configured codec.
+pub fn frame_limits(cfg: &Config, range_len: usize) -> FrameLimits {
+    FrameLimits::for_shard(range_len as u64, max_encoded_len(&cfg.compression.codec(), range_len))
+}
+
+/// Starts shard `opts.shard` of `cfg`.
+pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShard, ServerError> {
+    let shards = cfg.cluster.servers.len() as u32;
+    if opts.shard >= shards {
+        return Err(ServerError::Address(format!(
+            "--shard {} but cluster.servers lists {shards} server(s)",
+            opts.shard
+        )));
+    }
+    let listen = match opts.listen {
+        Some(a) => a,
+        None => resolve(&cfg.cluster.servers[opts.shard as usize])?,
+    };
+    let layout = cfg.layout()?;
+    let spec = ShardSpec {
+        shard: opts.shard,
+        shards,
+        seed: cfg.model.seed,
+        optimizer: cfg.optimizer.clone(),
+        staleness: cfg.cluster.staleness,
+        worker_timeout_ms: cfg.cluster.worker_timeout_ms,
+        spike_factor: opts.spike_factor,
+    };
+    let mut core = ShardCore::new(&layout, &spec);
+    let store = CheckpointStore::new(cfg.checkpoint.dir.join(format!("shard-{}", opts.shard)), cfg.checkpoint.keep);
+    let mut resumed_from = None;
+    if opts.resume {
+        let r = core.range();
+        match store.load_latest(layout.hash(), opts.shard, (r.start, r.end))? {
+            Some((snap, skipped)) => {
+                for (path, why) in &skipped {
+                    warn!(shard = opts.shard, path = %path.display(), reason = %why, "skipped unusable checkpoint");
+                }
+                let v = snap.version;
+                core.restore(snap, 0).map_err(|e| ServerError::Restore(e.to_string()))?;
+                info!(shard = opts.shard, version = v, "resumed from checkpoint");
+                resumed_from = Some(v);
+            }
+            None => info!(shard = opts.shard, "no checkpoint to resume from; starting fresh"),
+        }
+    }
+    let tls = match opts.tls {
+        Some(t) => t,
+        None => TlsFiles::load(&cfg.cluster.tls_dir, "server")?,
+    };
+    let range = core.range();
+    let limits = frame_limits(cfg, (range.end - range.start) as usize);
+    let tuning = TransportTuning::default().sized_for(&limits);
+    let endpoint = server_endpoint(listen, &tls, &tuning)?;
+    let local_addr = endpoint.local_addr().map_err(|source| NetError::Bind { addr: listen, source })?;
+    let layout_hash = core.layout_hash();
+    let actor = ShardActor::new(
+        core,
+        Some(store),
+        cfg.checkpoint.every_updates,
+        cfg.cluster.worker_timeout_ms,
+        opts.metrics.clone(),
+    );
+    let (addr, arbiter) = actor.start_on_own_arbiter();
+    let ctx = Arc::new(SessionContext {
+        shard_actor: addr.clone(),
+        shard: opts.shard,
+        range: (range.start, range.end),
+        layout_hash,
+        staleness: cfg.cluster.staleness.bound(),
+        limits,
+    });
+    let ep = endpoint.clone();
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let accept = tokio::spawn(async move {
+        while let Some(incoming) = ep.accept().await {
+            let Ok(permit) = permits.clone().acquire_owned().await else { break };
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                serve_connection(incoming, ctx).await;
+                drop(permit);
+            });
+        }
+    });
+    info!(shard = opts.shard, %local_addr, range = ?(range.start, range.end), "shard serving");
+    Ok(RunningShard { actor: addr, local_addr, resumed_from, shard: opts.shard, endpoint, arbiter, accept })
+}
+
+impl RunningShard {
+    /// Version, counters and live workers of the shard.
+    pub async fn stats(&self) -> Result<(u64, ShardStats, usize), ServerError> {
+        self.actor.send(GetStats).await.map_err(|_| ServerError::ActorGone)
+    }
+
+    /// Stops accepting, closes every connection, optionally writes a final checkpoint, and stops the actor.
+    /// Returns the final version and counters.
+    pub async fn shutdown(self, final_checkpoint: bool) -> Result<(u64, ShardStats), ServerError> {
+        self.accept.abort();
+        self.endpoint.close(ErrorCode::Shutdown.close_code(), b"server shutting down");
+        if final_checkpoint {
+            match self.actor.send(CheckpointNow).await {
+                Ok(Ok(Some(v))) => info!(shard = self.shard, version = v, "final checkpoint written"),
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) => warn!(shard = self.shard, error = %e, "final checkpoint failed"),
+                Err(_) => return Err(ServerError::ActorGone),
+            }
+        }
+        let (version, stats, _) = self.actor.send(GetStats).await.map_err(|_| ServerError::ActorGone)?;
+        self.arbiter.stop();
+        Ok((version, stats))
+    }
+
+    /// Closes every connection abruptly without a checkpoint (tests of crash recovery).
+    pub fn kill(self) {
+        self.accept.abort();
+        self.endpoint.close(ErrorCode::Shutdown.close_code(), b"killed");
+        self.arbiter.stop();
+    }
+}
+
+/// The shard's part of a run report.
+pub fn shard_report(cfg: &Config, stats: &ShardStats) -> RunReport {
+    RunReport {
+        dataset: cfg.data.dataset.to_string(),
+        model: format!("{:?}", cfg.model_dims().unwrap_or_default()),
+        params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
+        workers: cfg.cluster.workers,
+        shards: cfg.cluster.servers.len() as u32,
+        staleness_bound: cfg.cluster.staleness.to_string(),
+        compression: cfg.compression.scheme.to_string(),
+        updates_applied: stats.updates_applied,
+        updates_rejected: stats.rejected_total(),
+        wire_bytes_pushed: stats.wire_bytes,
+        fp32_bytes_pushed: stats.fp32_bytes,
+        wire_bytes_pulled: stats.pulled_bytes,
+        max_clock_lead_observed: stats.max_lead,
+        max_staleness_observed: stats.staleness.max(),
+        staleness_histogram: histogram_buckets(stats),
+        ..RunReport::default()
+    }
+}
+
+/// The staleness histogram in report form.
+pub fn histogram_buckets(stats: &ShardStats) -> Vec<HistogramBucket> {
+    stats.staleness.report_buckets()
+}

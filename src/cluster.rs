@@ -1,0 +1,283 @@
+//! `LocalCluster`: a whole Tether cluster in one process — M shard servers and N workers talking over loopback QUIC
+//! with mutual TLS and freshly generated certificates — run to completion, returning the run report. It is what the
+//! quickstart and the end-to-end tests run, and how an application embeds Tether.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tracing::info;
+
+use tether_common::config::Config;
+use tether_common::net::TlsFiles;
+use tether_common::report::RunReport;
+use tether_server::actor::GetWeights;
+use tether_server::node::{start_shard, RunningShard, ShardOptions};
+use tether_server::shard::ShardStats;
+use tether_worker::data::Dataset;
+use tether_worker::model;
+use tether_worker::step::GradientFault;
+use tether_worker::trainer::{load_data, prepare_worker, Progress, WorkerOptions, WorkerReport};
+
+/// Errors running a local cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// Bad configuration.
+    #[error(transparent)]
+    Config(#[from] tether_common::config::ConfigError),
+    /// Data could not be loaded.
+    #[error(transparent)]
+    Data(#[from] tether_worker::data::DataError),
+    /// Certificates could not be generated.
+    #[error(transparent)]
+    Pki(#[from] tether_common::pki::PkiError),
+    /// TLS files could not be loaded.
+    #[error(transparent)]
+    Net(#[from] tether_common::net::NetError),
+    /// A shard failed.
+    #[error(transparent)]
+    Server(#[from] tether_server::node::ServerError),
+    /// A worker failed.
+    #[error("worker {rank}: {source}")]
+    Worker {
+        /// Its rank.
+        rank: u32,
+        /// The cause.
+        source: tether_worker::trainer::WorkerError,
+    },
+    /// A task panicked or the runtime could not start.
+    #[error("runtime: {0}")]
+    Runtime(String),
+    /// I/O on the work directory.
+    #[error("work directory {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// A cluster of `config.cluster.servers.len()` shards and `config.cluster.workers` workers in this process.
+pub struct LocalCluster {
+    /// The configuration; `cluster.servers` only sets the shard count (shards bind ephemeral loopback ports).
+    pub config: Config,
+    /// Where certificates and checkpoints go.
+    pub work_dir: PathBuf,
+    /// Progress events of every worker.
+    pub progress: Option<mpsc::UnboundedSender<Progress>>,
+    /// Gradient faults to inject, per worker rank.
+    pub faults: Vec<(u32, GradientFault)>,
+    /// Extra per-step delay per worker rank (stragglers).
+    pub delays: Vec<(u32, Duration)>,
+    /// Spike-guard factor of the shards (0 = off).
+    pub spike_factor: f32,
+    /// Evaluate every `train.eval_every` steps on rank 0 (the final accuracy is always measured).
+    pub eval_during_training: bool,
+}
+
+/// Configuration for `shards` shards on loopback (ports are chosen when binding).
+pub fn loopback_servers(shards: usize) -> Vec<String> {
+    (0..shards).map(|_| "127.0.0.1:0".to_string()).collect()
+}
+
+impl LocalCluster {
+    /// A cluster for `config` working in `work_dir`.
+    pub fn new(config: Config, work_dir: PathBuf) -> Self {
+        Self {
+            config,
+            work_dir,
+            progress: None,
+            faults: Vec::new(),
+            delays: Vec::new(),
+            spike_factor: 0.0,
+            eval_during_training: true,
+        }
+    }
+
+    /// Runs to completion on a fresh actix System over a multi-threaded tokio runtime.
+    pub fn run(self) -> Result<RunReport, ClusterError> {
+        let rt = || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("cannot build a tokio runtime") // only fails when the OS refuses threads
+        };
+        actix_rt::System::with_tokio_rt(rt).block_on(self.run_in_system())
+    }
+
+    /// Runs to completion; call from inside an actix System whose tokio runtime is multi-threaded.
+    pub async fn run_in_system(self) -> Result<RunReport, ClusterError> {
+        let mut cfg = self.config.clone();
+        let started = Instant::now();
+        let (train, test, note) = load_data(&mut cfg)?;
+        if let Some(n) = &note {
+            info!("{n}");
+        }
+        let (train, test) = (Arc::new(train), Arc::new(test));
+        let certs = self.work_dir.join("certs");
+        let workers = cfg.cluster.workers;
+        tether_common::pki::generate(&certs, &["localhost".to_string()], Some(workers))?;
+        cfg.cluster.tls_dir = certs.clone();
+        if cfg.checkpoint.dir.is_relative() {
+            cfg.checkpoint.dir = self.work_dir.join(&cfg.checkpoint.dir);
+        }
+        let shards_n = cfg.cluster.servers.len();
+        let mut shards: Vec<RunningShard> = Vec::with_capacity(shards_n);
+        for k in 0..shards_n {
+            let listen: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
+            let opts = ShardOptions {
+                shard: k as u32,
+                listen: Some(listen),
+                resume: false,
+                tls: None,
+                metrics: None,
+                spike_factor: self.spike_factor,
+            };
+            shards.push(start_shard(&cfg, opts).await?);
+        }
+        let servers: Vec<SocketAddr> = shards.iter().map(|s| s.local_addr).collect();
+        cfg.cluster.servers = servers.iter().map(|a| a.to_string()).collect();
+        let mut tasks = Vec::new();
+        for rank in 0..workers {
+            let opts = WorkerOptions {
+                rank,
+                config: cfg.clone(),
+                servers: servers.clone(),
+                server_names: vec!["localhost".to_string(); shards_n],
+                tls: TlsFiles::load_worker(&certs, rank)?,
+                train: train.clone(),
+                test: (rank == 0 && self.eval_during_training).then(|| test.clone()),
+                progress: self.progress.clone(),
+                faults: self.faults.iter().filter(|(r, _)| *r == rank).map(|(_, f)| *f).collect(),
+                metrics: None,
+                reconnect_deadline: Duration::from_secs(30),
+                step_delay: self.delays.iter().find(|(r, _)| *r == rank).map(|(_, d)| *d).unwrap_or_default(),
+            };
+            let prepared = prepare_worker(opts).map_err(|source| ClusterError::Worker { rank, source })?;
+            tasks.push((rank, tokio::spawn(prepared.run())));
+        }
+        let mut reports = Vec::with_capacity(tasks.len());
+        let mut first_error = None;
+        for (rank, t) in tasks {
+            match t.await {
+                Ok(Ok(r)) => reports.push(r),
+                Ok(Err(source)) => {
+                    first_error.get_or_insert(ClusterError::Worker { rank, source });
+                }
+                Err(e) => {
+                    first_error.get_or_insert(ClusterError::Runtime(format!("worker {rank} task: {e}")));
+                }
+            }
+        }
+        // Final model straight from the shards, then the shards' counters.
+        let mut params = Vec::new();
+        for s in &shards {
+            let (_, w) = s.actor.send(GetWeights).await.map_err(|_| ClusterError::Runtime("shard gone".into()))?;
+            params.extend_from_slice(&w);
+        }
+        let mut shard_stats = Vec::with_capacity(shards.len());
+        for s in shards {
+            let (_, stats) = s.shutdown(false).await?;
+            shard_stats.push(stats);
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        let eval_cfg = cfg.clone();
+        let test_eval = test.clone();
+        let (accuracy, test_loss) = tokio::task::spawn_blocking(move || {
+            let (f, c) = eval_cfg.model_io().unwrap_or((test_eval.features, test_eval.classes));
+            let mut m = model::build(&eval_cfg.model, f, c);
+            let acc = model::accuracy(m.as_mut(), &params, &test_eval.x, &test_eval.y, 1000);
+            let loss = model::mean_loss(m.as_mut(), &params, &test_eval.x, &test_eval.y, 1000);
+            (acc, loss)
+        })
+        .await
+        .map_err(|e| ClusterError::Runtime(e.to_string()))?;
+        let wall = started.elapsed().as_secs_f64();
+        let mut report = build_report(&cfg, &reports, &shard_stats, wall, f64::from(accuracy));
+        if let Some(n) = note {
+            report.notes.push(n);
+        }
+        report.notes.push(format!("final test loss {test_loss:.4}"));
+        Ok(report)
+    }
+}
+
+/// Merges worker and shard reports into the run report.
+pub fn build_report(
+    cfg: &Config,
+    workers: &[WorkerReport],
+    shards: &[ShardStats],
+    wall_seconds: f64,
+    final_test_accuracy: f64,
+) -> RunReport {
+    let dims = cfg.model_dims().unwrap_or_default();
+    let dims_s: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+    let mut loss_curve: Vec<(u64, f64, f64)> = Vec::new();
+    // Training loss over time: mean over workers of the loss of each worker's step k, stamped with the latest time.
+    let max_steps = workers.iter().map(|w| w.loss_curve.len()).max().unwrap_or(0);
+    for k in 0..max_steps {
+        let pts: Vec<&(u64, f64, f64)> = workers.iter().filter_map(|w| w.loss_curve.get(k)).collect();
+        let loss = pts.iter().map(|p| p.2).sum::<f64>() / pts.len() as f64;
+        let secs = pts.iter().map(|p| p.1).fold(0.0, f64::max);
+        let step = pts.iter().map(|p| p.0).sum::<u64>();
+        loss_curve.push((step, secs, loss));
+    }
+    let tail = loss_curve.len().saturating_sub(20);
+    let final_train_loss = if loss_curve.is_empty() {
+        f64::NAN
+    } else {
+        loss_curve[tail..].iter().map(|p| p.2).sum::<f64>() / (loss_curve.len() - tail) as f64
+    };
+    let mut hist = tether_server::clock::StalenessHistogram::default();
+    for s in shards {
+        hist.merge(&s.staleness);
+    }
+    let workers_n = workers.len() as u64;
+    let accuracy_curve = workers
+        .iter()
+        .find(|w| !w.accuracy_curve.is_empty())
+        .map(|w| w.accuracy_curve.iter().map(|&(s, t, a)| (s * workers_n.max(1), t, a)).collect())
+        .unwrap_or_default();
+    RunReport {
+        dataset: cfg.data.dataset.to_string(),
+        model: format!("{:?} {}", cfg.model.kind, dims_s.join("-")).to_lowercase(),
+        params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
+        workers: cfg.cluster.workers,
+        shards: cfg.cluster.servers.len() as u32,
+        staleness_bound: cfg.cluster.staleness.to_string(),
+        compression: cfg.compression.scheme.to_string(),
+        steps: workers.iter().map(|w| w.steps).sum(),
+        epochs: cfg.train.epochs,
+        wall_seconds,
+        final_train_loss,
+        final_test_accuracy,
+        wire_bytes_pushed: workers.iter().map(|w| w.wire_bytes_pushed).sum(),
+        fp32_bytes_pushed: workers.iter().map(|w| w.fp32_bytes_pushed).sum(),
+        wire_bytes_pulled: workers.iter().map(|w| w.wire_bytes_pulled).sum(),
+        updates_applied: shards.iter().map(|s| s.updates_applied).sum(),
+        updates_rejected: shards.iter().map(ShardStats::rejected_total).sum(),
+        max_clock_lead_observed: shards
+            .iter()
+            .map(|s| s.max_lead)
+            .chain(workers.iter().map(|w| w.max_clock_lead))
+            .max()
+            .unwrap_or(0),
+        max_staleness_observed: hist.max(),
+        staleness_histogram: hist.report_buckets(),
+        loss_curve,
+        accuracy_curve,
+        nonfinite_skipped: workers.iter().map(|w| w.nonfinite_skipped).sum(),
+        notes: Vec::new(),
+    }
+}
+
+/// The dataset a config trains on, with the digits fallback applied (for callers that want to look first).
+pub fn dataset_for(cfg: &mut Config) -> Result<(Dataset, Dataset, Option<String>), ClusterError> {
+    Ok(load_data(cfg)?)
+}

@@ -1,0 +1,164 @@
+//! `tether-worker`: one training worker of a Tether cluster. Reads `cluster.toml`, loads its partition of the data,
+//! connects to every shard over mutual-TLS QUIC and trains; rank 0 evaluates on the test set. Exit code 0 on success,
+//! non-zero with a one-line cause on stderr otherwise.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use prometheus_client::registry::Registry;
+use tracing::info;
+
+use tether_common::config::Config;
+use tether_common::metrics::{self, WorkerMetrics};
+use tether_common::net::TlsFiles;
+use tether_common::report::RunReport;
+use tether_worker::step::GradientFault;
+use tether_worker::trainer::{load_data, prepare_worker, WorkerOptions};
+
+/// Run one Tether training worker.
+#[derive(Parser, Debug)]
+#[command(name = "tether-worker", version)]
+struct Cli {
+    /// Cluster configuration file (cluster.toml).
+    #[arg(long)]
+    config: PathBuf,
+    /// This worker's rank, 0..cluster.workers.
+    #[arg(long)]
+    rank: u32,
+    /// Compute device: cpu (cuda:N needs a build with the `cuda` feature and a GPU).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Write this worker's JSON run report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// Evaluate on the test set (default: only rank 0 does).
+    #[arg(long)]
+    eval: Option<bool>,
+    /// Give up when a shard stays unreachable this many seconds.
+    #[arg(long, default_value_t = 60)]
+    reconnect_deadline_s: u64,
+    /// Sleep this many milliseconds after each step (simulate a straggler).
+    #[arg(long, default_value_t = 0)]
+    step_delay_ms: u64,
+    /// Fault injection for tests: `nan@STEP` or `scale@STEP:FACTOR` (repeatable).
+    #[arg(long)]
+    inject: Vec<String>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run() {
+        eprintln!("tether-worker: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn parse_fault(s: &str) -> Result<GradientFault> {
+    if let Some(step) = s.strip_prefix("nan@") {
+        return Ok(GradientFault::NanAt(step.parse().context("nan@STEP")?));
+    }
+    if let Some(rest) = s.strip_prefix("scale@") {
+        let (step, k) = rest.split_once(':').context("scale@STEP:FACTOR")?;
+        return Ok(GradientFault::ScaleAt(step.parse()?, k.parse()?));
+    }
+    bail!("unknown fault {s:?} (nan@STEP | scale@STEP:FACTOR)")
+}
+
+fn run() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.device.as_str() {
+        "cpu" => {}
+        d if d.starts_with("cuda") => {
+            bail!("device {d}: this build has no CUDA backend; use --device cpu")
+        }
+        d => bail!("unknown device {d:?} (cpu | cuda:N)"),
+    }
+    let mut cfg = Config::load(&cli.config)?;
+    if cli.rank >= cfg.cluster.workers {
+        bail!("--rank {} but cluster.workers is {}", cli.rank, cfg.cluster.workers);
+    }
+    let faults = cli.inject.iter().map(|s| parse_fault(s)).collect::<Result<Vec<_>>>()?;
+    let (train, test, note) = load_data(&mut cfg)?;
+    if let Some(n) = &note {
+        eprintln!("note: {n}");
+    }
+    let mut servers = Vec::new();
+    let mut names = Vec::new();
+    for s in &cfg.cluster.servers {
+        servers.push(tether_server_resolve(s)?);
+        names.push(s.rsplit_once(':').map_or(s.as_str(), |(h, _)| h).trim_matches(['[', ']']).to_string());
+    }
+    let tls = TlsFiles::load_worker(&cfg.cluster.tls_dir, cli.rank)?;
+    let evaluate = cli.eval.unwrap_or(cli.rank == 0);
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("cannot build the tokio runtime") // startup: no runtime, nothing to do
+    };
+    let report_path = cli.report.clone();
+    let metrics_addr = cli.metrics;
+    actix_rt::System::with_tokio_rt(runtime).block_on(async move {
+        let mut registry = Registry::default();
+        let worker_metrics = WorkerMetrics::register(&mut registry);
+        if let Some(addr) = metrics_addr {
+            let (bound, _task) = metrics::serve(addr, Arc::new(registry))
+                .await
+                .with_context(|| format!("cannot serve metrics on {addr}"))?;
+            info!(%bound, "metrics at http://{bound}/metrics");
+        }
+        let opts = WorkerOptions {
+            rank: cli.rank,
+            config: cfg.clone(),
+            servers,
+            server_names: names,
+            tls,
+            train: Arc::new(train),
+            test: evaluate.then(|| Arc::new(test)),
+            progress: None,
+            faults,
+            metrics: Some(worker_metrics),
+            reconnect_deadline: Duration::from_secs(cli.reconnect_deadline_s),
+            step_delay: Duration::from_millis(cli.step_delay_ms),
+        };
+        let prepared = prepare_worker(opts)?;
+        let r = tokio::spawn(prepared.run()).await.context("worker task panicked")??;
+        let final_acc = r.accuracy_curve.last().map_or(f64::NAN, |a| a.2);
+        println!(
+            "tether-worker rank {}: {} steps in {:.1} s, last loss {:.4}, test accuracy {}",
+            r.rank,
+            r.steps,
+            r.wall_seconds,
+            r.loss_curve.last().map_or(f64::NAN, |l| l.2),
+            if final_acc.is_nan() { "-".to_string() } else { format!("{final_acc:.4}") }
+        );
+        if let Some(path) = report_path {
+            let mut report: RunReport = tether_worker::trainer::worker_run_report(&cfg, &r);
+            if let Some(n) = note {
+                report.notes.push(n);
+            }
+            report.write_json(&path).with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        Ok(())
+    })
+}
+
+fn tether_server_resolve(addr: &str) -> Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()
+        .with_context(|| format!("cannot resolve server address {addr:?}"))?
+        .next()
+        .with_context(|| format!("{addr:?} resolves to no address"))
+}

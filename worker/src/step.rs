@@ -1,0 +1,118 @@
+//! `StepEngine`: one worker's training step as plain computation — gradient from the model, a finiteness check,
+//! clipping by global norm, then per-shard error feedback and encoding into codec frames. No I/O, no clocks: the
+//! seed of stochastic rounding is derived from (worker, step, shard), so a run is reproducible. Steady state is
+//! allocation-free: gradient, residuals and frame buffers are owned and reused.
+
+use std::ops::Range;
+
+use tether_common::codec::{seed_for, CodecConfig, CodecError, Encoder, ErrorFeedback};
+
+use crate::model::Model;
+
+/// A fault injected into computed gradients (fault-tolerance tests and demos).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GradientFault {
+    /// Replace one gradient value with NaN at this step.
+    NanAt(u64),
+    /// Multiply the gradient by this factor at this step.
+    ScaleAt(u64, f32),
+}
+
+/// What one computed step produced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Mean loss over the batch.
+    pub loss: f32,
+    /// Global gradient L2 norm before clipping.
+    pub grad_norm: f32,
+    /// Whether the gradient was finite (a non-finite one must not be pushed).
+    pub finite: bool,
+}
+
+/// The compute-and-encode half of a worker.
+pub struct StepEngine {
+    model: Box<dyn Model>,
+    rank: u32,
+    grad: Vec<f32>,
+    shards: Vec<Range<usize>>,
+    feedback: Option<Vec<ErrorFeedback>>,
+    encoder: Encoder,
+    clip_norm: f32,
+    faults: Vec<GradientFault>,
+}
+
+impl StepEngine {
+    /// An engine for `model` whose parameters are split into `shards` ranges.
+    pub fn new(
+        model: Box<dyn Model>,
+        rank: u32,
+        shards: Vec<Range<usize>>,
+        codec: CodecConfig,
+        error_feedback: bool,
+        clip_norm: f32,
+    ) -> Result<Self, CodecError> {
+        let len = model.layout().len();
+        let feedback = error_feedback.then(|| shards.iter().map(|r| ErrorFeedback::new(r.len())).collect());
+        Ok(Self {
+            model,
+            rank,
+            grad: vec![0.0; len],
+            shards,
+            feedback,
+            encoder: Encoder::new(codec)?,
+            clip_norm,
+            faults: Vec::new(),
+        })
+    }
+
+    /// Injects faults at given steps.
+    pub fn with_faults(mut self, faults: Vec<GradientFault>) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// The model.
+    pub fn model_mut(&mut self) -> &mut dyn Model {
+        self.model.as_mut()
+    }
+
+    /// The last computed (clipped) gradient.
+    pub fn grad(&self) -> &[f32] {
+        &self.grad
+    }
+
+    /// Computes loss and gradient at `params` on the batch, checks it is finite and clips it.
+    pub fn compute(&mut self, step: u64, params: &[f32], x: &[f32], y: &[u32]) -> StepOutcome {
+        let loss = self.model.loss_and_grad(params, x, y, &mut self.grad);
+        for f in &self.faults {
+            match *f {
+                GradientFault::NanAt(s) if s == step => self.grad[0] = f32::NAN,
+                GradientFault::ScaleAt(s, k) if s == step => self.grad.iter_mut().for_each(|g| *g *= k),
+                _ => {}
+            }
+        }
+        let sq: f64 = self.grad.iter().map(|g| f64::from(*g) * f64::from(*g)).sum();
+        let norm = sq.sqrt() as f32;
+        let finite = loss.is_finite() && norm.is_finite();
+        if finite && self.clip_norm > 0.0 && norm > self.clip_norm {
+            let k = self.clip_norm / norm;
+            self.grad.iter_mut().for_each(|g| *g *= k);
+        }
+        StepOutcome { loss, grad_norm: norm, finite }
+    }
+
+    /// Encodes the computed gradient's part for shard `k` (with error feedback when enabled) into `out`.
+    pub fn encode_shard(&mut self, k: usize, step: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+        let r = self.shards[k].clone();
+        let seed = seed_for(self.rank, step, k as u32);
+        match self.feedback.as_mut() {
+            Some(fb) => fb[k].encode(&mut self.encoder, &self.grad[r], seed, out),
+            None => self.encoder.encode(&self.grad[r], seed, out),
+        }
+    }
+
+    /// Number of shards.
+    pub fn shards(&self) -> usize {
+        self.shards.len()
+    }
+}
