@@ -1,1 +1,2 @@
 //! Tether shared core: the gradient codec, the wire protocol and transport, layout and configuration.
+pub mod codec;
