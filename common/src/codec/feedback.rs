@@ -1,0 +1,57 @@
+//! Worker-side error feedback for one shard's range: the residual `r` that quantization left behind.
+//!
+//! Each push encodes `g + r` and keeps `r ← (g + r) − decode(frame)`, so over many pushes the sum of what the server
+//! received tracks the sum of true gradients up to the current residual (bounded by one bucket step per element).
+//! Invariant: `r` changes only when a frame was successfully produced; buffers are allocated once, on first use.
+
+use super::{CodecError, Decoder, Encoder};
+
+/// The residual of one shard's range and the scratch needed to update it without allocating.
+#[derive(Debug)]
+pub struct ErrorFeedback {
+    residual: Vec<f32>,
+    sum: Vec<f32>,
+    decoded: Vec<f32>,
+    decoder: Decoder,
+}
+
+impl ErrorFeedback {
+    /// A zero residual for a range of `len` elements.
+    pub fn new(len: usize) -> Self {
+        ErrorFeedback { residual: vec![0.0; len], sum: Vec::new(), decoded: Vec::new(), decoder: Decoder::new(len) }
+    }
+
+    /// The current residual.
+    pub fn residual(&self) -> &[f32] {
+        &self.residual
+    }
+
+    /// Zeroes the residual (e.g. after the worker rejoins with fresh parameters).
+    pub fn reset(&mut self) {
+        self.residual.fill(0.0);
+    }
+
+    /// Encodes `grad + r` with `enc` into `out`, then sets `r ← (grad + r) − decode(out)`. On error `r` is unchanged
+    /// and `out` is empty.
+    pub fn encode(&mut self, enc: &mut Encoder, grad: &[f32], seed: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+        let n = self.residual.len();
+        if grad.len() != n {
+            out.clear();
+            return Err(CodecError::LengthMismatch { expected: n as u64, found: grad.len() as u64 });
+        }
+        self.sum.resize(n, 0.0);
+        self.decoded.resize(n, 0.0);
+        for ((s, &g), &r) in self.sum.iter_mut().zip(grad).zip(&self.residual) {
+            *s = g + r;
+        }
+        enc.encode(&self.sum, seed, out)?;
+        if let Err(e) = self.decoder.decode(out, &mut self.decoded) {
+            out.clear();
+            return Err(e);
+        }
+        for ((r, &s), &d) in self.residual.iter_mut().zip(&self.sum).zip(&self.decoded) {
+            *r = s - d;
+        }
+        Ok(())
+    }
+}

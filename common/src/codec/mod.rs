@@ -1,0 +1,444 @@
+//! The gradient codec: bucketed stochastic quantization (q8/q4/q2), fp16/bf16/fp32 passthrough, optional zstd, and
+//! worker-side error feedback.
+//!
+//! Deterministic core: a frame is a pure function of (input, [`CodecConfig`], seed); the same seed gives the same
+//! bytes whichever kernel (scalar or AVX2) runs. The encoder and decoder own their scratch buffers so that steady-state
+//! encoding and decoding never allocate. Decoding treats its input as hostile: every header field, length, scale and
+//! code is checked, sizes are computed with checked arithmetic against the caller's expected element count before
+//! anything is allocated, zstd output is bounded by the expected raw size, and every failure is a [`CodecError`].
+
+mod float;
+mod header;
+mod quant;
+mod rng;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod feedback;
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+pub use feedback::ErrorFeedback;
+pub use header::{FrameHeader, HEADER_LEN, MAGIC, MAX_BUCKET, MIN_BUCKET, VERSION};
+pub use rng::seed_for;
+
+/// zstd level used for bodies (fast; see DESIGN.md §4 for its cost).
+pub const ZSTD_LEVEL: i32 = 1;
+
+/// How gradient values are represented on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheme {
+    /// Raw f32.
+    None,
+    /// IEEE half precision.
+    Fp16,
+    /// bfloat16.
+    Bf16,
+    /// 8-bit bucketed quantization, levels −127..=127.
+    Q8,
+    /// 4-bit bucketed quantization, levels −7..=7, two per byte (low nibble first).
+    #[default]
+    Q4,
+    /// Ternary bucketed quantization, levels −1..=1, four per byte.
+    Q2,
+}
+
+impl Scheme {
+    /// All schemes, in tag order.
+    pub const ALL: [Scheme; 6] = [Scheme::None, Scheme::Fp16, Scheme::Bf16, Scheme::Q8, Scheme::Q4, Scheme::Q2];
+
+    /// The scheme's lowercase name (as in config files).
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheme::None => "none",
+            Scheme::Fp16 => "fp16",
+            Scheme::Bf16 => "bf16",
+            Scheme::Q8 => "q8",
+            Scheme::Q4 => "q4",
+            Scheme::Q2 => "q2",
+        }
+    }
+
+    /// Whether the scheme is bucketed quantization (q8/q4/q2).
+    pub fn is_quantized(self) -> bool {
+        matches!(self, Scheme::Q8 | Scheme::Q4 | Scheme::Q2)
+    }
+
+    /// Bits per element on the wire (before scales and compression).
+    pub fn bits(self) -> u32 {
+        match self {
+            Scheme::None => 32,
+            Scheme::Fp16 | Scheme::Bf16 => 16,
+            Scheme::Q8 => 8,
+            Scheme::Q4 => 4,
+            Scheme::Q2 => 2,
+        }
+    }
+
+    /// Largest quantization level `L` (x̂ = scale·q/L), or `None` for unquantized schemes.
+    pub fn levels(self) -> Option<i32> {
+        self.is_quantized().then(|| quant::level(self.bits()))
+    }
+
+    fn tag(self) -> u8 {
+        self as u8
+    }
+
+    fn from_tag(t: u8) -> Option<Scheme> {
+        Scheme::ALL.get(usize::from(t)).copied()
+    }
+}
+
+impl fmt::Display for Scheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Scheme {
+    type Err = CodecError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Scheme::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| CodecError::UnknownScheme(s.to_owned()))
+    }
+}
+
+/// How values are rounded to quantization levels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rounding {
+    /// Unbiased stochastic rounding between adjacent levels, seeded per frame.
+    #[default]
+    Stochastic,
+    /// Round to nearest (biased, lower variance, seed ignored).
+    Deterministic,
+}
+
+/// Codec settings for one run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CodecConfig {
+    /// Wire representation.
+    pub scheme: Scheme,
+    /// Bucket size for quantized schemes: a multiple of 16 in [`MIN_BUCKET`, `MAX_BUCKET`].
+    pub bucket: usize,
+    /// Rounding mode for quantized schemes.
+    pub rounding: Rounding,
+    /// Compress bodies with zstd (level 1) when that makes them smaller.
+    pub zstd: bool,
+}
+
+impl Default for CodecConfig {
+    fn default() -> Self {
+        CodecConfig { scheme: Scheme::Q4, bucket: 512, rounding: Rounding::Stochastic, zstd: false }
+    }
+}
+
+impl CodecConfig {
+    /// Checks the configuration (bucket size).
+    pub fn validate(&self) -> Result<(), CodecError> {
+        header::check_bucket(self.bucket)
+    }
+}
+
+/// Codec failures; decoding failures mean the frame must be dropped and nothing applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// A NaN or ±Inf at this element index (encoder input, or a decoded none/fp16/bf16 value).
+    #[error("non-finite value at element {index}")]
+    NonFinite {
+        /// Index of the first offending element.
+        index: usize,
+    },
+    /// The frame does not start with the codec magic.
+    #[error("bad frame magic")]
+    BadMagic,
+    /// The frame's format version is not supported.
+    #[error("unsupported frame version")]
+    UnsupportedVersion,
+    /// Unknown scheme tag in the header.
+    #[error("unknown scheme tag")]
+    BadScheme,
+    /// Unknown flag bits or a non-zero reserved byte.
+    #[error("unknown header flags")]
+    BadFlags,
+    /// The element count differs from what the caller expects.
+    #[error("element count mismatch: expected {expected}, found {found}")]
+    LengthMismatch {
+        /// Expected element count.
+        expected: u64,
+        /// Element count in the frame (or given).
+        found: u64,
+    },
+    /// The frame is shorter than its header says.
+    #[error("truncated frame")]
+    Truncated,
+    /// The frame has bytes after its body.
+    #[error("trailing bytes after frame body")]
+    TrailingBytes,
+    /// The body length is inconsistent with scheme, element count and bucket size.
+    #[error("body length inconsistent: expected {expected}, found {found}")]
+    BodyLength {
+        /// Length implied by the header (raw) or the largest allowed (compressed).
+        expected: u64,
+        /// Length found.
+        found: u64,
+    },
+    /// A bucket scale is negative, NaN or infinite.
+    #[error("bad bucket scale")]
+    BadScale,
+    /// A quantization code outside −L..=L, or non-zero padding bits, in this bucket.
+    #[error("bad quantization code in bucket {bucket}")]
+    BadCode {
+        /// Index of the offending bucket.
+        bucket: usize,
+    },
+    /// The body (or the element count) exceeds what one frame may carry.
+    #[error("frame body too large")]
+    BodyTooLarge,
+    /// zstd compression or decompression failed (including output larger than expected).
+    #[error("zstd: {0}")]
+    Zstd(String),
+    /// The bucket size is not a multiple of 16 in [MIN_BUCKET, MAX_BUCKET] (or non-zero for an fp scheme).
+    #[error("invalid bucket size")]
+    InvalidBucket,
+    /// A scheme name that is not one of none|fp16|bf16|q8|q4|q2.
+    #[error("unknown codec scheme {0:?}")]
+    UnknownScheme(String),
+    /// The requested kernel is not supported by this CPU.
+    #[error("kernel {0:?} not available on this CPU")]
+    KernelUnavailable(Kernel),
+}
+
+/// Which implementation of the quantization loops runs; all produce identical bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Portable scalar code (the reference).
+    Scalar,
+    /// x86_64 AVX2 code.
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU supports.
+    pub fn detect() -> Kernel {
+        if Kernel::Avx2.available() {
+            Kernel::Avx2
+        } else {
+            Kernel::Scalar
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn available(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            #[cfg(not(target_arch = "x86_64"))]
+            Kernel::Avx2 => false,
+        }
+    }
+
+    fn checked(self) -> Result<Kernel, CodecError> {
+        if self.available() {
+            Ok(self)
+        } else {
+            Err(CodecError::KernelUnavailable(self))
+        }
+    }
+}
+
+/// Upper bound of the size of a frame encoding `len` elements with `cfg` (header plus raw body; zstd is only used
+/// when smaller). Saturates at `usize::MAX` for sizes no frame can have.
+pub fn max_encoded_len(cfg: &CodecConfig, len: usize) -> usize {
+    let bucket = cfg.bucket.max(1);
+    match header::raw_body_len(cfg.scheme, len as u64, bucket) {
+        Ok(raw) => HEADER_LEN + raw,
+        Err(_) => usize::MAX,
+    }
+}
+
+/// Encodes gradient slices into frames; owns its scratch so repeated encodes do not allocate.
+pub struct Encoder {
+    cfg: CodecConfig,
+    kernel: Kernel,
+    /// Raw body scratch, used only when zstd is on.
+    raw: Vec<u8>,
+    compressor: Option<zstd::bulk::Compressor<'static>>,
+}
+
+impl fmt::Debug for Encoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Encoder").field("cfg", &self.cfg).field("kernel", &self.kernel).finish_non_exhaustive()
+    }
+}
+
+impl Encoder {
+    /// Creates an encoder with the fastest kernel this CPU supports.
+    pub fn new(cfg: CodecConfig) -> Result<Self, CodecError> {
+        Encoder::with_kernel(cfg, Kernel::detect())
+    }
+
+    /// Creates an encoder that uses `kernel` (for tests and benchmarks).
+    pub fn with_kernel(cfg: CodecConfig, kernel: Kernel) -> Result<Self, CodecError> {
+        cfg.validate()?;
+        let kernel = kernel.checked()?;
+        let compressor = if cfg.zstd {
+            Some(zstd::bulk::Compressor::new(ZSTD_LEVEL).map_err(|e| CodecError::Zstd(e.to_string()))?)
+        } else {
+            None
+        };
+        Ok(Encoder { cfg, kernel, raw: Vec::new(), compressor })
+    }
+
+    /// The encoder's configuration.
+    pub fn config(&self) -> &CodecConfig {
+        &self.cfg
+    }
+
+    /// The kernel in use.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    /// Clears `out` and writes one frame for `input`, with stochastic rounding driven by `seed` (see [`seed_for`]).
+    /// Rejects NaN/±Inf input with [`CodecError::NonFinite`], leaving `out` empty.
+    pub fn encode(&mut self, input: &[f32], seed: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+        let r = self.encode_inner(input, seed, out);
+        if r.is_err() {
+            out.clear();
+        }
+        r
+    }
+
+    fn encode_inner(&mut self, input: &[f32], seed: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+        let cfg = self.cfg;
+        let raw_len = header::raw_body_len(cfg.scheme, input.len() as u64, cfg.bucket)?;
+        let mut header = FrameHeader {
+            version: VERSION,
+            scheme: cfg.scheme,
+            zstd: false,
+            deterministic: cfg.rounding == Rounding::Deterministic,
+            bucket: if cfg.scheme.is_quantized() { cfg.bucket as u32 } else { 0 },
+            len: input.len() as u64,
+            body_len: raw_len as u32,
+        };
+        // Every byte of the frame is overwritten below, so only growth is zero-filled.
+        out.resize(HEADER_LEN + raw_len, 0);
+        match self.compressor.as_mut() {
+            None => encode_body(cfg, self.kernel, input, seed, &mut out[HEADER_LEN..])?,
+            Some(zc) => {
+                self.raw.resize(raw_len, 0);
+                encode_body(cfg, self.kernel, input, seed, &mut self.raw)?;
+                // Compress into a destination one byte shorter than raw: success means strictly smaller.
+                let dst = &mut out[HEADER_LEN..HEADER_LEN + raw_len.saturating_sub(1)];
+                match zc.compress_to_buffer(&self.raw[..], dst) {
+                    Ok(n) if n > 0 && n < raw_len => {
+                        header.zstd = true;
+                        header.body_len = n as u32;
+                        out.truncate(HEADER_LEN + n);
+                    }
+                    // Did not shrink (or zstd refused): ship the raw body.
+                    _ => out[HEADER_LEN..].copy_from_slice(&self.raw),
+                }
+            }
+        }
+        header.write(out);
+        Ok(())
+    }
+}
+
+fn encode_body(cfg: CodecConfig, kernel: Kernel, input: &[f32], seed: u64, body: &mut [u8]) -> Result<(), CodecError> {
+    if cfg.scheme.is_quantized() {
+        quant::encode_quant(input, cfg.scheme.bits(), cfg.bucket, cfg.rounding, seed, kernel, body)
+    } else {
+        float::encode_float(cfg.scheme, input, body)
+    }
+}
+
+/// Strictly decodes untrusted frames; owns a zstd scratch bounded by `max_len` elements.
+pub struct Decoder {
+    max_len: usize,
+    kernel: Kernel,
+    scratch: Vec<u8>,
+    decompressor: Option<zstd::bulk::Decompressor<'static>>,
+}
+
+impl fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Decoder").field("max_len", &self.max_len).field("kernel", &self.kernel).finish_non_exhaustive()
+    }
+}
+
+impl Decoder {
+    /// Creates a decoder that accepts frames of at most `max_len` elements, with the fastest kernel available.
+    pub fn new(max_len: usize) -> Self {
+        Decoder { max_len, kernel: Kernel::detect(), scratch: Vec::new(), decompressor: None }
+    }
+
+    /// Creates a decoder that uses `kernel` (for tests and benchmarks).
+    pub fn with_kernel(max_len: usize, kernel: Kernel) -> Result<Self, CodecError> {
+        Ok(Decoder { max_len, kernel: kernel.checked()?, scratch: Vec::new(), decompressor: None })
+    }
+
+    /// Largest element count this decoder accepts.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Parses and validates a frame's header (magic, version, scheme, flags, bucket, body length vs frame length).
+    pub fn peek_header(frame: &[u8]) -> Result<FrameHeader, CodecError> {
+        FrameHeader::parse(frame)
+    }
+
+    /// Strictly decodes `frame` into `out`, whose length is the expected element count. Never panics.
+    ///
+    /// Header, lengths, bucket size and all scales are validated before `out` is touched. Out-of-range codes and
+    /// (for none/fp16/bf16) non-finite values are detected while writing, so on such an error `out` may be partially
+    /// written: callers that must not observe partial data decode into a scratch slice first.
+    pub fn decode(&mut self, frame: &[u8], out: &mut [f32]) -> Result<FrameHeader, CodecError> {
+        let h = FrameHeader::parse(frame)?;
+        if h.len != out.len() as u64 {
+            return Err(CodecError::LengthMismatch { expected: out.len() as u64, found: h.len });
+        }
+        if out.len() > self.max_len {
+            return Err(CodecError::BodyTooLarge);
+        }
+        let raw_len = h.raw_body_len();
+        let wire = &frame[HEADER_LEN..];
+        let body: &[u8] = if h.zstd {
+            let dz = match self.decompressor.as_mut() {
+                Some(d) => d,
+                None => self.decompressor.insert(
+                    zstd::bulk::Decompressor::new().map_err(|e| CodecError::Zstd(e.to_string()))?,
+                ),
+            };
+            // Bounded: raw_len derives from out.len() ≤ max_len, never from a size the frame declares.
+            if self.scratch.len() < raw_len {
+                self.scratch.resize(raw_len, 0);
+            }
+            let dst = &mut self.scratch[..raw_len];
+            let n = dz.decompress_to_buffer(wire, dst).map_err(|e| CodecError::Zstd(e.to_string()))?;
+            if n != raw_len {
+                return Err(CodecError::BodyLength { expected: raw_len as u64, found: n as u64 });
+            }
+            &self.scratch[..raw_len]
+        } else {
+            wire
+        };
+        if h.scheme.is_quantized() {
+            quant::decode_quant(body, h.scheme.bits(), h.bucket as usize, self.kernel, out)?;
+        } else {
+            float::decode_float(h.scheme, body, out)?;
+        }
+        Ok(h)
+    }
+}
