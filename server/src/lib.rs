@@ -1,1 +1,4 @@
 //! Tether parameter-server shards: optimizers, the SSP clock table, checkpoints and the shard actors.
+
+pub mod checkpoint;
+pub mod optim;
