@@ -296,8 +296,11 @@ fn write_data_file(path: &Path, values: &[f32]) -> Result<(u64, u32), Checkpoint
 /// Reads at most `limit` bytes of `path` into `buf` (cleared first); a longer file reads as `limit + 1` bytes.
 fn read_bounded(path: &Path, limit: u64, buf: &mut Vec<u8>) -> io::Result<()> {
     buf.clear();
-    File::open(path)?
-        .take(limit.saturating_add(1))
+    let file = File::open(path)?;
+    // The file's length is only a hint, capped by `limit`; reserving it avoids doubling growth while reading.
+    let hint = file.metadata()?.len().min(limit);
+    buf.reserve_exact(usize::try_from(hint).unwrap_or(0).saturating_add(1));
+    file.take(limit.saturating_add(1))
         .read_to_end(buf)?;
     Ok(())
 }
