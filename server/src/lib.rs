@@ -1,3 +1,5 @@
 //! Tether parameter-server shards: optimizers, the SSP clock table, checkpoints and the shard actors.
 
+pub mod checkpoint;
 pub mod clock;
+pub mod optim;

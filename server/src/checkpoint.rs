@@ -1,0 +1,718 @@
+//! The on-disk checkpoint format of one shard and the store that writes, verifies, lists and prunes it.
+//!
+//! # Layout
+//! `<root>/v<version:020>/` holds `weights.f32.zst`, `slot<i>.f32.zst` for each optimizer slot, and `manifest.json`.
+//! Data files are the raw little-endian f32 values, one zstd frame (level 1, with zstd's content checksum). The
+//! manifest is `{"body": {...}, "crc32": N}` where `N` is the CRC-32 (crc32fast, IEEE) of the compact JSON of `body`
+//! as a `serde_json::Value`; the body carries the format name and version, the layout hash, shard index and range,
+//! the version (applied updates), the optimizer step count, the worker clocks, and per file its name, element count,
+//! stored byte length and CRC-32 of the stored (compressed) bytes. Integrity is therefore checked twice: CRC-32 over
+//! the stored bytes, and zstd's frame checksum (low 32 bits of XXH64) over the decompressed values.
+//!
+//! # Invariants
+//! - A version directory appears only complete: files and directory are written under `.tmp-v<version>-<nonce>`,
+//!   fsynced, renamed, and the parent fsynced. Leftover `.tmp-*` directories are ignored by loads and removed by the
+//!   next write.
+//! - Checkpoint files are untrusted bytes: every size is bounded by what the caller's expected range implies (the
+//!   manifest by [`MAX_MANIFEST_BYTES`], a data file by zstd's compress bound of the range, its decompressed output by
+//!   exactly the range), no allocation is sized by a field read from disk, and every defect is a typed
+//!   [`CheckpointError`], never a panic.
+//! - One store writes at a time (an internal lock); several stores must not share a root.
+
+use std::fs::{self, File};
+use std::io::{self, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+/// Format name written into every manifest.
+pub const FORMAT_NAME: &str = "tether-shard-checkpoint";
+/// Current format version.
+pub const FORMAT_VERSION: u32 = 1;
+/// Manifest file name inside a version directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// Weights file name inside a version directory.
+pub const WEIGHTS_FILE: &str = "weights.f32.zst";
+/// Largest manifest accepted (bounds the clock list, too).
+pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
+/// Most optimizer slots a checkpoint may hold (Adam needs two).
+pub const MAX_SLOTS: usize = 4;
+
+/// zstd level for data files: level 1 is the fastest that still shrinks f32 weights.
+const ZSTD_LEVEL: i32 = 1;
+/// Values converted to bytes per write call while streaming into the encoder.
+const WRITE_CHUNK: usize = 16 * 1024;
+/// Prefix of in-progress (or abandoned) checkpoint directories.
+const TMP_PREFIX: &str = ".tmp-";
+
+/// Distinguishes concurrent temporary directories of this process.
+static NONCE: AtomicU64 = AtomicU64::new(0);
+
+/// Errors writing or loading checkpoints.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A filesystem operation failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path operated on.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The manifest is unreadable, malformed or inconsistent with its directory.
+    #[error("manifest {path}: {reason}")]
+    Manifest {
+        /// The manifest path.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A file's stored bytes do not match the checksum in the manifest (or the manifest's own checksum fails).
+    #[error("checksum mismatch in {file}")]
+    ChecksumMismatch {
+        /// File name within the checkpoint.
+        file: String,
+    },
+    /// A file is shorter than the manifest says, or decompresses to fewer values than the range holds.
+    #[error("{file} is truncated: {found} bytes, expected {expected}")]
+    Truncated {
+        /// File name within the checkpoint.
+        file: String,
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes found.
+        found: u64,
+    },
+    /// A file named by the manifest is missing.
+    #[error("{file} is missing")]
+    MissingFile {
+        /// File name within the checkpoint.
+        file: String,
+    },
+    /// The checkpoint belongs to a different parameter layout.
+    #[error("layout hash {found:#018x}, expected {expected:#018x}")]
+    LayoutMismatch {
+        /// The layout hash of the running model.
+        expected: u64,
+        /// The hash in the checkpoint.
+        found: u64,
+    },
+    /// The checkpoint belongs to another shard index.
+    #[error("checkpoint of shard {found}, expected shard {expected}")]
+    ShardMismatch {
+        /// This shard's index.
+        expected: u32,
+        /// The index in the checkpoint.
+        found: u32,
+    },
+    /// The checkpoint covers another parameter range.
+    #[error("checkpoint range {found:?}, expected {expected:?}")]
+    RangeMismatch {
+        /// This shard's range.
+        expected: (u64, u64),
+        /// The range in the checkpoint.
+        found: (u64, u64),
+    },
+    /// The content violates the format (unknown version, bad file list, sizes out of bounds, corrupt zstd, or a
+    /// snapshot that is inconsistent with its own range when writing).
+    #[error("format: {reason}")]
+    Format {
+        /// What is wrong.
+        reason: String,
+    },
+    /// Checkpoints exist but none verifies and matches; each was skipped for the given reason.
+    #[error("none of {} checkpoints is usable (newest skipped: {})", skipped.len(), first_reason(skipped))]
+    NoneUsable {
+        /// Every checkpoint tried, newest first, with why it was skipped.
+        skipped: Vec<(PathBuf, CheckpointError)>,
+    },
+}
+
+fn first_reason(skipped: &[(PathBuf, CheckpointError)]) -> String {
+    skipped
+        .first()
+        .map_or_else(String::new, |(p, e)| format!("{}: {e}", p.display()))
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn format_err(reason: impl Into<String>) -> CheckpointError {
+    CheckpointError::Format {
+        reason: reason.into(),
+    }
+}
+
+/// Everything a shard needs to resume: its weights, optimizer state and the clocks it had seen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardSnapshot {
+    /// Hash of the parameter layout the weights belong to.
+    pub layout_hash: u64,
+    /// Shard index.
+    pub shard: u32,
+    /// Global parameter range `[start, end)` of the shard.
+    pub range: (u64, u64),
+    /// Applied updates at the time of the snapshot.
+    pub version: u64,
+    /// Optimizer step count.
+    pub opt_steps: u64,
+    /// Worker clocks as (rank, clock).
+    pub clocks: Vec<(u32, u64)>,
+    /// The shard's weights, `range.1 − range.0` values.
+    pub weights: Vec<f32>,
+    /// Optimizer state slots, each as long as `weights`.
+    pub slots: Vec<Vec<f32>>,
+}
+
+/// The manifest envelope: the body plus the CRC-32 of its canonical JSON.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Envelope {
+    body: serde_json::Value,
+    crc32: u32,
+}
+
+/// What the manifest says about a checkpoint.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ManifestBody {
+    format: String,
+    format_version: u32,
+    layout_hash: u64,
+    shard: u32,
+    range: (u64, u64),
+    version: u64,
+    opt_steps: u64,
+    clocks: Vec<(u32, u64)>,
+    /// Checksum algorithm of `files[].checksum`.
+    checksum: String,
+    files: Vec<FileEntry>,
+}
+
+/// One data file of a checkpoint.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileEntry {
+    name: String,
+    elements: u64,
+    bytes: u64,
+    checksum: u32,
+}
+
+/// Name of the checksum algorithm recorded in manifests.
+const CHECKSUM_ALGO: &str = "crc32";
+
+/// The data file names of a checkpoint with `slots` optimizer slots, in manifest order.
+fn data_file_names(slots: usize) -> Vec<String> {
+    std::iter::once(WEIGHTS_FILE.to_owned())
+        .chain((0..slots).map(|i| format!("slot{i}.f32.zst")))
+        .collect()
+}
+
+/// Directory name of a checkpoint version.
+fn version_dir_name(version: u64) -> String {
+    format!("v{version:020}")
+}
+
+/// The version encoded in a directory name, if it is one.
+fn parse_version_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix('v')?;
+    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Largest stored size a data file of `elements` values may have: zstd's worst case plus frame overhead.
+fn stored_bound(elements: u64) -> u64 {
+    let raw = elements.saturating_mul(4);
+    // zstd's ZSTD_COMPRESSBOUND: src + src/256 + margin for small inputs, plus header and checksum.
+    raw.saturating_add(raw / 256).saturating_add(1024)
+}
+
+/// Fsyncs a directory so a rename or creation inside it is durable.
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir))
+}
+
+/// A writer that counts and checksums what passes through it.
+struct CrcWriter<W> {
+    inner: W,
+    hasher: crc32fast::Hasher,
+    bytes: u64,
+}
+
+impl<W: Write> Write for CrcWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes `values` as one zstd frame of little-endian f32 to `path`, fsynced; returns (stored bytes, CRC-32).
+fn write_data_file(path: &Path, values: &[f32]) -> Result<(u64, u32), CheckpointError> {
+    let run = || -> io::Result<(u64, u32)> {
+        let file = File::create(path)?;
+        let sink = CrcWriter {
+            inner: BufWriter::with_capacity(1 << 20, file),
+            hasher: crc32fast::Hasher::new(),
+            bytes: 0,
+        };
+        let mut enc = zstd::stream::Encoder::new(sink, ZSTD_LEVEL)?;
+        enc.include_checksum(true)?;
+        enc.set_pledged_src_size(Some(values.len() as u64 * 4))?;
+        let mut buf = Vec::with_capacity(WRITE_CHUNK * 4);
+        for chunk in values.chunks(WRITE_CHUNK) {
+            buf.clear();
+            buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+            enc.write_all(&buf)?;
+        }
+        let mut sink = enc.finish()?;
+        sink.flush()?;
+        let (bytes, crc) = (sink.bytes, sink.hasher.finalize());
+        let file = sink.inner.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        Ok((bytes, crc))
+    };
+    run().map_err(io_err(path))
+}
+
+/// Reads at most `limit` bytes of `path` into `buf` (cleared first); a longer file reads as `limit + 1` bytes.
+fn read_bounded(path: &Path, limit: u64, buf: &mut Vec<u8>) -> io::Result<()> {
+    buf.clear();
+    let file = File::open(path)?;
+    // The file's length is only a hint, capped by `limit`; reserving it avoids doubling growth while reading.
+    let hint = file.metadata()?.len().min(limit);
+    buf.reserve_exact(usize::try_from(hint).unwrap_or(0).saturating_add(1));
+    file.take(limit.saturating_add(1))
+        .read_to_end(buf)?;
+    Ok(())
+}
+
+/// Writes, lists, verifies and prunes the checkpoints of one shard under one root directory.
+#[derive(Debug)]
+pub struct CheckpointStore {
+    dir: PathBuf,
+    keep: usize,
+    write_lock: Mutex<()>,
+}
+
+impl CheckpointStore {
+    /// A store rooted at `dir` (this shard's checkpoint root) keeping the newest `keep` checkpoints (at least 1).
+    pub fn new(dir: PathBuf, keep: usize) -> Self {
+        Self {
+            dir,
+            keep: keep.max(1),
+            write_lock: Mutex::new(()),
+        }
+    }
+
+    /// The root directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes `snap` to `<dir>/.tmp-v<version>-<nonce>/`, fsyncs files and the dir, renames it to
+    /// `<dir>/v<version:020>` (replacing an existing checkpoint of that version), fsyncs the parent, then prunes to
+    /// the newest `keep`. Stale `.tmp-*` directories are removed first. Returns the final path.
+    pub fn write(&self, snap: &ShardSnapshot) -> Result<PathBuf, CheckpointError> {
+        let started = Instant::now();
+        let n = snapshot_len(snap)?;
+        // A poisoned lock only means another write panicked; the directory protocol stays valid.
+        let _guard = self.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+        fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
+        self.remove_stale_tmp()?;
+
+        let nonce = NONCE.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.dir.join(format!(
+            "{TMP_PREFIX}v{}-{}-{nonce}",
+            snap.version,
+            std::process::id()
+        ));
+        fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+
+        let names = data_file_names(snap.slots.len());
+        let mut files = Vec::with_capacity(names.len());
+        for (name, values) in names
+            .into_iter()
+            .zip(std::iter::once(&snap.weights).chain(&snap.slots))
+        {
+            let (bytes, checksum) = write_data_file(&tmp.join(&name), values)?;
+            files.push(FileEntry {
+                name,
+                elements: n,
+                bytes,
+                checksum,
+            });
+        }
+        let body = ManifestBody {
+            format: FORMAT_NAME.to_owned(),
+            format_version: FORMAT_VERSION,
+            layout_hash: snap.layout_hash,
+            shard: snap.shard,
+            range: snap.range,
+            version: snap.version,
+            opt_steps: snap.opt_steps,
+            clocks: snap.clocks.clone(),
+            checksum: CHECKSUM_ALGO.to_owned(),
+            files,
+        };
+        let manifest_path = tmp.join(MANIFEST_FILE);
+        let manifest = encode_manifest(&body).map_err(|e| CheckpointError::Manifest {
+            path: manifest_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let write_manifest = || -> io::Result<()> {
+            let mut f = File::create(&manifest_path)?;
+            f.write_all(&manifest)?;
+            f.sync_all()
+        };
+        write_manifest().map_err(io_err(&manifest_path))?;
+        sync_dir(&tmp)?;
+
+        let target = self.dir.join(version_dir_name(snap.version));
+        let displaced = if target.exists() {
+            let old = self
+                .dir
+                .join(format!("{TMP_PREFIX}old-v{}-{nonce}", snap.version));
+            fs::rename(&target, &old).map_err(io_err(&target))?;
+            Some(old)
+        } else {
+            None
+        };
+        fs::rename(&tmp, &target).map_err(io_err(&tmp))?;
+        sync_dir(&self.dir)?;
+        if let Some(old) = displaced {
+            fs::remove_dir_all(&old).map_err(io_err(&old))?;
+        }
+        self.prune()?;
+        tracing::debug!(
+            path = %target.display(),
+            version = snap.version,
+            seconds = started.elapsed().as_secs_f64(),
+            "checkpoint written"
+        );
+        Ok(target)
+    }
+
+    /// The newest checkpoint whose manifest and checksums verify and whose layout hash, shard and range match;
+    /// older ones are tried when a newer one fails. Returns the snapshot and the (path, reason) of each skipped
+    /// newer checkpoint. `Ok(None)` when there is no checkpoint at all; [`CheckpointError::NoneUsable`] when there
+    /// are some but none can be used (resuming must not silently start from scratch).
+    #[allow(clippy::type_complexity)]
+    pub fn load_latest(
+        &self,
+        layout_hash: u64,
+        shard: u32,
+        range: (u64, u64),
+    ) -> Result<Option<(ShardSnapshot, Vec<(PathBuf, CheckpointError)>)>, CheckpointError> {
+        let versions = self.list()?;
+        if versions.is_empty() {
+            return Ok(None);
+        }
+        let mut skipped = Vec::new();
+        for (version, path) in versions {
+            match load_dir(&path, version, layout_hash, shard, range) {
+                Ok(snap) => return Ok(Some((snap, skipped))),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "skipping checkpoint");
+                    skipped.push((path, e));
+                }
+            }
+        }
+        Err(CheckpointError::NoneUsable { skipped })
+    }
+
+    /// Checkpoint versions on disk with their directories, newest first (temporary directories excluded).
+    pub fn list(&self) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err(&self.dir)(e)),
+        };
+        let mut out = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(io_err(&self.dir))?;
+            let Some(version) = entry.file_name().to_str().and_then(parse_version_dir) else {
+                continue;
+            };
+            let is_dir = entry
+                .file_type()
+                .map_err(io_err(&entry.path()))?
+                .is_dir();
+            if is_dir {
+                out.push((version, entry.path()));
+            }
+        }
+        out.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        Ok(out)
+    }
+
+    /// Removes every checkpoint but the newest `keep`.
+    fn prune(&self) -> Result<(), CheckpointError> {
+        for (_, path) in self.list()?.into_iter().skip(self.keep) {
+            fs::remove_dir_all(&path).map_err(io_err(&path))?;
+        }
+        Ok(())
+    }
+
+    /// Removes `.tmp-*` directories left by interrupted writes.
+    fn remove_stale_tmp(&self) -> Result<(), CheckpointError> {
+        for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
+            let entry = entry.map_err(io_err(&self.dir))?;
+            if entry.file_name().to_string_lossy().starts_with(TMP_PREFIX) {
+                let path = entry.path();
+                tracing::info!(path = %path.display(), "removing stale temporary checkpoint");
+                let removed = if entry.file_type().map_err(io_err(&path))?.is_dir() {
+                    fs::remove_dir_all(&path)
+                } else {
+                    fs::remove_file(&path)
+                };
+                removed.map_err(io_err(&path))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a snapshot is consistent with its own range and returns the element count.
+fn snapshot_len(snap: &ShardSnapshot) -> Result<u64, CheckpointError> {
+    let (start, end) = snap.range;
+    let n = end
+        .checked_sub(start)
+        .ok_or_else(|| format_err(format!("range {:?} is reversed", snap.range)))?;
+    if snap.weights.len() as u64 != n {
+        return Err(format_err(format!(
+            "{} weights for a range of {n}",
+            snap.weights.len()
+        )));
+    }
+    if snap.slots.len() > MAX_SLOTS {
+        return Err(format_err(format!("{} optimizer slots", snap.slots.len())));
+    }
+    if let Some(s) = snap.slots.iter().find(|s| s.len() as u64 != n) {
+        return Err(format_err(format!(
+            "optimizer slot of {} values for a range of {n}",
+            s.len()
+        )));
+    }
+    Ok(n)
+}
+
+/// The manifest bytes: the envelope with the CRC-32 of the body's canonical JSON.
+fn encode_manifest(body: &ManifestBody) -> serde_json::Result<Vec<u8>> {
+    let body = serde_json::to_value(body)?;
+    let crc32 = crc32fast::hash(&serde_json::to_vec(&body)?);
+    serde_json::to_vec_pretty(&Envelope { body, crc32 })
+}
+
+/// Reads and verifies one checkpoint directory against what this shard expects.
+fn load_dir(
+    dir: &Path,
+    dir_version: u64,
+    layout_hash: u64,
+    shard: u32,
+    range: (u64, u64),
+) -> Result<ShardSnapshot, CheckpointError> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let bad_manifest = |reason: String| CheckpointError::Manifest {
+        path: manifest_path.clone(),
+        reason,
+    };
+    let mut buf = Vec::new();
+    read_bounded(&manifest_path, MAX_MANIFEST_BYTES, &mut buf).map_err(|e| {
+        if e.kind() == io::ErrorKind::NotFound {
+            CheckpointError::MissingFile {
+                file: MANIFEST_FILE.to_owned(),
+            }
+        } else {
+            io_err(&manifest_path)(e)
+        }
+    })?;
+    if buf.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(bad_manifest(format!(
+            "larger than {MAX_MANIFEST_BYTES} bytes"
+        )));
+    }
+    let envelope: Envelope =
+        serde_json::from_slice(&buf).map_err(|e| bad_manifest(e.to_string()))?;
+    let canonical = serde_json::to_vec(&envelope.body).map_err(|e| bad_manifest(e.to_string()))?;
+    if crc32fast::hash(&canonical) != envelope.crc32 {
+        return Err(CheckpointError::ChecksumMismatch {
+            file: MANIFEST_FILE.to_owned(),
+        });
+    }
+    let body: ManifestBody =
+        serde_json::from_value(envelope.body).map_err(|e| bad_manifest(e.to_string()))?;
+    if body.format != FORMAT_NAME || body.format_version != FORMAT_VERSION {
+        return Err(format_err(format!(
+            "format {} v{}, expected {FORMAT_NAME} v{FORMAT_VERSION}",
+            body.format, body.format_version
+        )));
+    }
+    if body.checksum != CHECKSUM_ALGO {
+        return Err(format_err(format!("checksum algorithm {}", body.checksum)));
+    }
+    if body.version != dir_version {
+        return Err(bad_manifest(format!(
+            "version {} in directory of version {dir_version}",
+            body.version
+        )));
+    }
+    if body.layout_hash != layout_hash {
+        return Err(CheckpointError::LayoutMismatch {
+            expected: layout_hash,
+            found: body.layout_hash,
+        });
+    }
+    if body.shard != shard {
+        return Err(CheckpointError::ShardMismatch {
+            expected: shard,
+            found: body.shard,
+        });
+    }
+    if body.range != range {
+        return Err(CheckpointError::RangeMismatch {
+            expected: range,
+            found: body.range,
+        });
+    }
+    // From here on sizes derive from the caller's range, never from the manifest.
+    let n = range
+        .1
+        .checked_sub(range.0)
+        .ok_or_else(|| format_err(format!("range {range:?} is reversed")))?;
+    let raw_bytes = n
+        .checked_mul(4)
+        .filter(|&b| usize::try_from(b).is_ok_and(|b| b <= isize::MAX as usize))
+        .ok_or_else(|| format_err(format!("range of {n} values does not fit in memory")))?;
+    let slot_count = body
+        .files
+        .len()
+        .checked_sub(1)
+        .filter(|&s| s <= MAX_SLOTS)
+        .ok_or_else(|| format_err(format!("{} data files", body.files.len())))?;
+    let names = data_file_names(slot_count);
+    if let Some((entry, want)) = body.files.iter().zip(&names).find(|(e, w)| e.name != **w) {
+        return Err(format_err(format!(
+            "file {:?} where {want:?} was expected",
+            entry.name
+        )));
+    }
+
+    let mut stored = Vec::new();
+    let mut raw = Vec::new();
+    let mut columns = Vec::with_capacity(body.files.len());
+    for entry in &body.files {
+        columns.push(read_data_file(
+            dir,
+            entry,
+            n,
+            raw_bytes,
+            &mut stored,
+            &mut raw,
+        )?);
+    }
+    let mut columns = columns.into_iter();
+    let weights = columns.next().ok_or_else(|| format_err("no weights file"))?;
+    Ok(ShardSnapshot {
+        layout_hash: body.layout_hash,
+        shard: body.shard,
+        range: body.range,
+        version: body.version,
+        opt_steps: body.opt_steps,
+        clocks: body.clocks,
+        weights,
+        slots: columns.collect(),
+    })
+}
+
+/// Reads, verifies and decodes one data file of `n` values (`raw_bytes` = 4n), reusing the two scratch buffers.
+fn read_data_file(
+    dir: &Path,
+    entry: &FileEntry,
+    n: u64,
+    raw_bytes: u64,
+    stored: &mut Vec<u8>,
+    raw: &mut Vec<u8>,
+) -> Result<Vec<f32>, CheckpointError> {
+    let file = entry.name.clone();
+    if entry.elements != n {
+        return Err(format_err(format!(
+            "{file} declares {} values, range holds {n}",
+            entry.elements
+        )));
+    }
+    let bound = stored_bound(n);
+    if entry.bytes > bound {
+        return Err(format_err(format!(
+            "{file} declares {} stored bytes, more than the bound {bound} for {n} values",
+            entry.bytes
+        )));
+    }
+    let path = dir.join(&entry.name);
+    read_bounded(&path, entry.bytes, stored).map_err(|e| {
+        if e.kind() == io::ErrorKind::NotFound {
+            CheckpointError::MissingFile { file: file.clone() }
+        } else {
+            io_err(&path)(e)
+        }
+    })?;
+    let found = stored.len() as u64;
+    if found < entry.bytes {
+        return Err(CheckpointError::Truncated {
+            file,
+            expected: entry.bytes,
+            found,
+        });
+    }
+    if found > entry.bytes {
+        return Err(format_err(format!(
+            "{file} is longer than the {} bytes declared",
+            entry.bytes
+        )));
+    }
+    if crc32fast::hash(stored) != entry.checksum {
+        return Err(CheckpointError::ChecksumMismatch { file });
+    }
+    raw.clear();
+    // raw_bytes was checked to fit in usize by the caller.
+    let cap = usize::try_from(raw_bytes).map_err(|_| format_err("range too large"))?;
+    raw.reserve_exact(cap);
+    let mut dec = zstd::bulk::Decompressor::new().map_err(io_err(&path))?;
+    let got = dec
+        .decompress_to_buffer(stored.as_slice(), raw)
+        .map_err(|e| format_err(format!("{file}: zstd: {e}")))?;
+    if got as u64 > raw_bytes {
+        return Err(format_err(format!(
+            "{file} decompresses to more than {raw_bytes} bytes"
+        )));
+    }
+    if (got as u64) < raw_bytes {
+        return Err(CheckpointError::Truncated {
+            file,
+            expected: raw_bytes,
+            found: got as u64,
+        });
+    }
+    Ok(raw[..got]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}

@@ -1,0 +1,379 @@
+//! The optimizer math a shard applies to its parameter range: update rules, their state slots and the learning-rate
+//! schedule. Pure and deterministic: no allocation, no I/O, no clocks; the same inputs give the same bits on a given
+//! build (the kernels use plain IEEE mul/add/div/sqrt with no fused multiply-add, so the AVX2 path and the portable
+//! path produce identical results).
+//!
+//! # Update rules
+//! With `t` the 1-based number of the update being applied (`steps() + 1`), `lr = lr_at(t) · lr_scale`, `wd` the
+//! weight decay, `μ` the momentum and `g' = g + wd·w` (L2 decay folded into the gradient):
+//! - **SGD:** `w ← w − lr·g'`.
+//! - **Momentum** (PyTorch convention, no dampening): `b ← μ·b + g'`; `w ← w − lr·b`.
+//! - **Nesterov:** `b ← μ·b + g'`; `w ← w − lr·(g' + μ·b)`.
+//! - **Adam:** `m ← β1·m + (1−β1)·g'`; `v ← β2·v + (1−β2)·g'²`;
+//!   `w ← w − (lr / (1−β1ᵗ)) · m / (√v / √(1−β2ᵗ) + eps)` (bias-corrected, eps outside the root as in PyTorch).
+//! - **AdamW** (decoupled): `w ← w·(1 − lr·wd)`, then Adam on the raw `g` (no L2 term).
+//! - **Adagrad:** `s ← s + g'²`; `w ← w − lr·g' / (√s + eps)`.
+//!
+//! # Schedule
+//! [`Optimizer::lr_at`] maps the 1-based update number `t` to a learning rate (computed in f64, returned as f32):
+//! - `Constant`: `lr`.
+//! - `WarmupCosine { warmup, total, min_ratio }`: `lr·t/warmup` for `t < warmup` (so `lr_at(0) = 0` and update
+//!   `warmup` is the first at full lr); `min_ratio·lr` for `t ≥ total`; in between
+//!   `lr·(min_ratio + (1 − min_ratio)·(1 + cos(π·(t − warmup)/(total − warmup)))/2)`.
+//! - `Step { every, gamma }`: `lr·gamma^⌊t/every⌋` (`every = 0` means constant), so update `every` is the first
+//!   decayed one.
+//!
+//! # State slots
+//! SGD has none; momentum and Nesterov one (the buffer `b`); Adam and AdamW two (`m`, `v`); Adagrad one (the sum
+//! `s`). [`Optimizer::slots`] exposes them for checkpoints and [`Optimizer::restore`] puts them back.
+
+use std::f64::consts::PI;
+
+use tether_common::config::{OptimizerConfig, OptimizerKind, Schedule};
+
+/// Errors restoring optimizer state.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptimError {
+    /// The restored state has the wrong number of slots for this optimizer kind.
+    #[error("optimizer state has {found} slots, expected {expected}")]
+    SlotCount {
+        /// Slots this optimizer kind keeps.
+        expected: usize,
+        /// Slots offered.
+        found: usize,
+    },
+    /// A restored slot does not cover exactly the optimizer's range.
+    #[error("optimizer slot {slot} has {found} values, expected {expected}")]
+    SlotLength {
+        /// Index of the offending slot.
+        slot: usize,
+        /// The range length.
+        expected: usize,
+        /// Values offered.
+        found: usize,
+    },
+}
+
+/// Lanes per unrolled chunk: one AVX2 register of f32 (two SSE registers on the portable path).
+const LANES: usize = 8;
+
+/// The optimizer of one shard's range: its hyper-parameters, its step count and its state slots.
+#[derive(Debug, Clone)]
+pub struct Optimizer {
+    cfg: OptimizerConfig,
+    len: usize,
+    steps: u64,
+    slots: Vec<Vec<f32>>,
+    simd: bool,
+}
+
+/// Number of state slots kept by an optimizer kind.
+pub fn slot_count(kind: OptimizerKind) -> usize {
+    match kind {
+        OptimizerKind::Sgd => 0,
+        OptimizerKind::Momentum | OptimizerKind::Nesterov | OptimizerKind::Adagrad => 1,
+        OptimizerKind::Adam | OptimizerKind::Adamw => 2,
+    }
+}
+
+impl Optimizer {
+    /// An optimizer for a range of `len` parameters with zeroed state and step count 0.
+    pub fn new(cfg: &OptimizerConfig, len: usize) -> Self {
+        Self {
+            cfg: cfg.clone(),
+            len,
+            steps: 0,
+            slots: vec![vec![0.0; len]; slot_count(cfg.kind)],
+            simd: simd_available(),
+        }
+    }
+
+    /// Forces the portable kernels (no runtime-detected AVX2); results are identical, only speed differs.
+    pub fn with_portable_kernels(mut self) -> Self {
+        self.simd = false;
+        self
+    }
+
+    /// The configuration this optimizer applies.
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.cfg
+    }
+
+    /// Number of parameters covered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// One update: `w ← step(w, g)` with the scheduled lr multiplied by `lr_scale` (1.0 unless staleness-aware).
+    /// Advances the step count. Allocation-free.
+    ///
+    /// # Panics
+    /// When `weights` or `grad` is not exactly [`Optimizer::len`] long (a caller bug: frames are length-checked
+    /// before they reach the optimizer).
+    pub fn step(&mut self, weights: &mut [f32], grad: &[f32], lr_scale: f32) {
+        assert_eq!(weights.len(), self.len, "weights length != optimizer range");
+        assert_eq!(grad.len(), self.len, "gradient length != optimizer range");
+        let t = self.steps.saturating_add(1);
+        let lr = self.lr_at(t) * lr_scale;
+        let c = &self.cfg;
+        let wd = c.weight_decay;
+        let simd = self.simd;
+        match c.kind {
+            OptimizerKind::Sgd => dispatch(simd, || sgd(weights, grad, lr, wd)),
+            OptimizerKind::Momentum | OptimizerKind::Nesterov => {
+                let nesterov = c.kind == OptimizerKind::Nesterov;
+                let (mu, buf) = (c.momentum, &mut self.slots[0]);
+                dispatch(simd, || momentum(weights, grad, buf, lr, mu, wd, nesterov))
+            }
+            OptimizerKind::Adam | OptimizerKind::Adamw => {
+                let k = AdamConsts::new(c, lr, t);
+                let (m, v) = self.slots.split_at_mut(1);
+                let (m, v) = (&mut m[0], &mut v[0]);
+                dispatch(simd, || adam(weights, grad, m, v, &k))
+            }
+            OptimizerKind::Adagrad => {
+                let (eps, s) = (c.eps, &mut self.slots[0]);
+                dispatch(simd, || adagrad(weights, grad, s, lr, wd, eps))
+            }
+        }
+        self.steps = t;
+    }
+
+    /// Updates applied so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The scheduled learning rate of update number `step` (1-based; see the module doc).
+    pub fn lr_at(&self, step: u64) -> f32 {
+        scheduled_lr(self.cfg.lr, &self.cfg.schedule, step) as f32
+    }
+
+    /// The state slots (momentum buffer / m, v / accumulator), empty for SGD.
+    pub fn slots(&self) -> &[Vec<f32>] {
+        &self.slots
+    }
+
+    /// Replaces the step count and state (e.g. from a checkpoint) after checking slot count and lengths.
+    pub fn restore(&mut self, steps: u64, slots: Vec<Vec<f32>>) -> Result<(), OptimError> {
+        let expected = slot_count(self.cfg.kind);
+        if slots.len() != expected {
+            return Err(OptimError::SlotCount {
+                expected,
+                found: slots.len(),
+            });
+        }
+        if let Some((slot, s)) = slots.iter().enumerate().find(|(_, s)| s.len() != self.len) {
+            return Err(OptimError::SlotLength {
+                slot,
+                expected: self.len,
+                found: s.len(),
+            });
+        }
+        self.steps = steps;
+        self.slots = slots;
+        Ok(())
+    }
+
+    /// State footprint in bytes per parameter (0 for SGD, 4 for momentum/Nesterov/Adagrad, 8 for Adam/AdamW).
+    pub fn bytes_per_param(&self) -> usize {
+        slot_count(self.cfg.kind) * std::mem::size_of::<f32>()
+    }
+}
+
+/// The learning-rate schedule as a pure function of the base lr and the 1-based update number (see the module doc).
+pub fn scheduled_lr(lr: f32, schedule: &Schedule, t: u64) -> f64 {
+    let lr = f64::from(lr);
+    match *schedule {
+        Schedule::Constant => lr,
+        Schedule::WarmupCosine {
+            warmup,
+            total,
+            min_ratio,
+        } => {
+            let floor = f64::from(min_ratio);
+            if t < warmup {
+                lr * t as f64 / warmup as f64
+            } else if t >= total {
+                lr * floor
+            } else {
+                // Here warmup <= t < total, so the span is positive.
+                let p = (t - warmup) as f64 / (total - warmup) as f64;
+                lr * (floor + (1.0 - floor) * 0.5 * (1.0 + (PI * p).cos()))
+            }
+        }
+        Schedule::Step { every, gamma } => {
+            if every == 0 {
+                lr
+            } else {
+                lr * powu(f64::from(gamma), t / every)
+            }
+        }
+    }
+}
+
+/// `x^n` by binary exponentiation: plain IEEE multiplies, so it does not depend on the platform's `pow`.
+fn powu(mut x: f64, mut n: u64) -> f64 {
+    let mut acc = 1.0;
+    while n > 0 {
+        if n & 1 == 1 {
+            acc *= x;
+        }
+        x *= x;
+        n >>= 1;
+    }
+    acc
+}
+
+/// Adam's per-update scalars, hoisted out of the element loop.
+#[derive(Debug, Clone, Copy)]
+struct AdamConsts {
+    /// L2 decay folded into the gradient (Adam) or 0 (AdamW).
+    l2: f32,
+    /// Multiplier applied to w before the step: `1 − lr·wd` (AdamW) or 1 (Adam).
+    decay: f32,
+    b1: f32,
+    one_minus_b1: f32,
+    b2: f32,
+    one_minus_b2: f32,
+    /// `lr / (1 − β1ᵗ)`.
+    step_size: f32,
+    /// `1 / √(1 − β2ᵗ)`.
+    inv_sqrt_bc2: f32,
+    eps: f32,
+}
+
+impl AdamConsts {
+    fn new(c: &OptimizerConfig, lr: f32, t: u64) -> Self {
+        let bc1 = 1.0 - powu(f64::from(c.beta1), t);
+        let bc2 = 1.0 - powu(f64::from(c.beta2), t);
+        let (l2, decay) = if c.kind == OptimizerKind::Adamw {
+            (0.0, 1.0 - lr * c.weight_decay)
+        } else {
+            (c.weight_decay, 1.0)
+        };
+        Self {
+            l2,
+            decay,
+            b1: c.beta1,
+            one_minus_b1: 1.0 - c.beta1,
+            b2: c.beta2,
+            one_minus_b2: 1.0 - c.beta2,
+            step_size: (f64::from(lr) / bc1) as f32,
+            inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
+            eps: c.eps,
+        }
+    }
+}
+
+/// Whether the AVX2 kernels can run on this CPU.
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Runs `f` compiled for AVX2 when `simd` (checked at construction) or as built otherwise. AVX2 here only widens the
+/// vectors: no FMA is enabled, so both paths round identically.
+#[inline(always)]
+fn dispatch<F: FnOnce()>(simd: bool, f: F) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn with_avx2<F: FnOnce()>(f: F) {
+            f()
+        }
+        if simd {
+            // SAFETY: `simd` is true only when `is_x86_feature_detected!("avx2")` said so for this CPU.
+            unsafe { with_avx2(f) };
+            return;
+        }
+    }
+    let _ = simd;
+    f()
+}
+
+/// Walks equal-length slices in `LANES`-wide chunks plus a remainder, binding each `mut` name to `&mut f32` and each
+/// `ref` name to `f32` for every element position; the fixed-width inner loop is what LLVM turns into vector code.
+/// All slices must have the same length (the callers re-slice them to the weights' length first).
+macro_rules! zip_lanes {
+    (mut ($($m:ident),*) ref ($($r:ident),*) $body:block) => {{
+        $(let mut $m = $m.chunks_exact_mut(LANES);)*
+        $(let mut $r = $r.chunks_exact(LANES);)*
+        loop {
+            $(let Some($m) = $m.next() else { break };)*
+            $(let Some($r) = $r.next() else { break };)*
+            for i in 0..LANES {
+                $(let $m = &mut $m[i];)*
+                $(let $r = $r[i];)*
+                $body
+            }
+        }
+        $(let $m = $m.into_remainder();)*
+        $(let $r = $r.remainder();)*
+        for i in 0..zip_lanes!(@len $($r),*) {
+            $(let $m = &mut $m[i];)*
+            $(let $r = $r[i];)*
+            $body
+        }
+    }};
+    (@len $a:ident $(, $rest:ident)*) => { $a.len() };
+}
+
+#[inline(always)]
+fn sgd(w: &mut [f32], g: &[f32], lr: f32, wd: f32) {
+    let g = &g[..w.len()];
+    zip_lanes!(mut (w) ref (g) {
+        *w -= lr * (g + wd * *w);
+    });
+}
+
+#[inline(always)]
+fn momentum(w: &mut [f32], g: &[f32], b: &mut [f32], lr: f32, mu: f32, wd: f32, nesterov: bool) {
+    let (g, b) = (&g[..w.len()], &mut b[..w.len()]);
+    if nesterov {
+        zip_lanes!(mut (w, b) ref (g) {
+            let gd = g + wd * *w;
+            *b = mu * *b + gd;
+            *w -= lr * (gd + mu * *b);
+        });
+    } else {
+        zip_lanes!(mut (w, b) ref (g) {
+            *b = mu * *b + (g + wd * *w);
+            *w -= lr * *b;
+        });
+    }
+}
+
+#[inline(always)]
+fn adam(w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &AdamConsts) {
+    let (g, m, v) = (&g[..w.len()], &mut m[..w.len()], &mut v[..w.len()]);
+    let k = *k;
+    zip_lanes!(mut (w, m, v) ref (g) {
+        let gd = g + k.l2 * *w;
+        *m = k.b1 * *m + k.one_minus_b1 * gd;
+        *v = k.b2 * *v + k.one_minus_b2 * (gd * gd);
+        let denom = v.sqrt() * k.inv_sqrt_bc2 + k.eps;
+        *w = *w * k.decay - k.step_size * *m / denom;
+    });
+}
+
+#[inline(always)]
+fn adagrad(w: &mut [f32], g: &[f32], s: &mut [f32], lr: f32, wd: f32, eps: f32) {
+    let (g, s) = (&g[..w.len()], &mut s[..w.len()]);
+    zip_lanes!(mut (w, s) ref (g) {
+        let gd = g + wd * *w;
+        *s += gd * gd;
+        *w -= lr * gd / (s.sqrt() + eps);
+    });
+}
