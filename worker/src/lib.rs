@@ -1,1 +1,3 @@
 //! Tether workers: models, data loading, compute backends and the worker actor.
+
+pub mod model;
