@@ -1,3 +1,4 @@
 //! Tether workers: models, data loading, compute backends and the worker actor.
 
 pub mod data;
+pub mod model;

@@ -1,0 +1,96 @@
+//! Models: the differentiable functions a worker trains, each over one flat f32 parameter vector described by a
+//! [`Layout`]. A model owns only scratch buffers (activations, back-propagated errors), never the parameters: the
+//! caller passes the current parameters in and gets the mean loss and the gradient back, written in place into a
+//! caller-owned slice of `layout().len()` values. Results are a deterministic function of (params, x, y): repeated
+//! calls give bit-identical gradients. Users plug in their own gradient computation by implementing [`Model`].
+
+mod logreg;
+mod mlp;
+
+pub use logreg::LogReg;
+pub use mlp::Mlp;
+
+use tether_common::config::{ModelConfig, ModelKind};
+use tether_common::layout::Layout;
+
+/// A differentiable model over a flat parameter vector.
+///
+/// Inputs are row-major `rows × features()` f32 batches; labels are class indices `< classes()`. Implementations
+/// panic on mismatched slice lengths or out-of-range labels: those are caller bugs, checked once by data loaders.
+pub trait Model: Send {
+    /// The parameter layout (names, shapes, initialisation) this model reads.
+    fn layout(&self) -> &Layout;
+
+    /// Output width: the number of classes.
+    fn classes(&self) -> usize;
+
+    /// Input width: the number of features per row.
+    fn features(&self) -> usize;
+
+    /// Mean loss over the batch and its gradient w.r.t. params, written into `grad` (len == layout.len()).
+    /// x: row-major batch×features.
+    fn loss_and_grad(&mut self, params: &[f32], x: &[f32], y: &[u32], grad: &mut [f32]) -> f32;
+
+    /// Predicted class per row (for test accuracy); `out.len() == rows`.
+    fn predict(&mut self, params: &[f32], x: &[f32], out: &mut [u32]);
+
+    /// Mean loss over the batch without the gradient.
+    ///
+    /// The default computes the gradient into a scratch vector (one allocation per call); built-in models override it
+    /// with a forward-only pass.
+    fn loss(&mut self, params: &[f32], x: &[f32], y: &[u32]) -> f32 {
+        let mut scratch = vec![0.0; self.layout().len()];
+        self.loss_and_grad(params, x, y, &mut scratch)
+    }
+}
+
+/// Fraction of rows whose predicted class equals the label, evaluated `chunk` rows at a time (0 when there are no rows).
+pub fn accuracy(model: &mut dyn Model, params: &[f32], x: &[f32], y: &[u32], chunk: usize) -> f32 {
+    let f = model.features();
+    assert_eq!(
+        x.len(),
+        y.len() * f,
+        "accuracy: x must hold y.len() rows of features"
+    );
+    if y.is_empty() {
+        return 0.0;
+    }
+    let chunk = chunk.clamp(1, y.len());
+    let mut pred = vec![0u32; chunk];
+    let mut correct = 0usize;
+    for (xs, ys) in x.chunks(chunk * f).zip(y.chunks(chunk)) {
+        let out = &mut pred[..ys.len()];
+        model.predict(params, xs, out);
+        correct += out.iter().zip(ys).filter(|(p, l)| p == l).count();
+    }
+    correct as f32 / y.len() as f32
+}
+
+/// Mean loss over all rows, evaluated `chunk` rows at a time (0 when there are no rows).
+pub fn mean_loss(model: &mut dyn Model, params: &[f32], x: &[f32], y: &[u32], chunk: usize) -> f32 {
+    let f = model.features();
+    assert_eq!(
+        x.len(),
+        y.len() * f,
+        "mean_loss: x must hold y.len() rows of features"
+    );
+    if y.is_empty() {
+        return 0.0;
+    }
+    let chunk = chunk.clamp(1, y.len());
+    let mut total = 0.0f64;
+    for (xs, ys) in x.chunks(chunk * f).zip(y.chunks(chunk)) {
+        total += f64::from(model.loss(params, xs, ys)) * ys.len() as f64;
+    }
+    (total / y.len() as f64) as f32
+}
+
+/// The built-in model named by the `[model]` config section, for `features` inputs and `classes` outputs.
+///
+/// The initial parameters are `model.layout().init_all(cfg.seed)`.
+pub fn build(cfg: &ModelConfig, features: usize, classes: usize) -> Box<dyn Model> {
+    match cfg.kind {
+        ModelKind::Mlp => Box::new(Mlp::new(features, &cfg.hidden, classes)),
+        ModelKind::Logreg => Box::new(LogReg::new(features, classes)),
+    }
+}
