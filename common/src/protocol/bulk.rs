@@ -12,6 +12,7 @@ use super::{Precision, ProtocolError};
 
 /// One worker's encoded gradient for one shard's range at one clock.
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[rkyv(derive(Debug))]
 pub struct PushFrame {
     /// The pushing worker's rank.
     pub worker: u32,
@@ -33,6 +34,7 @@ pub struct PushFrame {
 
 /// A shard's parameters sent in answer to a pull.
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[rkyv(derive(Debug))]
 pub struct ParamReply {
     /// Answering shard.
     pub shard: u32,
