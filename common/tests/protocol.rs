@@ -7,7 +7,11 @@ use tether_common::protocol::*;
 
 fn all_controls() -> Vec<Control> {
     vec![
-        Control::Hello { rank: 3, protocol_version: PROTOCOL_VERSION, layout_hash: 0xdead_beef_0123_4567 },
+        Control::Hello {
+            rank: 3,
+            protocol_version: PROTOCOL_VERSION,
+            layout_hash: 0xdead_beef_0123_4567,
+        },
         Control::Welcome {
             shard: 1,
             range_start: 100,
@@ -16,12 +20,28 @@ fn all_controls() -> Vec<Control> {
             min_clock: 17,
             version: 99,
         },
-        Control::Welcome { shard: 0, range_start: 0, range_end: 1, staleness: None, min_clock: 0, version: 0 },
+        Control::Welcome {
+            shard: 0,
+            range_start: 0,
+            range_end: 1,
+            staleness: None,
+            min_clock: 0,
+            version: 0,
+        },
         Control::Heartbeat { clock: u64::MAX },
         Control::Clock { clock: 42 },
-        Control::PullRequest { clock: 7, precision: Precision::F32 },
-        Control::PullRequest { clock: 8, precision: Precision::Bf16 },
-        Control::Error { code: ErrorCode::Replay, message: "clock 4 already pushed".into() },
+        Control::PullRequest {
+            clock: 7,
+            precision: Precision::F32,
+        },
+        Control::PullRequest {
+            clock: 8,
+            precision: Precision::Bf16,
+        },
+        Control::Error {
+            code: ErrorCode::Replay,
+            message: "clock 4 already pushed".into(),
+        },
         Control::Goodbye,
     ]
 }
@@ -48,7 +68,10 @@ fn reply() -> ParamReply {
         range_start: 10,
         range_end: 14,
         precision: Precision::F32,
-        values: [1.0f32, -2.5, 0.0, 3.25].iter().flat_map(|v| v.to_le_bytes()).collect(),
+        values: [1.0f32, -2.5, 0.0, 3.25]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
     }
 }
 
@@ -65,9 +88,16 @@ fn every_control_message_round_trips() {
 fn control_rejects_trailing_bytes_and_unknown_error_codes() {
     let mut bytes = encode_control(&Control::Goodbye).unwrap();
     bytes.push(0);
-    assert_eq!(decode_control(&bytes).unwrap_err().code(), ErrorCode::BadFrame);
+    assert_eq!(
+        decode_control(&bytes).unwrap_err().code(),
+        ErrorCode::BadFrame
+    );
     // An Error message whose code is not assigned does not decode.
-    let good = encode_control(&Control::Error { code: ErrorCode::BadFrame, message: String::new() }).unwrap();
+    let good = encode_control(&Control::Error {
+        code: ErrorCode::BadFrame,
+        message: String::new(),
+    })
+    .unwrap();
     let mut bad = good.clone();
     let code_pos = good.iter().position(|&b| b == 1).unwrap();
     bad[code_pos] = 200;
@@ -76,9 +106,14 @@ fn control_rejects_trailing_bytes_and_unknown_error_codes() {
 
 #[test]
 fn long_error_messages_are_cut_to_fit() {
-    let msg = Control::Error { code: ErrorCode::Internal, message: "é".repeat(5000) };
+    let msg = Control::Error {
+        code: ErrorCode::Internal,
+        message: "é".repeat(5000),
+    };
     let bytes = encode_control(&msg).unwrap();
-    let Control::Error { message, .. } = decode_control(&bytes).unwrap() else { panic!("not an Error") };
+    let Control::Error { message, .. } = decode_control(&bytes).unwrap() else {
+        panic!("not an Error")
+    };
     assert!(message.len() <= tether_common::protocol::control::MAX_ERROR_MESSAGE_BYTES);
     assert!(message.chars().all(|c| c == 'é'));
 }
@@ -124,8 +159,14 @@ fn bulk_frames_round_trip_owned_and_archived() {
     assert_eq!(archived.meta().loss, 0.75);
     assert_eq!(archived.payload(), &p.payload[..]);
     archived.check_target(1, 10, 1034).unwrap();
-    assert_eq!(archived.check_target(0, 10, 1034).unwrap_err().code(), ErrorCode::WrongShard);
-    assert_eq!(archived.check_target(1, 10, 1035).unwrap_err().code(), ErrorCode::BadRange);
+    assert_eq!(
+        archived.check_target(0, 10, 1034).unwrap_err().code(),
+        ErrorCode::WrongShard
+    );
+    assert_eq!(
+        archived.check_target(1, 10, 1035).unwrap_err().code(),
+        ErrorCode::BadRange
+    );
 
     let r = reply();
     let bytes = encode_params(&r).unwrap();
@@ -136,7 +177,14 @@ fn bulk_frames_round_trip_owned_and_archived() {
     let mut short = r.clone();
     short.values.pop();
     let bytes = encode_params(&short).unwrap();
-    assert_eq!(access_params(&bytes).unwrap().check_shape(10, 14).unwrap_err().code(), ErrorCode::ValidationFailed);
+    assert_eq!(
+        access_params(&bytes)
+            .unwrap()
+            .check_shape(10, 14)
+            .unwrap_err()
+            .code(),
+        ErrorCode::ValidationFailed
+    );
 }
 
 #[test]
@@ -162,7 +210,10 @@ fn corrupted_bulk_frames_fail_validation() {
     let err = access_push(&bad).unwrap_err();
     assert_eq!(err.code(), ErrorCode::ValidationFailed);
     // Too short to hold the root.
-    assert_eq!(access_push(&bytes[..8]).unwrap_err().code(), ErrorCode::ValidationFailed);
+    assert_eq!(
+        access_push(&bytes[..8]).unwrap_err().code(),
+        ErrorCode::ValidationFailed
+    );
     // Misaligned input is refused, not read.
     let mut shifted = AlignedVec::<16>::new();
     shifted.push(0);
@@ -190,7 +241,11 @@ fn limits_follow_the_shard_and_codec() {
 }
 
 fn limits() -> FrameLimits {
-    FrameLimits { control: 64, push: 1024, params: 512 }
+    FrameLimits {
+        control: 64,
+        push: 1024,
+        params: 512,
+    }
 }
 
 #[test]
@@ -201,16 +256,38 @@ fn framing_checks_kind_length_and_truncation() {
     assert_eq!((kind, body.len(), rest.len()), (FrameKind::Push, 100, 0));
 
     let e = split_frame(&frame[..50], &limits(), &all).unwrap_err();
-    assert_eq!(e, ProtocolError::Truncated { expected: 100, got: 45 });
-    assert_eq!(split_frame(&frame[..3], &limits(), &all).unwrap_err().code(), ErrorCode::Truncated);
+    assert_eq!(
+        e,
+        ProtocolError::Truncated {
+            expected: 100,
+            got: 45
+        }
+    );
+    assert_eq!(
+        split_frame(&frame[..3], &limits(), &all)
+            .unwrap_err()
+            .code(),
+        ErrorCode::Truncated
+    );
 
     let big = encode_frame(FrameKind::Control, &[0; 65]).unwrap();
-    assert_eq!(split_frame(&big, &limits(), &all).unwrap_err().code(), ErrorCode::Oversized);
+    assert_eq!(
+        split_frame(&big, &limits(), &all).unwrap_err().code(),
+        ErrorCode::Oversized
+    );
 
     let mut unknown = frame.clone();
     unknown[4] = 9;
-    assert_eq!(split_frame(&unknown, &limits(), &all).unwrap_err().code(), ErrorCode::BadFrame);
-    assert_eq!(split_frame(&frame, &limits(), &[FrameKind::Control]).unwrap_err().code(), ErrorCode::UnexpectedMessage);
+    assert_eq!(
+        split_frame(&unknown, &limits(), &all).unwrap_err().code(),
+        ErrorCode::BadFrame
+    );
+    assert_eq!(
+        split_frame(&frame, &limits(), &[FrameKind::Control])
+            .unwrap_err()
+            .code(),
+        ErrorCode::UnexpectedMessage
+    );
 }
 
 #[tokio::test]
@@ -218,25 +295,52 @@ async fn async_reader_checks_before_allocating() {
     let all = [FrameKind::Control, FrameKind::Push, FrameKind::Params];
     let mut body = AlignedVec::new();
     // A header claiming 4 GiB - 1 is refused without reserving anything.
-    let mut claim = FrameHeader::encode(FrameKind::Push, u32::MAX as usize).unwrap().to_vec();
+    let mut claim = FrameHeader::encode(FrameKind::Push, u32::MAX as usize)
+        .unwrap()
+        .to_vec();
     claim.extend_from_slice(&[0; 10]);
-    let err = read_frame(&mut &claim[..], &limits(), &all, &mut body).await.unwrap_err();
-    assert!(matches!(err, ReadFrameError::Protocol(ProtocolError::Oversized { .. })));
+    let err = read_frame(&mut &claim[..], &limits(), &all, &mut body)
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ReadFrameError::Protocol(ProtocolError::Oversized { .. })
+    ));
     assert!(body.capacity() < 1024);
 
     let frame = encode_frame(FrameKind::Params, &[5; 200]).unwrap();
     let mut reader = &frame[..];
-    assert_eq!(read_frame(&mut reader, &limits(), &all, &mut body).await.unwrap(), Some(FrameKind::Params));
+    assert_eq!(
+        read_frame(&mut reader, &limits(), &all, &mut body)
+            .await
+            .unwrap(),
+        Some(FrameKind::Params)
+    );
     assert_eq!(body.as_slice(), &[5; 200][..]);
     expect_end(&mut reader).await.unwrap();
-    assert_eq!(read_frame(&mut reader, &limits(), &all, &mut body).await.unwrap(), None);
+    assert_eq!(
+        read_frame(&mut reader, &limits(), &all, &mut body)
+            .await
+            .unwrap(),
+        None
+    );
 
-    let err = read_frame(&mut &frame[..150], &limits(), &all, &mut body).await.unwrap_err();
-    assert!(matches!(err, ReadFrameError::Protocol(ProtocolError::Truncated { expected: 200, got: 145 })));
+    let err = read_frame(&mut &frame[..150], &limits(), &all, &mut body)
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ReadFrameError::Protocol(ProtocolError::Truncated {
+            expected: 200,
+            got: 145
+        })
+    ));
     let mut two = frame.clone();
     two.push(1);
     let mut reader = &two[..];
-    read_frame(&mut reader, &limits(), &all, &mut body).await.unwrap();
+    read_frame(&mut reader, &limits(), &all, &mut body)
+        .await
+        .unwrap();
     assert!(expect_end(&mut reader).await.is_err());
 }
 
