@@ -7,4 +7,7 @@ pub mod codec;
 pub mod config;
 pub mod layout;
 pub mod metrics;
+pub mod net;
+pub mod pki;
+pub mod protocol;
 pub mod report;

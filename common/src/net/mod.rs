@@ -1,0 +1,103 @@
+//! The authenticated QUIC transport: a thin shell over [`crate::protocol`] using quinn 0.11 and rustls 0.23
+//! (ring provider only, passed explicitly; never a process-default provider).
+//!
+//! Invariants: TLS 1.3 only, ALPN `tether/1`; servers require a client certificate signed by the cluster CA, so
+//! a peer without one never gets a connection and no frame of theirs is read; a protocol violation closes only
+//! that connection, with the violation's [`ErrorCode`] as the QUIC application close code.
+
+mod endpoint;
+mod identity;
+mod session;
+mod tls;
+mod tuning;
+
+pub use endpoint::{client_endpoint, client_endpoint_on, connect, server_endpoint};
+pub use identity::{peer_identity, PeerIdentity};
+pub use session::{
+    client_handshake, close_with, recv_bulk, reject, send_bulk, server_accept_hello, BulkFrame,
+    ControlChannel,
+};
+pub use tls::TlsFiles;
+pub use tuning::TransportTuning;
+
+use std::path::PathBuf;
+
+use crate::protocol::{ErrorCode, ProtocolError, ReadFrameError};
+
+/// Everything that can go wrong in the transport.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// A TLS file is missing or does not hold what it should.
+    #[error("certificate file {path}: {reason}")]
+    Certificate {
+        /// The offending file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The TLS or QUIC configuration could not be built from valid files.
+    #[error("TLS configuration: {0}")]
+    Tls(String),
+    /// The UDP socket could not be bound.
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A connection could not be started (bad server name, endpoint closing).
+    #[error("cannot connect: {0}")]
+    Connect(#[from] quinn::ConnectError),
+    /// The connection failed or was closed (by us or the peer).
+    #[error("connection lost: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    /// Writing to a stream failed.
+    #[error("stream write failed: {0}")]
+    Write(#[from] quinn::WriteError),
+    /// Reading from a stream failed below the protocol (reset, connection lost).
+    #[error("stream read failed: {0}")]
+    Read(std::io::Error),
+    /// A stream was already closed.
+    #[error("stream closed: {0}")]
+    ClosedStream(#[from] quinn::ClosedStream),
+    /// The peer closed the control stream.
+    #[error("peer closed the control stream")]
+    ControlClosed,
+    /// The peer's bytes or message order violate the protocol.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The peer's certificate is missing or names no Tether identity.
+    #[error("peer identity: {0}")]
+    Identity(String),
+}
+
+impl NetError {
+    /// The error code to close the connection with, when this error is the peer's fault.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            NetError::Protocol(e) => Some(e.code()),
+            NetError::Identity(_) => Some(ErrorCode::Unauthorized),
+            _ => None,
+        }
+    }
+
+    /// The application close code the peer closed the connection with, if it did.
+    pub fn remote_close_code(&self) -> Option<u64> {
+        match self {
+            NetError::Connection(quinn::ConnectionError::ApplicationClosed(close)) => {
+                Some(close.error_code.into_inner())
+            }
+            _ => None,
+        }
+    }
+}
+
+impl From<ReadFrameError> for NetError {
+    fn from(e: ReadFrameError) -> NetError {
+        match e {
+            ReadFrameError::Protocol(p) => NetError::Protocol(p),
+            ReadFrameError::Io(io) => NetError::Read(io),
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Transport knobs (flow-control windows, stream limits, packet size, liveness), measured by
+//! `examples/wire_bench.rs`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::protocol::{FrameLimits, HEADER_LEN};
+
+/// QUIC transport settings shared by servers and clients.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransportTuning {
+    /// Per-stream receive window, bytes (at least one whole bulk frame so a frame never waits on its stream).
+    pub stream_receive_window: u64,
+    /// Per-connection receive window, bytes.
+    pub receive_window: u64,
+    /// Per-connection send buffer, bytes.
+    pub send_window: u64,
+    /// Concurrent unidirectional streams the peer may open (one per bulk frame in flight).
+    pub max_concurrent_uni_streams: u32,
+    /// Concurrent bidirectional streams the peer may open (control channel).
+    pub max_concurrent_bidi_streams: u32,
+    /// Keep-alive ping interval (`None` = no pings).
+    pub keep_alive_interval: Option<Duration>,
+    /// Idle time after which a silent connection is dropped.
+    pub idle_timeout: Duration,
+    /// UDP payload size assumed from the start (≥ 1200; only raise it where the path is known to carry it).
+    pub initial_mtu: u16,
+    /// Largest UDP payload size path-MTU discovery probes for (`None` disables discovery).
+    pub mtu_discovery_upper_bound: Option<u16>,
+    /// Generic segmentation offload (batching many packets per syscall).
+    pub segmentation_offload: bool,
+}
+
+impl Default for TransportTuning {
+    fn default() -> Self {
+        TransportTuning {
+            stream_receive_window: 8 << 20,
+            receive_window: 64 << 20,
+            send_window: 64 << 20,
+            max_concurrent_uni_streams: 256,
+            max_concurrent_bidi_streams: 4,
+            keep_alive_interval: Some(Duration::from_secs(2)),
+            idle_timeout: Duration::from_secs(30),
+            initial_mtu: 1200,
+            mtu_discovery_upper_bound: Some(8952),
+            segmentation_offload: true,
+        }
+    }
+}
+
+impl TransportTuning {
+    /// Widens the windows so that one bulk frame fits a stream window and several fit the connection window.
+    pub fn sized_for(mut self, limits: &FrameLimits) -> Self {
+        let frame = (limits.push.max(limits.params) + HEADER_LEN) as u64;
+        self.stream_receive_window = self.stream_receive_window.max(frame);
+        self.receive_window = self.receive_window.max(frame.saturating_mul(4));
+        self.send_window = self.send_window.max(frame.saturating_mul(4));
+        self
+    }
+
+    /// The quinn transport configuration for these settings.
+    pub fn transport_config(&self) -> Arc<quinn::TransportConfig> {
+        let clamp = |v: u64| quinn::VarInt::from_u64(v).unwrap_or(quinn::VarInt::MAX);
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(clamp(self.stream_receive_window))
+            .receive_window(clamp(self.receive_window))
+            .send_window(self.send_window)
+            .max_concurrent_uni_streams(quinn::VarInt::from_u32(self.max_concurrent_uni_streams))
+            .max_concurrent_bidi_streams(quinn::VarInt::from_u32(self.max_concurrent_bidi_streams))
+            .keep_alive_interval(self.keep_alive_interval)
+            .max_idle_timeout(quinn::IdleTimeout::try_from(self.idle_timeout).ok())
+            .initial_mtu(self.initial_mtu.max(1200))
+            .enable_segmentation_offload(self.segmentation_offload);
+        match self.mtu_discovery_upper_bound {
+            Some(upper) => {
+                let mut mtu = quinn::MtuDiscoveryConfig::default();
+                mtu.upper_bound(upper.max(self.initial_mtu.max(1200)));
+                t.mtu_discovery_config(Some(mtu));
+            }
+            None => {
+                t.mtu_discovery_config(None);
+            }
+        }
+        Arc::new(t)
+    }
+}

@@ -1,0 +1,237 @@
+//! Control messages: the small, infrequent messages of a session, encoded with bincode 2.0.1.
+//!
+//! This is the only module that touches bincode. Encoding uses `bincode::config::standard()` with a byte limit
+//! of [`MAX_CONTROL_BYTES`]; decoding rejects trailing bytes, so one frame body is exactly one message.
+//! Decoding never panics on arbitrary input; every failure is a [`ProtocolError`].
+
+use serde::{Deserialize, Serialize};
+
+use super::{ErrorCode, Precision, ProtocolError};
+
+/// Largest encoded control message, in bytes (also the control frame limit).
+pub const MAX_CONTROL_BYTES: usize = 4096;
+
+/// Longest `Control::Error` message, in bytes; longer messages are cut at a character boundary on encode.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
+
+/// A control message on the session's long-lived bidirectional stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Control {
+    /// Worker → server, first message: who I am and what model I train.
+    Hello {
+        /// The worker's rank (must match its certificate unless it uses the shared client certificate).
+        rank: u32,
+        /// The worker's [`super::PROTOCOL_VERSION`].
+        protocol_version: u32,
+        /// Hash of the model layout; must equal the server's.
+        layout_hash: u64,
+    },
+    /// Server → worker, answer to `Hello`: the shard's identity and the SSP state to join at.
+    Welcome {
+        /// Shard index.
+        shard: u32,
+        /// First global parameter index owned by the shard.
+        range_start: u64,
+        /// One past the last global parameter index owned by the shard.
+        range_end: u64,
+        /// Staleness bound; `None` means unbounded (asynchronous).
+        staleness: Option<u32>,
+        /// Minimum clock over live workers; a (re)joining worker starts here.
+        min_clock: u64,
+        /// Shard parameter version.
+        version: u64,
+    },
+    /// Worker → server liveness signal carrying the worker's clock.
+    Heartbeat {
+        /// The worker's current clock.
+        clock: u64,
+    },
+    /// Worker → server: the worker finished push round `clock`.
+    Clock {
+        /// The completed push round.
+        clock: u64,
+    },
+    /// Worker → server: send parameters once the SSP gate for `clock` opens.
+    PullRequest {
+        /// The worker's clock for this pull.
+        clock: u64,
+        /// Wire precision of the returned values.
+        precision: Precision,
+    },
+    /// Either side: a protocol error; the sender closes the connection with the same code.
+    Error {
+        /// Stable error code.
+        code: ErrorCode,
+        /// Human-readable cause.
+        message: String,
+    },
+    /// Either side: orderly end of the session.
+    Goodbye,
+}
+
+impl Control {
+    /// An `Error` message for a protocol error, with the message cut to [`MAX_ERROR_MESSAGE_BYTES`].
+    pub fn error(err: &ProtocolError) -> Control {
+        Control::Error {
+            code: err.code(),
+            message: truncate_message(err.to_string()),
+        }
+    }
+
+    /// The variant name, for logs and `UnexpectedMessage` errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Control::Hello { .. } => "Hello",
+            Control::Welcome { .. } => "Welcome",
+            Control::Heartbeat { .. } => "Heartbeat",
+            Control::Clock { .. } => "Clock",
+            Control::PullRequest { .. } => "PullRequest",
+            Control::Error { .. } => "Error",
+            Control::Goodbye => "Goodbye",
+        }
+    }
+}
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_CONTROL_BYTES>()
+}
+
+fn truncate_message(mut message: String) -> String {
+    if message.len() > MAX_ERROR_MESSAGE_BYTES {
+        let mut cut = MAX_ERROR_MESSAGE_BYTES;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+    }
+    message
+}
+
+/// Encodes a control message (an `Error` message longer than the cap is cut first).
+pub fn encode_control(msg: &Control) -> Result<Vec<u8>, ProtocolError> {
+    let owned;
+    let msg = match msg {
+        Control::Error { code, message } if message.len() > MAX_ERROR_MESSAGE_BYTES => {
+            owned = Control::Error {
+                code: *code,
+                message: truncate_message(message.clone()),
+            };
+            &owned
+        }
+        other => other,
+    };
+    bincode::serde::encode_to_vec(msg, config()).map_err(|e| ProtocolError::Rejected {
+        code: ErrorCode::Internal,
+        message: format!("encode control: {e}"),
+    })
+}
+
+/// Decodes exactly one control message from `bytes` (trailing bytes are an error).
+pub fn decode_control(bytes: &[u8]) -> Result<Control, ProtocolError> {
+    if bytes.len() > MAX_CONTROL_BYTES {
+        return Err(ProtocolError::Oversized {
+            kind: super::FrameKind::Control as u8,
+            len: bytes.len() as u64,
+            limit: MAX_CONTROL_BYTES as u64,
+        });
+    }
+    let (msg, used): (Control, usize) = bincode::serde::decode_from_slice(bytes, config())
+        .map_err(|e| ProtocolError::ControlDecode(e.to_string()))?;
+    if used != bytes.len() {
+        return Err(ProtocolError::BadFrame(format!(
+            "{} trailing bytes after control message",
+            bytes.len() - used
+        )));
+    }
+    Ok(msg)
+}
+
+/// The fields of `Control::Hello`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    /// The worker's rank.
+    pub rank: u32,
+    /// The worker's protocol version.
+    pub protocol_version: u32,
+    /// The worker's layout hash.
+    pub layout_hash: u64,
+}
+
+/// The fields of `Control::Welcome`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Welcome {
+    /// Shard index.
+    pub shard: u32,
+    /// Shard range start.
+    pub range_start: u64,
+    /// Shard range end.
+    pub range_end: u64,
+    /// Staleness bound (`None` = unbounded).
+    pub staleness: Option<u32>,
+    /// Minimum live clock.
+    pub min_clock: u64,
+    /// Shard version.
+    pub version: u64,
+}
+
+impl From<Hello> for Control {
+    fn from(h: Hello) -> Control {
+        Control::Hello {
+            rank: h.rank,
+            protocol_version: h.protocol_version,
+            layout_hash: h.layout_hash,
+        }
+    }
+}
+
+impl From<Welcome> for Control {
+    fn from(w: Welcome) -> Control {
+        Control::Welcome {
+            shard: w.shard,
+            range_start: w.range_start,
+            range_end: w.range_end,
+            staleness: w.staleness,
+            min_clock: w.min_clock,
+            version: w.version,
+        }
+    }
+}
+
+impl Hello {
+    /// A hello for `rank` at this build's protocol version.
+    pub fn new(rank: u32, layout_hash: u64) -> Hello {
+        Hello {
+            rank,
+            protocol_version: super::PROTOCOL_VERSION,
+            layout_hash,
+        }
+    }
+
+    /// Checks the version, the layout hash and that `allowed(rank)` holds (the certificate binding).
+    pub fn check(
+        &self,
+        expected_layout_hash: u64,
+        allowed: impl FnOnce(u32) -> bool,
+        identity: &str,
+    ) -> Result<(), ProtocolError> {
+        if self.protocol_version != super::PROTOCOL_VERSION {
+            return Err(ProtocolError::BadVersion {
+                expected: super::PROTOCOL_VERSION,
+                got: self.protocol_version,
+            });
+        }
+        if self.layout_hash != expected_layout_hash {
+            return Err(ProtocolError::BadLayoutHash {
+                expected: expected_layout_hash,
+                got: self.layout_hash,
+            });
+        }
+        if !allowed(self.rank) {
+            return Err(ProtocolError::Unauthorized {
+                claimed: self.rank,
+                identity: identity.to_string(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,70 @@
+//! The wire protocol: message schemas, their encodings and stream framing, with no sockets.
+//!
+//! Control messages ([`Control`]) are bincode 2.0.1; bulk frames ([`PushFrame`], [`ParamReply`]) are rkyv 0.8
+//! read back with validation; every frame on a stream is `[u32 LE length][u8 kind][body]` with a per-kind size
+//! limit ([`FrameLimits`]). Every decoder accepts arbitrary bytes without panicking and fails with a
+//! [`ProtocolError`], which carries a stable [`ErrorCode`] for the wire.
+
+pub mod bulk;
+pub mod control;
+pub mod error;
+pub mod framing;
+
+pub use bulk::{
+    access_params, access_push, decode_params, decode_push, encode_params, encode_params_into,
+    encode_push, encode_push_into, ArchivedParamReply, ArchivedPushFrame, ParamReply, PushFrame,
+    PushMeta,
+};
+pub use control::{decode_control, encode_control, Control, Hello, Welcome, MAX_CONTROL_BYTES};
+pub use error::{ErrorCode, ProtocolError};
+pub use framing::{
+    encode_frame, read_frame, split_frame, FrameHeader, FrameKind, FrameLimits, ReadFrameError,
+    HEADER_LEN,
+};
+
+/// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`].
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// TLS ALPN protocol identifier.
+pub const ALPN: &[u8] = b"tether/1";
+
+/// Wire precision of parameter values in a pull.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, Clone, Copy, PartialEq, Eq))]
+pub enum Precision {
+    /// Little-endian IEEE f32.
+    F32,
+    /// Little-endian bfloat16.
+    Bf16,
+}
+
+impl Precision {
+    /// Bytes per value.
+    pub fn width(self) -> usize {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 => 2,
+        }
+    }
+}
+
+impl From<&ArchivedPrecision> for Precision {
+    fn from(p: &ArchivedPrecision) -> Precision {
+        match p {
+            ArchivedPrecision::F32 => Precision::F32,
+            ArchivedPrecision::Bf16 => Precision::Bf16,
+        }
+    }
+}
