@@ -354,14 +354,10 @@ fn gradients_are_bit_identical_across_calls_and_batch_sizes() {
     let (x4, y4) = (&x7[3 * 6..], &y7[3..]);
     let first3 = run(&mut m, &x7[..3 * 6], &y7[..3]);
     let last4 = run(&mut m, x4, y4);
-    let whole: Vec<f32> = a.1.iter().map(|b| f32::from_bits(*b)).collect();
-    for i in 0..whole.len() {
-        let mix = (3.0 * f32::from_bits(first3.1[i]) + 4.0 * f32::from_bits(last4.1[i])) / 7.0;
-        assert!(
-            (mix - whole[i]).abs() < 1e-5,
-            "coordinate {i}: {mix} vs {}",
-            whole[i]
-        );
+    for (i, ((w, f), l)) in a.1.iter().zip(&first3.1).zip(&last4.1).enumerate() {
+        let (w, f, l) = (f32::from_bits(*w), f32::from_bits(*f), f32::from_bits(*l));
+        let mix = (3.0 * f + 4.0 * l) / 7.0;
+        assert!((mix - w).abs() < 1e-5, "coordinate {i}: {mix} vs {w}");
     }
 }
 

@@ -14,6 +14,11 @@ impl LogReg {
     pub fn new(features: usize, classes: usize) -> Self {
         Self(Mlp::new(features, &[], classes))
     }
+
+    /// Writes the logits (`rows × classes`, row-major) of the batch `x` into `out`.
+    pub fn logits(&mut self, params: &[f32], x: &[f32], out: &mut [f32]) {
+        self.0.logits(params, x, out)
+    }
 }
 
 impl Model for LogReg {
