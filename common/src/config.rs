@@ -353,6 +353,8 @@ impl Default for ModelConfig {
             kind: ModelKind::default(),
             hidden: d_hidden(),
             seed: d_seed(),
+            features: None,
+            classes: None,
         }
     }
 }

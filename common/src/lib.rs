@@ -1,8 +1,6 @@
 //! Tether shared core: the gradient codec, the wire protocol and transport, the parameter layout, the cluster
 //! configuration and the run report. Pure logic lives here; the server and worker crates are shells around it.
 
-//! Tether shared core: the gradient codec, the wire protocol and transport, layout and configuration.
-
 pub mod codec;
 pub mod config;
 pub mod layout;

@@ -118,7 +118,7 @@ pub struct GetStats;
 
 /// Snapshot now and write a checkpoint; resolves when the write finished.
 #[derive(Message)]
-#[rtype(result = "ResponseFuture<Result<Option<u64>, String>>")]
+#[rtype(result = "Result<Option<u64>, String>")]
 pub struct CheckpointNow;
 
 /// Copy of the current weights (for evaluation and tests).

@@ -3,3 +3,7 @@
 pub mod checkpoint;
 pub mod clock;
 pub mod optim;
+pub mod actor;
+pub mod node;
+pub mod session;
+pub mod shard;

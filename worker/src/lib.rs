@@ -2,3 +2,5 @@
 
 pub mod data;
 pub mod model;
+pub mod step;
+pub mod trainer;
