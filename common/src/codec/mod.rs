@@ -360,7 +360,7 @@ fn encode_body(cfg: CodecConfig, kernel: Kernel, input: &[f32], seed: u64, body:
     if cfg.scheme.is_quantized() {
         quant::encode_quant(input, cfg.scheme.bits(), cfg.bucket, cfg.rounding, seed, kernel, body)
     } else {
-        float::encode_float(cfg.scheme, input, body)
+        float::encode_float(cfg.scheme, input, kernel, body)
     }
 }
 
@@ -437,7 +437,7 @@ impl Decoder {
         if h.scheme.is_quantized() {
             quant::decode_quant(body, h.scheme.bits(), h.bucket as usize, self.kernel, out)?;
         } else {
-            float::decode_float(h.scheme, body, out)?;
+            float::decode_float(h.scheme, body, self.kernel, out)?;
         }
         Ok(h)
     }

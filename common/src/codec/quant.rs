@@ -22,10 +22,13 @@ pub(crate) const fn level(bits: u32) -> i32 {
     }
 }
 
-/// Branch-free `clamp(floor(t), −l, l)` for finite, bounded `t` (trunc, then correct negatives).
+/// Branch-free `clamp(floor(t), −l, l)` for finite `t` with `|t| ≤ l + 2` (trunc, then correct negatives).
 #[inline(always)]
 fn floor_clamp(t: f32, l: i32) -> i32 {
-    let i = t as i32;
+    debug_assert!(t.is_finite() && t.abs() <= (l + 2) as f32);
+    // SAFETY: callers pass t = x·(L/scale) + u with |x| ≤ scale (bucket max) and u ∈ [0, 1), so t is finite and
+    // |t| ≤ L·(1 + ε) + 1, far inside i32; this is what lets the loop vectorize without saturation fix-ups.
+    let i: i32 = unsafe { t.to_int_unchecked() };
     let f = i - ((i as f32 > t) as i32);
     f.clamp(-l, l)
 }
@@ -158,7 +161,8 @@ pub(crate) fn absmax_bits_scalar(x: &[f32]) -> u32 {
     r
 }
 
-fn absmax_bits(x: &[f32], kernel: Kernel) -> u32 {
+/// Largest `|x|` as f32 bits using `kernel`; ≥ 0x7F80_0000 means NaN or ±Inf present.
+pub(crate) fn absmax_bits(x: &[f32], kernel: Kernel) -> u32 {
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a Kernel::Avx2 value is only constructed after runtime detection of AVX2 (Kernel::available).
