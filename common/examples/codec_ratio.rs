@@ -29,18 +29,32 @@ fn main() -> Result<(), CodecError> {
             }
         })
         .collect();
-    println!("{:<8} {:>14} {:>14} {:>14} {:>14}", "scheme", "gauss", "gauss+zstd", "tiny", "tiny+zstd");
+    println!(
+        "{:<8} {:>14} {:>14} {:>14} {:>14}",
+        "scheme", "gauss", "gauss+zstd", "tiny", "tiny+zstd"
+    );
     for scheme in Scheme::ALL {
         let mut row = Vec::new();
         for data in [&dense, &tiny] {
             for zstd in [false, true] {
-                let mut enc = Encoder::new(CodecConfig { scheme, zstd, ..CodecConfig::default() })?;
+                let mut enc = Encoder::new(CodecConfig {
+                    scheme,
+                    zstd,
+                    ..CodecConfig::default()
+                })?;
                 let mut frame = Vec::new();
                 enc.encode(data, 1, &mut frame)?;
                 row.push(frame.len() as f64 / (4 * n) as f64);
             }
         }
-        println!("{:<8} {:>14.4} {:>14.4} {:>14.4} {:>14.4}", scheme.name(), row[0], row[1], row[2], row[3]);
+        println!(
+            "{:<8} {:>14.4} {:>14.4} {:>14.4} {:>14.4}",
+            scheme.name(),
+            row[0],
+            row[1],
+            row[2],
+            row[3]
+        );
     }
     Ok(())
 }

@@ -13,7 +13,9 @@ use super::{CodecError, Kernel, Scheme};
 const CHUNK: usize = 256;
 
 fn first_non_finite(x: &[f32], base: usize) -> CodecError {
-    CodecError::NonFinite { index: base + x.iter().position(|v| !v.is_finite()).unwrap_or(0) }
+    CodecError::NonFinite {
+        index: base + x.iter().position(|v| !v.is_finite()).unwrap_or(0),
+    }
 }
 
 /// Round-to-nearest-even f32 → bf16 bits for finite `v` with |v| ≤ bf16::MAX.
@@ -25,7 +27,12 @@ fn bf16_bits(v: f32) -> u16 {
 }
 
 /// Encodes `input` as a raw none/fp16/bf16 body into `body` (exactly the raw body length).
-pub(crate) fn encode_float(scheme: Scheme, input: &[f32], kernel: Kernel, body: &mut [u8]) -> Result<(), CodecError> {
+pub(crate) fn encode_float(
+    scheme: Scheme,
+    input: &[f32],
+    kernel: Kernel,
+    body: &mut [u8],
+) -> Result<(), CodecError> {
     // One vectorized finiteness pass up front keeps the conversion loops branch- and flag-free.
     if absmax_bits(input, kernel) >= 0x7F80_0000 {
         return Err(first_non_finite(input, 0));
@@ -62,7 +69,12 @@ pub(crate) fn encode_float(scheme: Scheme, input: &[f32], kernel: Kernel, body: 
 }
 
 /// Decodes a raw none/fp16/bf16 body into `out` (lengths already checked); rejects non-finite values.
-pub(crate) fn decode_float(scheme: Scheme, body: &[u8], kernel: Kernel, out: &mut [f32]) -> Result<(), CodecError> {
+pub(crate) fn decode_float(
+    scheme: Scheme,
+    body: &[u8],
+    kernel: Kernel,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
     match scheme {
         Scheme::None => {
             for (o, b) in out.iter_mut().zip(body.chunks_exact(4)) {
