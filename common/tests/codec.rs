@@ -29,7 +29,12 @@ impl TestRng {
 }
 
 fn cfg(scheme: Scheme, rounding: Rounding, zstd: bool) -> CodecConfig {
-    CodecConfig { scheme, bucket: 512, rounding, zstd }
+    CodecConfig {
+        scheme,
+        bucket: 512,
+        rounding,
+        zstd,
+    }
 }
 
 fn roundtrip(enc: &mut Encoder, x: &[f32], seed: u64) -> Vec<f32> {
@@ -62,11 +67,21 @@ fn names_and_defaults() {
     }
     assert!("q3".parse::<Scheme>().is_err());
     let d = CodecConfig::default();
-    assert_eq!((d.scheme, d.bucket, d.rounding, d.zstd), (Scheme::Q4, 512, Rounding::Stochastic, false));
-    let c: CodecConfig = serde_json::from_str(r#"{"scheme":"q8","rounding":"deterministic"}"#).unwrap();
-    assert_eq!((c.scheme, c.bucket, c.rounding), (Scheme::Q8, 512, Rounding::Deterministic));
+    assert_eq!(
+        (d.scheme, d.bucket, d.rounding, d.zstd),
+        (Scheme::Q4, 512, Rounding::Stochastic, false)
+    );
+    let c: CodecConfig =
+        serde_json::from_str(r#"{"scheme":"q8","rounding":"deterministic"}"#).unwrap();
+    assert_eq!(
+        (c.scheme, c.bucket, c.rounding),
+        (Scheme::Q8, 512, Rounding::Deterministic)
+    );
     for bad in [0, 8, 24, MAX_BUCKET + 16] {
-        let r = Encoder::new(CodecConfig { bucket: bad, ..CodecConfig::default() });
+        let r = Encoder::new(CodecConfig {
+            bucket: bad,
+            ..CodecConfig::default()
+        });
         assert_eq!(r.err(), Some(CodecError::InvalidBucket), "bucket {bad}");
     }
 }
@@ -82,7 +97,10 @@ fn unbiased_over_seeds() {
         let mut enc = Encoder::new(cfg(scheme, Rounding::Stochastic, false)).unwrap();
         let mut sum = vec![0f64; n];
         for s in 0..seeds {
-            for (a, v) in sum.iter_mut().zip(roundtrip(&mut enc, &x, seed_for(3, s, 1))) {
+            for (a, v) in sum
+                .iter_mut()
+                .zip(roundtrip(&mut enc, &x, seed_for(3, s, 1)))
+            {
                 *a += f64::from(v);
             }
         }
@@ -93,7 +111,11 @@ fn unbiased_over_seeds() {
             let sd = f64::from(st[i]) / 2.0 / (seeds as f64).sqrt();
             let z = (mean - f64::from(x[i])).abs() / sd;
             worst = worst.max(z);
-            assert!(z < 5.5, "{scheme} element {i}: mean {mean} vs {} ({z:.2} sd)", x[i]);
+            assert!(
+                z < 5.5,
+                "{scheme} element {i}: mean {mean} vs {} ({z:.2} sd)",
+                x[i]
+            );
         }
         // Deterministic rounding of the same vector is visibly biased for comparison: the test can fail.
         println!("{scheme}: worst |mean - x| = {worst:.2} bound-sd over {seeds} seeds");
@@ -111,19 +133,33 @@ fn variance_within_analytic_and_qsgd_bounds() {
         let mut worst_ratio = 0f64;
         let mut worst_qsgd = 0f64;
         for trial in 0..8 {
-            let v = if trial % 2 == 0 { rng.gauss_vec(d) } else { (0..d).map(|_| rng.unit() as f32 - 0.5).collect() };
+            let v = if trial % 2 == 0 {
+                rng.gauss_vec(d)
+            } else {
+                (0..d).map(|_| rng.unit() as f32 - 0.5).collect()
+            };
             let scale = f64::from(v.iter().fold(0f32, |m, x| m.max(x.abs())));
             let norm2: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
             let mut err2 = 0f64;
             for s in 0..seeds {
                 let q = roundtrip(&mut enc, &v, seed_for(trial, s, 0));
-                err2 += q.iter().zip(&v).map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2)).sum::<f64>();
+                err2 += q
+                    .iter()
+                    .zip(&v)
+                    .map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2))
+                    .sum::<f64>();
             }
             let mean = err2 / seeds as f64;
             let bound = d as f64 * (scale / l).powi(2) / 4.0;
             let qsgd = (d as f64 / (l * l)).min((d as f64).sqrt() / l) * norm2;
-            assert!(mean <= bound * 1.05, "{scheme}: E|Q(v)-v|^2 = {mean} > analytic bound {bound}");
-            assert!(mean <= qsgd, "{scheme}: E|Q(v)-v|^2 = {mean} > QSGD bound {qsgd}");
+            assert!(
+                mean <= bound * 1.05,
+                "{scheme}: E|Q(v)-v|^2 = {mean} > analytic bound {bound}"
+            );
+            assert!(
+                mean <= qsgd,
+                "{scheme}: E|Q(v)-v|^2 = {mean} > QSGD bound {qsgd}"
+            );
             worst_ratio = worst_ratio.max(mean / bound);
             worst_qsgd = worst_qsgd.max(mean / qsgd);
         }
@@ -143,18 +179,26 @@ fn error_bounds_levels_zeros_and_partial_bucket() {
     for scheme in QUANT {
         let l = scheme.levels().unwrap();
         let st = steps(&x, 512, l);
-        for (rounding, factor) in [(Rounding::Stochastic, 1.0f32), (Rounding::Deterministic, 0.5)] {
+        for (rounding, factor) in [
+            (Rounding::Stochastic, 1.0f32),
+            (Rounding::Deterministic, 0.5),
+        ] {
             let mut enc = Encoder::new(cfg(scheme, rounding, false)).unwrap();
             let y = roundtrip(&mut enc, &x, 9);
             for i in 0..n {
                 let err = (y[i] - x[i]).abs();
-                assert!(err <= st[i] * factor * (1.0 + 1e-5), "{scheme} {rounding:?} element {i}: err {err}");
+                assert!(
+                    err <= st[i] * factor * (1.0 + 1e-5),
+                    "{scheme} {rounding:?} element {i}: err {err}"
+                );
             }
             assert!(y[512..1024].iter().all(|&v| v == 0.0));
         }
         // Values exactly on a level (step a power of two) round-trip exactly under both roundings.
         let step = 0.125f32;
-        let mut lv: Vec<f32> = (0..600).map(|i| ((i as i32 % (2 * l + 1)) - l) as f32 * step).collect();
+        let mut lv: Vec<f32> = (0..600)
+            .map(|i| ((i % (2 * l + 1)) - l) as f32 * step)
+            .collect();
         lv[512] = l as f32 * step; // every bucket holds the top level, so its scale is L·step
 
         for rounding in [Rounding::Stochastic, Rounding::Deterministic] {
@@ -171,7 +215,9 @@ fn tiny_and_huge_scales_stay_finite_and_bounded() {
     for scheme in QUANT {
         let l = scheme.levels().unwrap();
         for mag in [1e-45f32, 1e-40, 1e-38, 3e38] {
-            let x: Vec<f32> = (0..100).map(|i| mag * (((i % 7) as f32 - 3.0) / 3.0)).collect();
+            let x: Vec<f32> = (0..100)
+                .map(|i| mag * (((i % 7) as f32 - 3.0) / 3.0))
+                .collect();
             let mut enc = Encoder::new(cfg(scheme, Rounding::Stochastic, false)).unwrap();
             let y = roundtrip(&mut enc, &x, 5);
             let st = steps(&x, 512, l);
@@ -180,7 +226,12 @@ fn tiny_and_huge_scales_stay_finite_and_bounded() {
             for i in 0..x.len() {
                 assert!(y[i].is_finite());
                 let err = (f64::from(y[i]) - f64::from(x[i])).abs();
-                assert!(err <= f64::from(st[i]) * 1.0001 + slack, "{scheme} mag {mag} elem {i}: {} vs {}", y[i], x[i]);
+                assert!(
+                    err <= f64::from(st[i]) * 1.0001 + slack,
+                    "{scheme} mag {mag} elem {i}: {} vs {}",
+                    y[i],
+                    x[i]
+                );
             }
         }
     }
@@ -206,7 +257,8 @@ fn error_feedback_tracks_the_sum() {
             if step == 500 {
                 first_half = worst;
             }
-            ef.encode(&mut enc, &g, seed_for(0, step, 0), &mut frame).unwrap();
+            ef.encode(&mut enc, &g, seed_for(0, step, 0), &mut frame)
+                .unwrap();
             dec.decode(&frame, &mut out).unwrap();
             for (s, &v) in sum_dec.iter_mut().zip(&out) {
                 *s += f64::from(v);
@@ -217,15 +269,33 @@ fn error_feedback_tracks_the_sum() {
                 .map(|(&s, &gi)| (s - (step + 1) as f64 * f64::from(gi)).powi(2))
                 .sum::<f64>()
                 .sqrt();
-            let res: f64 = ef.residual().iter().map(|&r| f64::from(r).powi(2)).sum::<f64>().sqrt();
+            let res: f64 = ef
+                .residual()
+                .iter()
+                .map(|&r| f64::from(r).powi(2))
+                .sum::<f64>()
+                .sqrt();
             // Σdecoded − Σinput = −residual (up to float accumulation error).
-            assert!((drift - res).abs() <= 1e-3 * (1.0 + drift), "{scheme} step {step}: drift {drift} vs residual {res}");
+            assert!(
+                (drift - res).abs() <= 1e-3 * (1.0 + drift),
+                "{scheme} step {step}: drift {drift} vs residual {res}"
+            );
             worst = worst.max(res);
         }
         // |r|∞ ≤ max|g + r| / L gives |r|∞ ≤ gmax/(L−1) for L > 1; ternary: bounded by a few gmax in practice.
-        let bound = if l > 1.0 { (n as f64).sqrt() * gmax / (l - 1.0) } else { (n as f64).sqrt() * 4.0 * gmax };
-        assert!(worst <= bound, "{scheme}: residual norm {worst} exceeds {bound}");
-        assert!(worst <= 1.25 * first_half, "{scheme}: residual keeps growing: {first_half} -> {worst}");
+        let bound = if l > 1.0 {
+            (n as f64).sqrt() * gmax / (l - 1.0)
+        } else {
+            (n as f64).sqrt() * 4.0 * gmax
+        };
+        assert!(
+            worst <= bound,
+            "{scheme}: residual norm {worst} exceeds {bound}"
+        );
+        assert!(
+            worst <= 1.25 * first_half,
+            "{scheme}: residual keeps growing: {first_half} -> {worst}"
+        );
         println!("EF {scheme}: max residual norm {first_half:.3} (pushes 0-499), {worst:.3} (0-999); bound {bound:.3}, |g| {:.3}", {
             g.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt()
         });
@@ -242,7 +312,11 @@ fn non_finite_input_rejected() {
             x[1234] = bad;
             let mut enc = Encoder::new(cfg(scheme, Rounding::Stochastic, false)).unwrap();
             let mut out = vec![1u8; 10];
-            assert_eq!(enc.encode(&x, 1, &mut out), Err(CodecError::NonFinite { index: 1234 }), "{scheme}");
+            assert_eq!(
+                enc.encode(&x, 1, &mut out),
+                Err(CodecError::NonFinite { index: 1234 }),
+                "{scheme}"
+            );
             assert!(out.is_empty());
         }
     }
@@ -280,7 +354,12 @@ fn scalar_and_simd_kernels_are_bit_identical() {
     for scheme in QUANT {
         for rounding in [Rounding::Stochastic, Rounding::Deterministic] {
             for bucket in [16, 48, 512] {
-                let c = CodecConfig { scheme, bucket, rounding, zstd: false };
+                let c = CodecConfig {
+                    scheme,
+                    bucket,
+                    rounding,
+                    zstd: false,
+                };
                 let mut s = Encoder::with_kernel(c, Kernel::Scalar).unwrap();
                 let mut v = Encoder::with_kernel(c, Kernel::Avx2).unwrap();
                 for len in [0, 1, 15, 17, 512, x.len()] {
@@ -290,9 +369,18 @@ fn scalar_and_simd_kernels_are_bit_identical() {
                     assert_eq!(a, b, "{scheme} {rounding:?} bucket {bucket} len {len}");
                     let mut ya = vec![0f32; len];
                     let mut yb = vec![0f32; len];
-                    Decoder::with_kernel(len, Kernel::Scalar).unwrap().decode(&a, &mut ya).unwrap();
-                    Decoder::with_kernel(len, Kernel::Avx2).unwrap().decode(&a, &mut yb).unwrap();
-                    assert!(ya.iter().zip(&yb).all(|(p, q)| p.to_bits() == q.to_bits()), "{scheme} decode");
+                    Decoder::with_kernel(len, Kernel::Scalar)
+                        .unwrap()
+                        .decode(&a, &mut ya)
+                        .unwrap();
+                    Decoder::with_kernel(len, Kernel::Avx2)
+                        .unwrap()
+                        .decode(&a, &mut yb)
+                        .unwrap();
+                    assert!(
+                        ya.iter().zip(&yb).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "{scheme} decode"
+                    );
                 }
             }
         }
@@ -303,7 +391,9 @@ fn scalar_and_simd_kernels_are_bit_identical() {
 #[test]
 fn zstd_flag_used_only_when_smaller() {
     let mut rng = TestRng(7);
-    let sparse: Vec<f32> = (0..20000).map(|i| if i % 50 == 0 { rng.gauss() * 10.0 } else { 0.0 }).collect();
+    let sparse: Vec<f32> = (0..20000)
+        .map(|i| if i % 50 == 0 { rng.gauss() * 10.0 } else { 0.0 })
+        .collect();
     let noise: Vec<f32> = (0..20000).map(|_| rng.unit() as f32).collect();
     for scheme in Scheme::ALL {
         let mut enc = Encoder::new(cfg(scheme, Rounding::Stochastic, true)).unwrap();
@@ -315,7 +405,10 @@ fn zstd_flag_used_only_when_smaller() {
         let mut out = vec![0f32; sparse.len()];
         Decoder::new(sparse.len()).decode(&f, &mut out).unwrap();
         enc.encode(&noise[..16], 1, &mut f).unwrap();
-        assert!(!Decoder::peek_header(&f).unwrap().zstd, "{scheme}: 16 values cannot shrink");
+        assert!(
+            !Decoder::peek_header(&f).unwrap().zstd,
+            "{scheme}: 16 values cannot shrink"
+        );
         assert_eq!(f.len(), max_encoded_len(enc.config(), 16));
     }
 }
@@ -326,7 +419,12 @@ fn bounded(scheme: Scheme, x: &[f32], y: &[f32], bucket: usize) -> Result<(), Te
         Scheme::None => prop_assert_eq!(x, y),
         Scheme::Fp16 => {
             for (&a, &b) in x.iter().zip(y) {
-                prop_assert!((a - b).abs() <= a.abs() * (1.0 / 2048.0) + 6e-8, "{} vs {}", a, b);
+                prop_assert!(
+                    (a - b).abs() <= a.abs() * (1.0 / 2048.0) + 6e-8,
+                    "{} vs {}",
+                    a,
+                    b
+                );
             }
         }
         Scheme::Bf16 => {
@@ -337,7 +435,13 @@ fn bounded(scheme: Scheme, x: &[f32], y: &[f32], bucket: usize) -> Result<(), Te
         _ => {
             let st = steps(x, bucket, scheme.levels().unwrap());
             for i in 0..x.len() {
-                prop_assert!((x[i] - y[i]).abs() <= st[i] * 1.00001, "elem {}: {} vs {}", i, x[i], y[i]);
+                prop_assert!(
+                    (x[i] - y[i]).abs() <= st[i] * 1.00001,
+                    "elem {}: {} vs {}",
+                    i,
+                    x[i],
+                    y[i]
+                );
             }
         }
     }
@@ -421,14 +525,24 @@ fn header_bytes(scheme: u8, flags: u8, bucket: u32, body_len: u32, len: u64) -> 
 fn strict_header_checks() {
     let mut x = vec![0.25f32; 100];
     x[3] = -1.0;
-    let mut enc = Encoder::new(CodecConfig { bucket: 64, ..CodecConfig::default() }).unwrap();
+    let mut enc = Encoder::new(CodecConfig {
+        bucket: 64,
+        ..CodecConfig::default()
+    })
+    .unwrap();
     let mut f = Vec::new();
     enc.encode(&x, 1, &mut f).unwrap();
     let mut out = vec![0f32; 100];
     let mut dec = Decoder::new(100);
     dec.decode(&f, &mut out).unwrap();
     let mut wrong = vec![0f32; 99];
-    assert_eq!(dec.decode(&f, &mut wrong), Err(CodecError::LengthMismatch { expected: 99, found: 100 }));
+    assert_eq!(
+        dec.decode(&f, &mut wrong),
+        Err(CodecError::LengthMismatch {
+            expected: 99,
+            found: 100
+        })
+    );
     let mut small = Decoder::new(50);
     assert_eq!(small.decode(&f, &mut out), Err(CodecError::BodyTooLarge));
 
@@ -437,7 +551,10 @@ fn strict_header_checks() {
     assert_eq!(dec.decode(&g, &mut out), Err(CodecError::BadMagic));
     let mut g = f.clone();
     g[4] = 9;
-    assert_eq!(dec.decode(&g, &mut out), Err(CodecError::UnsupportedVersion));
+    assert_eq!(
+        dec.decode(&g, &mut out),
+        Err(CodecError::UnsupportedVersion)
+    );
     let mut g = f.clone();
     g[5] = 6;
     assert_eq!(dec.decode(&g, &mut out), Err(CodecError::BadScheme));
@@ -447,7 +564,10 @@ fn strict_header_checks() {
     let mut g = f.clone();
     g[8] = 17; // bucket 17
     assert_eq!(dec.decode(&g, &mut out), Err(CodecError::InvalidBucket));
-    assert_eq!(dec.decode(&f[..f.len() - 1], &mut out), Err(CodecError::Truncated));
+    assert_eq!(
+        dec.decode(&f[..f.len() - 1], &mut out),
+        Err(CodecError::Truncated)
+    );
     let mut g = f.clone();
     g.push(0);
     assert_eq!(dec.decode(&g, &mut out), Err(CodecError::TrailingBytes));
@@ -455,18 +575,28 @@ fn strict_header_checks() {
     for s in [-1.0f32, -0.0, f32::NAN, f32::INFINITY] {
         let mut g = f.clone();
         g[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&s.to_le_bytes());
-        assert_eq!(dec.decode(&g, &mut out), Err(CodecError::BadScale), "scale {s}");
+        assert_eq!(
+            dec.decode(&g, &mut out),
+            Err(CodecError::BadScale),
+            "scale {s}"
+        );
     }
     // A q4 code of −8 (nibble 0x8) is outside −7..=7.
     let mut g = f.clone();
     g[HEADER_LEN + 8] = 0x08;
-    assert_eq!(dec.decode(&g, &mut out), Err(CodecError::BadCode { bucket: 0 }));
+    assert_eq!(
+        dec.decode(&g, &mut out),
+        Err(CodecError::BadCode { bucket: 0 })
+    );
     // Padding bits in the last byte must be zero (100 elements: 50 full bytes, so use 99).
     let mut f99 = Vec::new();
     enc.encode(&x[..99], 1, &mut f99).unwrap();
     let last = f99.len() - 1;
     f99[last] |= 0x10;
-    assert_eq!(dec.decode(&f99, &mut out[..99]), Err(CodecError::BadCode { bucket: 1 }));
+    assert_eq!(
+        dec.decode(&f99, &mut out[..99]),
+        Err(CodecError::BadCode { bucket: 1 })
+    );
 }
 
 #[test]
@@ -479,7 +609,10 @@ fn huge_claims_rejected_without_allocating() {
     // A claim that fits u32 but not the tiny body.
     let mut g = header_bytes(4, 0, 512, 10, 100_000_000);
     g.extend_from_slice(&[0; 10]);
-    assert!(matches!(Decoder::peek_header(&g), Err(CodecError::BodyLength { .. })));
+    assert!(matches!(
+        Decoder::peek_header(&g),
+        Err(CodecError::BodyLength { .. })
+    ));
     let mut out = vec![0f32; 10];
     assert!(Decoder::new(usize::MAX).decode(&g, &mut out).is_err());
     // zstd body that expands beyond the expected raw size (a decompression bomb) is rejected.
@@ -490,11 +623,17 @@ fn huge_claims_rejected_without_allocating() {
     let mut z = header_bytes(4, 1, 512, bomb.len() as u32, n);
     z.extend_from_slice(&bomb);
     let mut out = vec![0f32; n as usize];
-    assert!(matches!(Decoder::new(n as usize).decode(&z, &mut out), Err(CodecError::Zstd(_))));
+    assert!(matches!(
+        Decoder::new(n as usize).decode(&z, &mut out),
+        Err(CodecError::Zstd(_))
+    ));
     // fp frames carrying non-finite values are rejected.
     let mut nf = header_bytes(0, 0, 0, 8, 2);
     nf.extend_from_slice(&1.0f32.to_le_bytes());
     nf.extend_from_slice(&f32::NAN.to_le_bytes());
     let mut out = vec![0f32; 2];
-    assert_eq!(Decoder::new(2).decode(&nf, &mut out), Err(CodecError::NonFinite { index: 1 }));
+    assert_eq!(
+        Decoder::new(2).decode(&nf, &mut out),
+        Err(CodecError::NonFinite { index: 1 })
+    );
 }

@@ -67,7 +67,10 @@ pub(crate) unsafe fn quant_bucket<const BITS: u32, const STOCH: bool>(
 ) {
     let gbytes = GROUP * BITS as usize / 8;
     let full = x.len() / GROUP;
-    assert!(out.len() >= code_bytes(x.len(), BITS), "code slice too short for bucket");
+    assert!(
+        out.len() >= code_bytes(x.len(), BITS),
+        "code slice too short for bucket"
+    );
     let l = level(BITS);
     let vinv = _mm256_set1_ps(inv);
     let u24 = _mm256_set1_ps(U24);
@@ -83,7 +86,12 @@ pub(crate) unsafe fn quant_bucket<const BITS: u32, const STOCH: bool>(
     let op = out.as_mut_ptr();
     for g in 0..full {
         // SAFETY: g < full, so elements [16g, 16g+16) are in `x`.
-        let (x0, x1) = unsafe { (_mm256_loadu_ps(xp.add(g * GROUP)), _mm256_loadu_ps(xp.add(g * GROUP + 8))) };
+        let (x0, x1) = unsafe {
+            (
+                _mm256_loadu_ps(xp.add(g * GROUP)),
+                _mm256_loadu_ps(xp.add(g * GROUP + 8)),
+            )
+        };
         let (u0, u1) = if STOCH {
             s0 = xorshift(s0);
             s1 = xorshift(s1);
@@ -98,7 +106,10 @@ pub(crate) unsafe fn quant_bucket<const BITS: u32, const STOCH: bool>(
         let q1 = quant8(x1, vinv, u1, lo, hi);
         // i32 -> i16 (lane-interleaved), reorder 64-bit blocks, i16 -> i8: 16 codes in element order.
         let p16 = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(q0, q1));
-        let c = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256::<1>(p16));
+        let c = _mm_packs_epi16(
+            _mm256_castsi256_si128(p16),
+            _mm256_extracti128_si256::<1>(p16),
+        );
         // SAFETY: bytes [g·gbytes, (g+1)·gbytes) lie within `out` (asserted above, g < full); unaligned stores.
         unsafe {
             let dst = op.add(g * gbytes);
@@ -138,10 +149,17 @@ pub(crate) unsafe fn quant_bucket<const BITS: u32, const STOCH: bool>(
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2")]
-pub(crate) unsafe fn dequant_bucket<const BITS: u32>(codes: &[u8], step: f32, out: &mut [f32]) -> bool {
+pub(crate) unsafe fn dequant_bucket<const BITS: u32>(
+    codes: &[u8],
+    step: f32,
+    out: &mut [f32],
+) -> bool {
     let gbytes = GROUP * BITS as usize / 8;
     let full = out.len() / GROUP;
-    assert!(codes.len() >= full * gbytes, "code slice too short for bucket");
+    assert!(
+        codes.len() >= full * gbytes,
+        "code slice too short for bucket"
+    );
     let vstep = _mm256_set1_ps(step);
     let badv = _mm256_set1_epi32(-(level(BITS) + 1));
     let mut bad = _mm256_setzero_si256();
@@ -154,7 +172,10 @@ pub(crate) unsafe fn dequant_bucket<const BITS: u32>(codes: &[u8], step: f32, ou
             let (c0, c1) = match BITS {
                 8 => {
                     let v = _mm_loadu_si128(src.cast());
-                    (_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v)))
+                    (
+                        _mm256_cvtepi8_epi32(v),
+                        _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v)),
+                    )
                 }
                 4 => {
                     let w = src.cast::<u64>().read_unaligned().to_le();
@@ -171,13 +192,17 @@ pub(crate) unsafe fn dequant_bucket<const BITS: u32>(codes: &[u8], step: f32, ou
                     (_mm256_srai_epi32::<30>(a), _mm256_srai_epi32::<30>(b))
                 }
             };
-            bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpeq_epi32(c0, badv), _mm256_cmpeq_epi32(c1, badv)));
+            bad = _mm256_or_si256(
+                bad,
+                _mm256_or_si256(_mm256_cmpeq_epi32(c0, badv), _mm256_cmpeq_epi32(c1, badv)),
+            );
             let dst = op.add(g * GROUP);
             _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(c0), vstep));
             _mm256_storeu_ps(dst.add(8), _mm256_mul_ps(_mm256_cvtepi32_ps(c1), vstep));
         }
     }
     let simd_ok = _mm256_testz_si256(bad, bad) == 1;
-    let tail_ok = quant::dequant_scalar::<BITS>(&codes[full * gbytes..], step, &mut out[full * GROUP..]);
+    let tail_ok =
+        quant::dequant_scalar::<BITS>(&codes[full * gbytes..], step, &mut out[full * GROUP..]);
     simd_ok && tail_ok
 }

@@ -18,7 +18,12 @@ pub struct ErrorFeedback {
 impl ErrorFeedback {
     /// A zero residual for a range of `len` elements.
     pub fn new(len: usize) -> Self {
-        ErrorFeedback { residual: vec![0.0; len], sum: Vec::new(), decoded: Vec::new(), decoder: Decoder::new(len) }
+        ErrorFeedback {
+            residual: vec![0.0; len],
+            sum: Vec::new(),
+            decoded: Vec::new(),
+            decoder: Decoder::new(len),
+        }
     }
 
     /// The current residual.
@@ -33,11 +38,20 @@ impl ErrorFeedback {
 
     /// Encodes `grad + r` with `enc` into `out`, then sets `r ← (grad + r) − decode(out)`. On error `r` is unchanged
     /// and `out` is empty.
-    pub fn encode(&mut self, enc: &mut Encoder, grad: &[f32], seed: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    pub fn encode(
+        &mut self,
+        enc: &mut Encoder,
+        grad: &[f32],
+        seed: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
         let n = self.residual.len();
         if grad.len() != n {
             out.clear();
-            return Err(CodecError::LengthMismatch { expected: n as u64, found: grad.len() as u64 });
+            return Err(CodecError::LengthMismatch {
+                expected: n as u64,
+                found: grad.len() as u64,
+            });
         }
         self.sum.resize(n, 0.0);
         self.decoded.resize(n, 0.0);

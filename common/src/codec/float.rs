@@ -6,18 +6,16 @@
 
 use half::{f16, slice::HalfFloatSliceExt};
 
-use super::{CodecError, Scheme};
+use super::quant::absmax_bits;
+use super::{CodecError, Kernel, Scheme};
 
 /// Values converted per stack-buffered chunk.
 const CHUNK: usize = 256;
 
 fn first_non_finite(x: &[f32], base: usize) -> CodecError {
-    CodecError::NonFinite { index: base + x.iter().position(|v| !v.is_finite()).unwrap_or(0) }
-}
-
-#[inline]
-fn is_bad(v: f32) -> bool {
-    v.to_bits() & 0x7FFF_FFFF >= 0x7F80_0000
+    CodecError::NonFinite {
+        index: base + x.iter().position(|v| !v.is_finite()).unwrap_or(0),
+    }
 }
 
 /// Round-to-nearest-even f32 → bf16 bits for finite `v` with |v| ≤ bf16::MAX.
@@ -29,30 +27,29 @@ fn bf16_bits(v: f32) -> u16 {
 }
 
 /// Encodes `input` as a raw none/fp16/bf16 body into `body` (exactly the raw body length).
-pub(crate) fn encode_float(scheme: Scheme, input: &[f32], body: &mut [u8]) -> Result<(), CodecError> {
+pub(crate) fn encode_float(
+    scheme: Scheme,
+    input: &[f32],
+    kernel: Kernel,
+    body: &mut [u8],
+) -> Result<(), CodecError> {
+    // One vectorized finiteness pass up front keeps the conversion loops branch- and flag-free.
+    if absmax_bits(input, kernel) >= 0x7F80_0000 {
+        return Err(first_non_finite(input, 0));
+    }
     match scheme {
         Scheme::None => {
-            let mut bad = false;
             for (o, &v) in body.chunks_exact_mut(4).zip(input) {
-                bad |= is_bad(v);
                 o.copy_from_slice(&v.to_le_bytes());
-            }
-            if bad {
-                return Err(first_non_finite(input, 0));
             }
         }
         Scheme::Fp16 => {
             let max = f16::MAX.to_f32();
             let mut buf = [0f32; CHUNK];
             let mut half = [f16::ZERO; CHUNK];
-            for (c, (x, o)) in input.chunks(CHUNK).zip(body.chunks_mut(2 * CHUNK)).enumerate() {
-                let mut bad = false;
+            for (x, o) in input.chunks(CHUNK).zip(body.chunks_mut(2 * CHUNK)) {
                 for (b, &v) in buf.iter_mut().zip(x) {
-                    bad |= is_bad(v);
                     *b = v.clamp(-max, max);
-                }
-                if bad {
-                    return Err(first_non_finite(x, c * CHUNK));
                 }
                 half[..x.len()].convert_from_f32_slice(&buf[..x.len()]);
                 for (ob, h) in o.chunks_exact_mut(2).zip(&half[..x.len()]) {
@@ -62,14 +59,8 @@ pub(crate) fn encode_float(scheme: Scheme, input: &[f32], body: &mut [u8]) -> Re
         }
         Scheme::Bf16 => {
             let max = half::bf16::MAX.to_f32();
-            let mut bad = false;
             for (o, &v) in body.chunks_exact_mut(2).zip(input) {
-                bad |= is_bad(v);
-                // NaN would pass through clamp; `bad` rejects it below, nothing is returned.
                 o.copy_from_slice(&bf16_bits(v.clamp(-max, max)).to_le_bytes());
-            }
-            if bad {
-                return Err(first_non_finite(input, 0));
             }
         }
         _ => unreachable!("encode_float is only called for none/fp16/bf16"),
@@ -78,14 +69,16 @@ pub(crate) fn encode_float(scheme: Scheme, input: &[f32], body: &mut [u8]) -> Re
 }
 
 /// Decodes a raw none/fp16/bf16 body into `out` (lengths already checked); rejects non-finite values.
-pub(crate) fn decode_float(scheme: Scheme, body: &[u8], out: &mut [f32]) -> Result<(), CodecError> {
-    let mut bad = false;
+pub(crate) fn decode_float(
+    scheme: Scheme,
+    body: &[u8],
+    kernel: Kernel,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
     match scheme {
         Scheme::None => {
             for (o, b) in out.iter_mut().zip(body.chunks_exact(4)) {
-                let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                bad |= is_bad(v);
-                *o = v;
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
         Scheme::Fp16 => {
@@ -95,21 +88,16 @@ pub(crate) fn decode_float(scheme: Scheme, body: &[u8], out: &mut [f32]) -> Resu
                     *h = f16::from_bits(u16::from_le_bytes([hb[0], hb[1]]));
                 }
                 half[..o.len()].convert_to_f32_slice(o);
-                for &v in o.iter() {
-                    bad |= is_bad(v);
-                }
             }
         }
         Scheme::Bf16 => {
             for (o, b) in out.iter_mut().zip(body.chunks_exact(2)) {
-                let v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
-                bad |= is_bad(v);
-                *o = v;
+                *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
             }
         }
         _ => unreachable!("decode_float is only called for none/fp16/bf16"),
     }
-    if bad {
+    if absmax_bits(out, kernel) >= 0x7F80_0000 {
         return Err(first_non_finite(out, 0));
     }
     Ok(())

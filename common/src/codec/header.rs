@@ -44,7 +44,7 @@ pub struct FrameHeader {
 
 /// Checks a bucket size: a multiple of 16 within [`MIN_BUCKET`, `MAX_BUCKET`].
 pub(crate) fn check_bucket(bucket: usize) -> Result<(), CodecError> {
-    if (MIN_BUCKET..=MAX_BUCKET).contains(&bucket) && bucket % 16 == 0 {
+    if (MIN_BUCKET..=MAX_BUCKET).contains(&bucket) && bucket & 15 == 0 {
         Ok(())
     } else {
         Err(CodecError::InvalidBucket)
@@ -83,7 +83,12 @@ impl FrameHeader {
         out[0..4].copy_from_slice(&MAGIC);
         out[4] = self.version;
         out[5] = self.scheme.tag();
-        out[6] = (if self.zstd { FLAG_ZSTD } else { 0 }) | (if self.deterministic { FLAG_DETERMINISTIC } else { 0 });
+        out[6] = (if self.zstd { FLAG_ZSTD } else { 0 })
+            | (if self.deterministic {
+                FLAG_DETERMINISTIC
+            } else {
+                0
+            });
         out[7] = 0;
         out[8..12].copy_from_slice(&self.bucket.to_le_bytes());
         out[12..16].copy_from_slice(&self.body_len.to_le_bytes());
@@ -127,9 +132,16 @@ impl FrameHeader {
         let raw = raw_body_len(scheme, len, bucket as usize)?;
         let body_len = body_len as usize;
         // zstd is only ever used when it makes the body strictly smaller.
-        let consistent = if header.zstd { body_len > 0 && body_len < raw } else { body_len == raw };
+        let consistent = if header.zstd {
+            body_len > 0 && body_len < raw
+        } else {
+            body_len == raw
+        };
         if !consistent {
-            return Err(CodecError::BodyLength { expected: raw as u64, found: body_len as u64 });
+            return Err(CodecError::BodyLength {
+                expected: raw as u64,
+                found: body_len as u64,
+            });
         }
         let have = frame.len() - HEADER_LEN;
         if have < body_len {

@@ -49,7 +49,14 @@ pub enum Scheme {
 
 impl Scheme {
     /// All schemes, in tag order.
-    pub const ALL: [Scheme; 6] = [Scheme::None, Scheme::Fp16, Scheme::Bf16, Scheme::Q8, Scheme::Q4, Scheme::Q2];
+    pub const ALL: [Scheme; 6] = [
+        Scheme::None,
+        Scheme::Fp16,
+        Scheme::Bf16,
+        Scheme::Q8,
+        Scheme::Q4,
+        Scheme::Q2,
+    ];
 
     /// The scheme's lowercase name (as in config files).
     pub fn name(self) -> &'static str {
@@ -137,7 +144,12 @@ pub struct CodecConfig {
 
 impl Default for CodecConfig {
     fn default() -> Self {
-        CodecConfig { scheme: Scheme::Q4, bucket: 512, rounding: Rounding::Stochastic, zstd: false }
+        CodecConfig {
+            scheme: Scheme::Q4,
+            bucket: 512,
+            rounding: Rounding::Stochastic,
+            zstd: false,
+        }
     }
 }
 
@@ -277,7 +289,10 @@ pub struct Encoder {
 
 impl fmt::Debug for Encoder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Encoder").field("cfg", &self.cfg).field("kernel", &self.kernel).finish_non_exhaustive()
+        f.debug_struct("Encoder")
+            .field("cfg", &self.cfg)
+            .field("kernel", &self.kernel)
+            .finish_non_exhaustive()
     }
 }
 
@@ -292,11 +307,19 @@ impl Encoder {
         cfg.validate()?;
         let kernel = kernel.checked()?;
         let compressor = if cfg.zstd {
-            Some(zstd::bulk::Compressor::new(ZSTD_LEVEL).map_err(|e| CodecError::Zstd(e.to_string()))?)
+            Some(
+                zstd::bulk::Compressor::new(ZSTD_LEVEL)
+                    .map_err(|e| CodecError::Zstd(e.to_string()))?,
+            )
         } else {
             None
         };
-        Ok(Encoder { cfg, kernel, raw: Vec::new(), compressor })
+        Ok(Encoder {
+            cfg,
+            kernel,
+            raw: Vec::new(),
+            compressor,
+        })
     }
 
     /// The encoder's configuration.
@@ -311,7 +334,12 @@ impl Encoder {
 
     /// Clears `out` and writes one frame for `input`, with stochastic rounding driven by `seed` (see [`seed_for`]).
     /// Rejects NaN/±Inf input with [`CodecError::NonFinite`], leaving `out` empty.
-    pub fn encode(&mut self, input: &[f32], seed: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    pub fn encode(
+        &mut self,
+        input: &[f32],
+        seed: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
         let r = self.encode_inner(input, seed, out);
         if r.is_err() {
             out.clear();
@@ -319,7 +347,12 @@ impl Encoder {
         r
     }
 
-    fn encode_inner(&mut self, input: &[f32], seed: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    fn encode_inner(
+        &mut self,
+        input: &[f32],
+        seed: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
         let cfg = self.cfg;
         let raw_len = header::raw_body_len(cfg.scheme, input.len() as u64, cfg.bucket)?;
         let mut header = FrameHeader {
@@ -327,7 +360,11 @@ impl Encoder {
             scheme: cfg.scheme,
             zstd: false,
             deterministic: cfg.rounding == Rounding::Deterministic,
-            bucket: if cfg.scheme.is_quantized() { cfg.bucket as u32 } else { 0 },
+            bucket: if cfg.scheme.is_quantized() {
+                cfg.bucket as u32
+            } else {
+                0
+            },
             len: input.len() as u64,
             body_len: raw_len as u32,
         };
@@ -356,11 +393,25 @@ impl Encoder {
     }
 }
 
-fn encode_body(cfg: CodecConfig, kernel: Kernel, input: &[f32], seed: u64, body: &mut [u8]) -> Result<(), CodecError> {
+fn encode_body(
+    cfg: CodecConfig,
+    kernel: Kernel,
+    input: &[f32],
+    seed: u64,
+    body: &mut [u8],
+) -> Result<(), CodecError> {
     if cfg.scheme.is_quantized() {
-        quant::encode_quant(input, cfg.scheme.bits(), cfg.bucket, cfg.rounding, seed, kernel, body)
+        quant::encode_quant(
+            input,
+            cfg.scheme.bits(),
+            cfg.bucket,
+            cfg.rounding,
+            seed,
+            kernel,
+            body,
+        )
     } else {
-        float::encode_float(cfg.scheme, input, body)
+        float::encode_float(cfg.scheme, input, kernel, body)
     }
 }
 
@@ -374,19 +425,32 @@ pub struct Decoder {
 
 impl fmt::Debug for Decoder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Decoder").field("max_len", &self.max_len).field("kernel", &self.kernel).finish_non_exhaustive()
+        f.debug_struct("Decoder")
+            .field("max_len", &self.max_len)
+            .field("kernel", &self.kernel)
+            .finish_non_exhaustive()
     }
 }
 
 impl Decoder {
     /// Creates a decoder that accepts frames of at most `max_len` elements, with the fastest kernel available.
     pub fn new(max_len: usize) -> Self {
-        Decoder { max_len, kernel: Kernel::detect(), scratch: Vec::new(), decompressor: None }
+        Decoder {
+            max_len,
+            kernel: Kernel::detect(),
+            scratch: Vec::new(),
+            decompressor: None,
+        }
     }
 
     /// Creates a decoder that uses `kernel` (for tests and benchmarks).
     pub fn with_kernel(max_len: usize, kernel: Kernel) -> Result<Self, CodecError> {
-        Ok(Decoder { max_len, kernel: kernel.checked()?, scratch: Vec::new(), decompressor: None })
+        Ok(Decoder {
+            max_len,
+            kernel: kernel.checked()?,
+            scratch: Vec::new(),
+            decompressor: None,
+        })
     }
 
     /// Largest element count this decoder accepts.
@@ -407,7 +471,10 @@ impl Decoder {
     pub fn decode(&mut self, frame: &[u8], out: &mut [f32]) -> Result<FrameHeader, CodecError> {
         let h = FrameHeader::parse(frame)?;
         if h.len != out.len() as u64 {
-            return Err(CodecError::LengthMismatch { expected: out.len() as u64, found: h.len });
+            return Err(CodecError::LengthMismatch {
+                expected: out.len() as u64,
+                found: h.len,
+            });
         }
         if out.len() > self.max_len {
             return Err(CodecError::BodyTooLarge);
@@ -426,9 +493,14 @@ impl Decoder {
                 self.scratch.resize(raw_len, 0);
             }
             let dst = &mut self.scratch[..raw_len];
-            let n = dz.decompress_to_buffer(wire, dst).map_err(|e| CodecError::Zstd(e.to_string()))?;
+            let n = dz
+                .decompress_to_buffer(wire, dst)
+                .map_err(|e| CodecError::Zstd(e.to_string()))?;
             if n != raw_len {
-                return Err(CodecError::BodyLength { expected: raw_len as u64, found: n as u64 });
+                return Err(CodecError::BodyLength {
+                    expected: raw_len as u64,
+                    found: n as u64,
+                });
             }
             &self.scratch[..raw_len]
         } else {
@@ -437,7 +509,7 @@ impl Decoder {
         if h.scheme.is_quantized() {
             quant::decode_quant(body, h.scheme.bits(), h.bucket as usize, self.kernel, out)?;
         } else {
-            float::decode_float(h.scheme, body, out)?;
+            float::decode_float(h.scheme, body, self.kernel, out)?;
         }
         Ok(h)
     }

@@ -22,10 +22,13 @@ pub(crate) const fn level(bits: u32) -> i32 {
     }
 }
 
-/// Branch-free `clamp(floor(t), −l, l)` for finite, bounded `t` (trunc, then correct negatives).
+/// Branch-free `clamp(floor(t), −l, l)` for finite `t` with `|t| ≤ l + 2` (trunc, then correct negatives).
 #[inline(always)]
 fn floor_clamp(t: f32, l: i32) -> i32 {
-    let i = t as i32;
+    debug_assert!(t.is_finite() && t.abs() <= (l + 2) as f32);
+    // SAFETY: callers pass t = x·(L/scale) + u with |x| ≤ scale (bucket max) and u ∈ [0, 1), so t is finite and
+    // |t| ≤ L·(1 + ε) + 1, far inside i32; this is what lets the loop vectorize without saturation fix-ups.
+    let i: i32 = unsafe { t.to_int_unchecked() };
     let f = i - ((i as f32 > t) as i32);
     f.clamp(-l, l)
 }
@@ -158,7 +161,8 @@ pub(crate) fn absmax_bits_scalar(x: &[f32]) -> u32 {
     r
 }
 
-fn absmax_bits(x: &[f32], kernel: Kernel) -> u32 {
+/// Largest `|x|` as f32 bits using `kernel`; ≥ 0x7F80_0000 means NaN or ±Inf present.
+pub(crate) fn absmax_bits(x: &[f32], kernel: Kernel) -> u32 {
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a Kernel::Avx2 value is only constructed after runtime detection of AVX2 (Kernel::available).
@@ -199,11 +203,17 @@ fn encode_impl<const BITS: u32, const STOCH: bool>(
     let (scales, codes) = body.split_at_mut(4 * nb);
     let bbytes = code_bytes(bucket, BITS);
     let l = level(BITS);
-    for (b, (x, sc)) in input.chunks(bucket).zip(scales.chunks_exact_mut(4)).enumerate() {
+    for (b, (x, sc)) in input
+        .chunks(bucket)
+        .zip(scales.chunks_exact_mut(4))
+        .enumerate()
+    {
         let mbits = absmax_bits(x, kernel);
         if mbits >= 0x7F80_0000 {
             let at = x.iter().position(|v| !v.is_finite()).unwrap_or(0);
-            return Err(CodecError::NonFinite { index: b * bucket + at });
+            return Err(CodecError::NonFinite {
+                index: b * bucket + at,
+            });
         }
         let scale = f32::from_bits(mbits);
         sc.copy_from_slice(&scale.to_le_bytes());
@@ -213,7 +223,11 @@ fn encode_impl<const BITS: u32, const STOCH: bool>(
             out.fill(0);
             continue;
         }
-        let mut lanes = if STOCH { rng::bucket_lanes(seed, b as u64) } else { [0u32; LANES] };
+        let mut lanes = if STOCH {
+            rng::bucket_lanes(seed, b as u64)
+        } else {
+            [0u32; LANES]
+        };
         let inv = l as f32 / scale;
         if !inv.is_finite() {
             quant_bucket_tiny::<BITS, STOCH>(x, scale, &mut lanes, out);
@@ -222,7 +236,9 @@ fn encode_impl<const BITS: u32, const STOCH: bool>(
         match kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: Kernel::Avx2 exists only after runtime AVX2 detection; `out` is exactly the bucket's code bytes.
-            Kernel::Avx2 => unsafe { super::avx2::quant_bucket::<BITS, STOCH>(x, inv, &mut lanes, out) },
+            Kernel::Avx2 => unsafe {
+                super::avx2::quant_bucket::<BITS, STOCH>(x, inv, &mut lanes, out)
+            },
             _ => quant_bucket_scalar::<BITS, STOCH>(x, inv, &mut lanes, out),
         }
     }
@@ -298,14 +314,22 @@ pub(crate) fn decode_quant(
     }
 }
 
-fn decode_impl<const BITS: u32>(body: &[u8], bucket: usize, kernel: Kernel, out: &mut [f32]) -> Result<(), CodecError> {
+fn decode_impl<const BITS: u32>(
+    body: &[u8],
+    bucket: usize,
+    kernel: Kernel,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
     let nb = out.len().div_ceil(bucket);
     if body.len() < 4 * nb {
         return Err(CodecError::Truncated);
     }
     let (scales, codes) = body.split_at(4 * nb);
     if codes.len() != code_bytes(out.len(), BITS) {
-        return Err(CodecError::BodyLength { expected: code_bytes(out.len(), BITS) as u64, found: codes.len() as u64 });
+        return Err(CodecError::BodyLength {
+            expected: code_bytes(out.len(), BITS) as u64,
+            found: codes.len() as u64,
+        });
     }
     for s in scales.chunks_exact(4) {
         let bits = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
@@ -316,7 +340,11 @@ fn decode_impl<const BITS: u32>(body: &[u8], bucket: usize, kernel: Kernel, out:
     }
     let bbytes = code_bytes(bucket, BITS);
     let l = level(BITS) as f32;
-    for (b, (o, s)) in out.chunks_mut(bucket).zip(scales.chunks_exact(4)).enumerate() {
+    for (b, (o, s)) in out
+        .chunks_mut(bucket)
+        .zip(scales.chunks_exact(4))
+        .enumerate()
+    {
         let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
         let step = scale / l;
         let start = b * bbytes;
