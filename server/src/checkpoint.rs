@@ -300,8 +300,7 @@ fn read_bounded(path: &Path, limit: u64, buf: &mut Vec<u8>) -> io::Result<()> {
     // The file's length is only a hint, capped by `limit`; reserving it avoids doubling growth while reading.
     let hint = file.metadata()?.len().min(limit);
     buf.reserve_exact(usize::try_from(hint).unwrap_or(0).saturating_add(1));
-    file.take(limit.saturating_add(1))
-        .read_to_end(buf)?;
+    file.take(limit.saturating_add(1)).read_to_end(buf)?;
     Ok(())
 }
 
@@ -452,15 +451,12 @@ impl CheckpointStore {
             let Some(version) = entry.file_name().to_str().and_then(parse_version_dir) else {
                 continue;
             };
-            let is_dir = entry
-                .file_type()
-                .map_err(io_err(&entry.path()))?
-                .is_dir();
+            let is_dir = entry.file_type().map_err(io_err(&entry.path()))?.is_dir();
             if is_dir {
                 out.push((version, entry.path()));
             }
         }
-        out.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        out.sort_unstable_by_key(|&(v, _)| std::cmp::Reverse(v));
         Ok(out)
     }
 
@@ -630,7 +626,9 @@ fn load_dir(
         )?);
     }
     let mut columns = columns.into_iter();
-    let weights = columns.next().ok_or_else(|| format_err("no weights file"))?;
+    let weights = columns
+        .next()
+        .ok_or_else(|| format_err("no weights file"))?;
     Ok(ShardSnapshot {
         layout_hash: body.layout_hash,
         shard: body.shard,

@@ -7,7 +7,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use tether_server::checkpoint::{CheckpointError, CheckpointStore, ShardSnapshot, MANIFEST_FILE, WEIGHTS_FILE};
+use tether_server::checkpoint::{
+    CheckpointError, CheckpointStore, ShardSnapshot, MANIFEST_FILE, WEIGHTS_FILE,
+};
 
 /// Records the largest single allocation made by the current thread, so a test can bound what a load allocates.
 struct LargestAllocation;
@@ -103,7 +105,9 @@ fn load(s: &CheckpointStore) -> Result<Option<Loaded>, CheckpointError> {
 }
 
 /// Writes versions 1 and 2, damages version 2 with `damage`, and returns the load result.
-fn fall_back_after(damage: impl FnOnce(&Path)) -> (ShardSnapshot, Vec<(PathBuf, CheckpointError)>, PathBuf) {
+fn fall_back_after(
+    damage: impl FnOnce(&Path),
+) -> (ShardSnapshot, Vec<(PathBuf, CheckpointError)>, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let s = store(tmp.path(), 3);
     s.write(&snapshot(1)).unwrap();
@@ -130,7 +134,10 @@ fn save_then_load_is_bit_identical() {
     let s = store(tmp.path(), 3);
     let snap = snapshot(7);
     let path = s.write(&snap).unwrap();
-    assert_eq!(path, tmp.path().join("shard-2").join("v00000000000000000007"));
+    assert_eq!(
+        path,
+        tmp.path().join("shard-2").join("v00000000000000000007")
+    );
     let (loaded, skipped) = load(&s).unwrap().expect("a checkpoint");
     assert!(skipped.is_empty());
     assert_same(&loaded, &snap);
@@ -175,7 +182,11 @@ fn keep_three_leaves_exactly_the_newest_three() {
     }
     let versions: Vec<u64> = s.list().unwrap().into_iter().map(|(v, _)| v).collect();
     assert_eq!(versions, vec![10, 5, 4]);
-    assert_eq!(fs::read_dir(s.dir()).unwrap().count(), 3, "no other entries remain");
+    assert_eq!(
+        fs::read_dir(s.dir()).unwrap().count(),
+        3,
+        "no other entries remain"
+    );
     let (latest, _) = load(&s).unwrap().unwrap();
     assert_eq!(latest.version, 10);
 }
@@ -195,7 +206,10 @@ fn rewriting_a_version_replaces_it() {
 #[test]
 fn truncated_weights_fall_back_to_the_previous_checkpoint() {
     let (_, skipped, newest) = fall_back_after(|dir| {
-        let f = fs::OpenOptions::new().write(true).open(dir.join(WEIGHTS_FILE)).unwrap();
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(WEIGHTS_FILE))
+            .unwrap();
         let len = f.metadata().unwrap().len();
         f.set_len(len - 10).unwrap();
     });
@@ -232,7 +246,11 @@ fn a_garbled_manifest_falls_back() {
         bytes[20..40].fill(b'#');
         fs::write(&path, bytes).unwrap();
     });
-    assert!(matches!(&skipped[0].1, CheckpointError::Manifest { .. }), "{:?}", skipped[0].1);
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::Manifest { .. }),
+        "{:?}",
+        skipped[0].1
+    );
 }
 
 #[test]
@@ -254,7 +272,8 @@ fn a_manifest_edited_into_other_valid_json_fails_its_checksum() {
 
 #[test]
 fn a_deleted_file_falls_back() {
-    let (_, skipped, _) = fall_back_after(|dir| fs::remove_file(dir.join("slot1.f32.zst")).unwrap());
+    let (_, skipped, _) =
+        fall_back_after(|dir| fs::remove_file(dir.join("slot1.f32.zst")).unwrap());
     assert!(
         matches!(&skipped[0].1, CheckpointError::MissingFile { file } if file == "slot1.f32.zst"),
         "{:?}",
@@ -265,7 +284,9 @@ fn a_deleted_file_falls_back() {
 #[test]
 fn a_deleted_manifest_falls_back() {
     let (_, skipped, _) = fall_back_after(|dir| fs::remove_file(dir.join(MANIFEST_FILE)).unwrap());
-    assert!(matches!(&skipped[0].1, CheckpointError::MissingFile { file } if file == MANIFEST_FILE));
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::MissingFile { file } if file == MANIFEST_FILE)
+    );
 }
 
 #[test]
@@ -273,7 +294,11 @@ fn a_renamed_version_directory_is_rejected() {
     let (_, skipped, _) = fall_back_after(|dir| {
         fs::rename(dir, dir.with_file_name("v00000000000000000009")).unwrap();
     });
-    assert!(matches!(&skipped[0].1, CheckpointError::Manifest { .. }), "{:?}", skipped[0].1);
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::Manifest { .. }),
+        "{:?}",
+        skipped[0].1
+    );
 }
 
 #[test]
@@ -294,7 +319,10 @@ fn wrong_layout_shard_or_range_is_not_loaded() {
     ));
     assert!(matches!(
         only_reason(s.load_latest(HASH, 3, RANGE)),
-        CheckpointError::ShardMismatch { expected: 3, found: 2 }
+        CheckpointError::ShardMismatch {
+            expected: 3,
+            found: 2
+        }
     ));
     assert!(matches!(
         only_reason(s.load_latest(HASH, 2, (1000, 2004))),
@@ -339,10 +367,16 @@ fn an_inconsistent_snapshot_is_refused_on_write() {
     let s = store(tmp.path(), 3);
     let mut short = snapshot(1);
     short.weights.pop();
-    assert!(matches!(s.write(&short), Err(CheckpointError::Format { .. })));
+    assert!(matches!(
+        s.write(&short),
+        Err(CheckpointError::Format { .. })
+    ));
     let mut bad_slot = snapshot(1);
     bad_slot.slots[1].push(0.0);
-    assert!(matches!(s.write(&bad_slot), Err(CheckpointError::Format { .. })));
+    assert!(matches!(
+        s.write(&bad_slot),
+        Err(CheckpointError::Format { .. })
+    ));
     assert!(s.list().unwrap().is_empty());
 }
 
@@ -352,15 +386,24 @@ fn a_huge_declared_size_is_refused_without_allocating_it() {
     let s = store(tmp.path(), 3);
     s.write(&snapshot(1)).unwrap();
     let newest = s.write(&snapshot(2)).unwrap();
-    rewrite_manifest(&newest, |body| body["files"][0]["bytes"] = (1u64 << 50).into());
+    rewrite_manifest(&newest, |body| {
+        body["files"][0]["bytes"] = (1u64 << 50).into()
+    });
 
     LARGEST.with(|c| c.set(0));
     let (snap, skipped) = load(&s).unwrap().unwrap();
     let largest = LARGEST.with(Cell::get);
     assert_eq!(snap.version, 1);
-    assert!(matches!(&skipped[0].1, CheckpointError::Format { .. }), "{:?}", skipped[0].1);
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::Format { .. }),
+        "{:?}",
+        skipped[0].1
+    );
     // The expected content is 1003 values (4 KiB per file); nothing near the declared petabyte may be requested.
-    assert!(largest < 64 * 1024, "largest allocation during load: {largest} bytes");
+    assert!(
+        largest < 64 * 1024,
+        "largest allocation during load: {largest} bytes"
+    );
 }
 
 #[test]
@@ -381,8 +424,15 @@ fn a_decompression_bomb_is_stopped_at_the_expected_size() {
     let (snap, skipped) = load(&s).unwrap().unwrap();
     let largest = LARGEST.with(Cell::get);
     assert_eq!(snap.version, 1);
-    assert!(matches!(&skipped[0].1, CheckpointError::Format { .. }), "{:?}", skipped[0].1);
-    assert!(largest < 64 * 1024, "largest allocation during load: {largest} bytes");
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::Format { .. }),
+        "{:?}",
+        skipped[0].1
+    );
+    assert!(
+        largest < 64 * 1024,
+        "largest allocation during load: {largest} bytes"
+    );
 }
 
 #[test]
@@ -390,10 +440,16 @@ fn a_crafted_file_list_cannot_name_other_paths() {
     let tmp = tempfile::tempdir().unwrap();
     let s = store(tmp.path(), 3);
     let newest = s.write(&snapshot(1)).unwrap();
-    rewrite_manifest(&newest, |body| body["files"][0]["name"] = "../../etc/passwd".into());
+    rewrite_manifest(&newest, |body| {
+        body["files"][0]["name"] = "../../etc/passwd".into()
+    });
     match load(&s) {
         Err(CheckpointError::NoneUsable { skipped }) => {
-            assert!(matches!(skipped[0].1, CheckpointError::Format { .. }), "{:?}", skipped[0].1)
+            assert!(
+                matches!(skipped[0].1, CheckpointError::Format { .. }),
+                "{:?}",
+                skipped[0].1
+            )
         }
         other => panic!("expected NoneUsable, got {other:?}"),
     }

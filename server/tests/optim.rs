@@ -64,7 +64,11 @@ impl Reference {
     fn step(&mut self, g: &[f32], lr: f64) {
         self.t += 1;
         let c = &self.c;
-        let (mu, b1, b2) = (f64::from(c.momentum), f64::from(c.beta1), f64::from(c.beta2));
+        let (mu, b1, b2) = (
+            f64::from(c.momentum),
+            f64::from(c.beta1),
+            f64::from(c.beta2),
+        );
         let (eps, wd) = (f64::from(c.eps), f64::from(c.weight_decay));
         for i in 0..self.w.len() {
             let g = f64::from(g[i]);
@@ -82,7 +86,11 @@ impl Reference {
                 }
                 OptimizerKind::Adam | OptimizerKind::Adamw => {
                     let decoupled = c.kind == OptimizerKind::Adamw;
-                    let (w, g) = if decoupled { (w - lr * wd * w, g) } else { (w, gl2) };
+                    let (w, g) = if decoupled {
+                        (w - lr * wd * w, g)
+                    } else {
+                        (w, gl2)
+                    };
                     self.a[i] = b1 * self.a[i] + (1.0 - b1) * g;
                     self.b[i] = b2 * self.b[i] + (1.0 - b2) * g * g;
                     let m_hat = self.a[i] / (1.0 - b1.powi(self.t));
@@ -118,7 +126,12 @@ fn check_against_reference(kind: OptimizerKind, wd: f32) {
         let g = grad_at(LEN, t);
         opt.step(&mut w, &g, 1.0);
         reference.step(&g, f64::from(c.lr));
-        assert_close(&format!("{kind:?} wd={wd} step {t} weights"), &w, &reference.w, 1e-5);
+        assert_close(
+            &format!("{kind:?} wd={wd} step {t} weights"),
+            &w,
+            &reference.w,
+            1e-5,
+        );
     }
     assert_eq!(opt.steps(), 8);
     let slots = opt.slots();
@@ -193,7 +206,10 @@ fn warmup_cosine_schedule_at_hand_derived_points() {
     let opt = Optimizer::new(&c, 0);
     let near = |t: u64, want: f64| {
         let got = f64::from(opt.lr_at(t));
-        assert!((got - want).abs() <= 1e-6 * want.max(1e-3), "lr_at({t}) = {got}, want {want}");
+        assert!(
+            (got - want).abs() <= 1e-6 * want.max(1e-3),
+            "lr_at({t}) = {got}, want {want}"
+        );
     };
     near(0, 0.0); // warmup starts from 0
     near(1, 0.1);
@@ -219,7 +235,10 @@ fn step_schedule_at_boundaries() {
     let opt = Optimizer::new(&c, 0);
     let near = |t: u64, want: f64| {
         let got = f64::from(opt.lr_at(t));
-        assert!((got - want).abs() <= 1e-6 * want, "lr_at({t}) = {got}, want {want}");
+        assert!(
+            (got - want).abs() <= 1e-6 * want,
+            "lr_at({t}) = {got}, want {want}"
+        );
     };
     near(1, 0.2);
     near(99, 0.2);
@@ -259,7 +278,10 @@ fn step_uses_the_scheduled_lr_of_its_one_based_update_number() {
         let before = w[0];
         opt.step(&mut w, &[1.0], 1.0);
         let applied = f64::from(before - w[0]);
-        assert!((applied - t as f64 / 4.0).abs() < 1e-6, "update {t} applied lr {applied}");
+        assert!(
+            (applied - t as f64 / 4.0).abs() < 1e-6,
+            "update {t} applied lr {applied}"
+        );
     }
 }
 
@@ -351,7 +373,10 @@ fn restore_rejects_wrong_slot_count_and_lengths() {
     let mut sgd = Optimizer::new(&cfg(OptimizerKind::Sgd, 0.0), 5);
     assert!(matches!(
         sgd.restore(1, vec![vec![0.0; 5]]),
-        Err(OptimError::SlotCount { expected: 0, found: 1 })
+        Err(OptimError::SlotCount {
+            expected: 0,
+            found: 1
+        })
     ));
     let mut momentum = Optimizer::new(&cfg(OptimizerKind::Momentum, 0.0), 5);
     assert!(matches!(
