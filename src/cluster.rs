@@ -173,6 +173,17 @@ impl LocalCluster {
                 }
             }
         }
+        // Every worker's goodbye is handled once its last pushes are applied; wait for that (bounded).
+        let deadline = Instant::now() + Duration::from_secs(15);
+        for s in &shards {
+            while Instant::now() < deadline {
+                match s.stats().await {
+                    Ok((_, st, _)) if st.left >= u64::from(workers) => break,
+                    Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    Err(_) => break,
+                }
+            }
+        }
         // Final model straight from the shards, then the shards' counters.
         let mut params = Vec::new();
         for s in &shards {

@@ -23,6 +23,8 @@ use crate::shard::ShardError;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A bulk frame must arrive completely within this time once its stream is open (slow-loris bound).
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+/// On goodbye, wait at most this long for the worker's last pushes to be handled before it leaves the table.
+const GOODBYE_DRAIN: Duration = Duration::from_secs(10);
 
 /// What every session of one shard shares.
 #[derive(Clone)]
@@ -110,13 +112,22 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext
         return;
     }
     info!(shard = ctx.shard, worker, %peer, clock = info.clock, "worker session started");
-    let pushes = tokio::spawn(push_loop(conn.clone(), ctx.clone(), worker));
-    control_loop(&conn, &mut control, &ctx, worker).await;
+    let (applied_tx, applied_rx) = tokio::sync::watch::channel(0u64);
+    let pushes = tokio::spawn(push_loop(conn.clone(), ctx.clone(), worker, applied_tx));
+    control_loop(&conn, &mut control, &ctx, worker, applied_rx).await;
     pushes.abort();
     debug!(shard = ctx.shard, worker, "worker session ended");
 }
 
-async fn control_loop(conn: &quinn::Connection, control: &mut ControlChannel, ctx: &Arc<SessionContext>, worker: u32) {
+async fn control_loop(
+    conn: &quinn::Connection,
+    control: &mut ControlChannel,
+    ctx: &Arc<SessionContext>,
+    worker: u32,
+    mut applied: tokio::sync::watch::Receiver<u64>,
+) {
+    // The clock the worker last announced in a heartbeat: on goodbye, its pushes up to there are handled first.
+    let mut announced = 0u64;
     loop {
         let msg = match control.recv().await {
             Ok(m) => m,
@@ -127,7 +138,10 @@ async fn control_loop(conn: &quinn::Connection, control: &mut ControlChannel, ct
             Err(_) => return,
         };
         let sent = match msg {
-            Control::Heartbeat { .. } => ctx.shard_actor.send(Heartbeat { worker }).await.is_ok(),
+            Control::Heartbeat { clock } => {
+                announced = clock;
+                ctx.shard_actor.send(Heartbeat { worker }).await.is_ok()
+            }
             // The worker announces its clock: after a restart or a refused round it may be ahead of our table.
             Control::Clock { clock } => ctx.shard_actor.send(Join { worker, clock }).await.is_ok(),
             Control::PullRequest { clock, precision } => {
@@ -137,6 +151,9 @@ async fn control_loop(conn: &quinn::Connection, control: &mut ControlChannel, ct
                 true
             }
             Control::Goodbye => {
+                // Pushes travel on their own streams and may still be queued behind this message.
+                let drained = applied.wait_for(|c| *c >= announced);
+                let _ = tokio::time::timeout(GOODBYE_DRAIN, drained).await;
                 let _ = ctx.shard_actor.send(Leave { worker }).await;
                 info!(shard = ctx.shard, worker, "worker left");
                 return;
@@ -199,7 +216,12 @@ async fn answer_pull(
     }
 }
 
-async fn push_loop(conn: quinn::Connection, ctx: Arc<SessionContext>, worker: u32) {
+async fn push_loop(
+    conn: quinn::Connection,
+    ctx: Arc<SessionContext>,
+    worker: u32,
+    applied: tokio::sync::watch::Sender<u64>,
+) {
     loop {
         let stream = match conn.accept_uni().await {
             Ok(s) => s,
@@ -237,7 +259,10 @@ async fn push_loop(conn: quinn::Connection, ctx: Arc<SessionContext>, worker: u3
             read_version: push.read_version,
             payload: push.payload,
         };
-        match ctx.shard_actor.send(msg).await {
+        let next_clock = push.clock + 1;
+        let result = ctx.shard_actor.send(msg).await;
+        applied.send_replace(next_clock);
+        match result {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
                 let code = shard_error_code(&e);

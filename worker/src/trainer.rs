@@ -379,7 +379,10 @@ impl Driver {
         for h in self.pushes.drain(..) {
             let _ = h.await;
         }
+        let clock = self.clock;
         for link in self.links.iter_mut().flatten() {
+            // The heartbeat tells the shard which pushes to wait for before it lets us leave.
+            let _ = link.control.send(&Control::Heartbeat { clock }).await;
             let _ = link.control.send(&Control::Goodbye).await;
         }
         for link in self.links.iter().flatten() {
