@@ -22,15 +22,26 @@ fn limits() -> FrameLimits {
     FrameLimits::for_shard(RANGE.1 - RANGE.0, PAYLOAD + 4096)
 }
 
-async fn serve_pushes(conn: quinn::Connection, done: Arc<tokio::sync::Notify>, target: u64, got: Arc<AtomicU64>) {
+async fn serve_pushes(
+    conn: quinn::Connection,
+    done: Arc<tokio::sync::Notify>,
+    target: u64,
+    got: Arc<AtomicU64>,
+) {
     let limits = limits();
     while let Ok(stream) = conn.accept_uni().await {
         let (done, got) = (done.clone(), got.clone());
         tokio::spawn(async move {
-            let frame = recv_bulk(stream, &limits, FrameKind::Push).await.expect("push frame");
+            let frame = recv_bulk(stream, &limits, FrameKind::Push)
+                .await
+                .expect("push frame");
             let push = access_push(&frame.body).expect("valid push");
-            push.check_target(0, RANGE.0, RANGE.1).expect("right target");
-            if got.fetch_add(push.payload().len() as u64, Ordering::AcqRel) + push.payload().len() as u64 >= target {
+            push.check_target(0, RANGE.0, RANGE.1)
+                .expect("right target");
+            if got.fetch_add(push.payload().len() as u64, Ordering::AcqRel)
+                + push.payload().len() as u64
+                >= target
+            {
                 done.notify_one();
             }
         });
@@ -46,7 +57,7 @@ async fn serve_raw(conn: quinn::Connection) -> u64 {
     total
 }
 
-async fn run(tuning: &TransportTuning, dir: &std::path::Path, frames: usize) -> (f64, f64) {
+async fn run(tuning: &TransportTuning, dir: &std::path::Path, frames: usize) -> (f64, f64, u64) {
     let server_tls = TlsFiles::load(dir, "server").unwrap();
     let server = server_endpoint("127.0.0.1:0".parse().unwrap(), &server_tls, tuning).unwrap();
     let addr: SocketAddr = server.local_addr().unwrap();
@@ -63,7 +74,9 @@ async fn run(tuning: &TransportTuning, dir: &std::path::Path, frames: usize) -> 
     let done = Arc::new(tokio::sync::Notify::new());
     let got = Arc::new(AtomicU64::new(0));
     tokio::spawn(serve_pushes(server_conn, done.clone(), target, got.clone()));
-    let payload: Vec<u8> = (0..PAYLOAD).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let payload: Vec<u8> = (0..PAYLOAD)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     let mut frame = PushFrame {
         worker: 0,
         clock: 0,
@@ -81,8 +94,11 @@ async fn run(tuning: &TransportTuning, dir: &std::path::Path, frames: usize) -> 
         encode_push_into(&frame, &mut body).unwrap();
         send_bulk(&conn, FrameKind::Push, &body).await.unwrap();
     }
-    tokio::time::timeout(Duration::from_secs(120), done.notified()).await.expect("pushes did not arrive");
+    tokio::time::timeout(Duration::from_secs(120), done.notified())
+        .await
+        .expect("pushes did not arrive");
     let push_mbs = target as f64 / start.elapsed().as_secs_f64() / 1e6;
+    let mut lost = conn.stats().path.lost_packets;
     conn.close(0u32.into(), b"");
 
     // Raw bulk throughput, same endpoints and config.
@@ -100,18 +116,28 @@ async fn run(tuning: &TransportTuning, dir: &std::path::Path, frames: usize) -> 
         stream.write_all(&chunk).await.unwrap();
     }
     stream.finish().unwrap();
-    let total = tokio::time::timeout(Duration::from_secs(120), reader).await.expect("raw stream stalled").unwrap();
+    let total = tokio::time::timeout(Duration::from_secs(120), reader)
+        .await
+        .expect("raw stream stalled")
+        .unwrap();
     let raw_mbs = total as f64 / start.elapsed().as_secs_f64() / 1e6;
     assert_eq!(total, target);
+    lost += conn.stats().path.lost_packets;
     conn.close(0u32.into(), b"");
     server.close(0u32.into(), b"");
     client.close(0u32.into(), b"");
-    (push_mbs, raw_mbs)
+    (push_mbs, raw_mbs, lost)
 }
 
 fn main() {
-    let frames: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(128);
-    let rounds: usize = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(3);
+    let frames: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(128);
+    let rounds: usize = std::env::args()
+        .nth(2)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(3);
     let dir = tempfile::tempdir().unwrap();
     pki::generate(dir.path(), &[], None).unwrap();
 
@@ -121,10 +147,15 @@ fn main() {
         send_window: 10_000_000,
         initial_mtu: 1200,
         mtu_discovery_upper_bound: Some(1452),
+        max_udp_payload_size: 1472,
         segmentation_offload: true,
         ..TransportTuning::default()
     };
-    let wide = TransportTuning { mtu_discovery_upper_bound: Some(1452), ..TransportTuning::default() };
+    let pmtud_jumbo = TransportTuning {
+        mtu_discovery_upper_bound: Some(8952),
+        max_udp_payload_size: 8952,
+        ..TransportTuning::default()
+    };
     let jumbo_no_gso = TransportTuning {
         initial_mtu: 8952,
         mtu_discovery_upper_bound: None,
@@ -133,26 +164,43 @@ fn main() {
     };
     let variants = [
         ("quinn defaults", quinn_defaults),
-        ("wide windows, 1452 B", wide),
-        ("default (wide, PMTUD to 8952)", TransportTuning::default()),
+        ("default (wide windows, 1452 B)", TransportTuning::default()),
+        ("wide, PMTUD to 8952", pmtud_jumbo.clone()),
         ("wide, 8952 B fixed, GSO off", jumbo_no_gso),
+        (
+            "wide, PMTUD to 8952, GSO off",
+            TransportTuning {
+                segmentation_offload: false,
+                ..TransportTuning::default()
+            },
+        ),
     ];
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     println!(
         "{frames} frames x {} KiB payload, best of {rounds} interleaved rounds, one loopback connection each",
         PAYLOAD >> 10
     );
     // Interleave variants round by round so load from other processes hits them alike; keep each one's best.
-    let mut best = vec![(0.0f64, 0.0f64); variants.len()];
+    let mut best = vec![(0.0f64, 0.0f64, 0u64); variants.len()];
     for _ in 0..rounds {
         for (i, (_, tuning)) in variants.iter().enumerate() {
-            let (push, raw) = rt.block_on(run(tuning, dir.path(), frames));
-            best[i] = (best[i].0.max(push), best[i].1.max(raw));
+            let (push, raw, lost) = rt.block_on(run(tuning, dir.path(), frames));
+            best[i] = (best[i].0.max(push), best[i].1.max(raw), best[i].2 + lost);
         }
     }
-    println!("{:<32} {:>12} {:>12} {:>7}", "tuning", "push MB/s", "raw MB/s", "ratio");
-    for ((name, _), (push, raw)) in variants.iter().zip(best) {
-        println!("{name:<32} {push:>12.0} {raw:>12.0} {:>7.2}", push / raw);
+    println!(
+        "{:<32} {:>10} {:>10} {:>6} {:>12}",
+        "tuning", "push MB/s", "raw MB/s", "ratio", "lost packets"
+    );
+    for ((name, _), (push, raw, lost)) in variants.iter().zip(best) {
+        println!(
+            "{name:<32} {push:>10.0} {raw:>10.0} {:>6.2} {lost:>12}",
+            push / raw
+        );
     }
 }

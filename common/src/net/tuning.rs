@@ -1,5 +1,10 @@
 //! Transport knobs (flow-control windows, stream limits, packet size, liveness), measured by
 //! `examples/wire_bench.rs`.
+//!
+//! Defaults come from that bench on the shared 2-core dev machine: wide windows (8 MiB per stream, 64 MiB per
+//! connection) with quinn's standard 1452-byte packets and GSO on gave the best raw and push throughput; jumbo
+//! (8952-byte) packets, fixed or discovered, with or without GSO, lost packets on the loaded loopback socket
+//! and ran slower there. They stay available as settings for quiet hosts and jumbo-frame LANs.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +32,8 @@ pub struct TransportTuning {
     pub initial_mtu: u16,
     /// Largest UDP payload size path-MTU discovery probes for (`None` disables discovery).
     pub mtu_discovery_upper_bound: Option<u16>,
+    /// Largest UDP payload this endpoint accepts, advertised to peers (caps their path-MTU discovery).
+    pub max_udp_payload_size: u16,
     /// Generic segmentation offload (batching many packets per syscall).
     pub segmentation_offload: bool,
 }
@@ -42,7 +49,8 @@ impl Default for TransportTuning {
             keep_alive_interval: Some(Duration::from_secs(2)),
             idle_timeout: Duration::from_secs(30),
             initial_mtu: 1200,
-            mtu_discovery_upper_bound: Some(8952),
+            mtu_discovery_upper_bound: Some(1452),
+            max_udp_payload_size: 1472,
             segmentation_offload: true,
         }
     }
