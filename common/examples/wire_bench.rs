@@ -149,6 +149,7 @@ fn main() {
         mtu_discovery_upper_bound: Some(1452),
         max_udp_payload_size: 1472,
         segmentation_offload: true,
+        socket_buffer_bytes: None,
         ..TransportTuning::default()
     };
     let pmtud_jumbo = TransportTuning {
@@ -158,6 +159,7 @@ fn main() {
     };
     let jumbo_no_gso = TransportTuning {
         initial_mtu: 8952,
+        max_udp_payload_size: 8952,
         mtu_discovery_upper_bound: None,
         segmentation_offload: false,
         ..TransportTuning::default()
@@ -165,13 +167,20 @@ fn main() {
     let variants = [
         ("quinn defaults", quinn_defaults),
         ("default (wide windows, 1452 B)", TransportTuning::default()),
+        (
+            "wide, kernel socket buffers",
+            TransportTuning {
+                socket_buffer_bytes: None,
+                ..TransportTuning::default()
+            },
+        ),
         ("wide, PMTUD to 8952", pmtud_jumbo.clone()),
         ("wide, 8952 B fixed, GSO off", jumbo_no_gso),
         (
             "wide, PMTUD to 8952, GSO off",
             TransportTuning {
                 segmentation_offload: false,
-                ..TransportTuning::default()
+                ..pmtud_jumbo
             },
         ),
     ];

@@ -36,6 +36,8 @@ pub struct TransportTuning {
     pub max_udp_payload_size: u16,
     /// Generic segmentation offload (batching many packets per syscall).
     pub segmentation_offload: bool,
+    /// UDP socket send/receive buffer to request (`None` = kernel default, about 208 KiB).
+    pub socket_buffer_bytes: Option<usize>,
 }
 
 impl Default for TransportTuning {
@@ -52,6 +54,7 @@ impl Default for TransportTuning {
             mtu_discovery_upper_bound: Some(1452),
             max_udp_payload_size: 1472,
             segmentation_offload: true,
+            socket_buffer_bytes: Some(4 << 20),
         }
     }
 }
