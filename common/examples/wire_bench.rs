@@ -152,9 +152,16 @@ fn main() {
         socket_buffer_bytes: None,
         ..TransportTuning::default()
     };
+    let wide_1452 = TransportTuning {
+        mtu_discovery_upper_bound: Some(1452),
+        max_udp_payload_size: 1472,
+        segmentation_offload: true,
+        ..TransportTuning::default()
+    };
     let pmtud_jumbo = TransportTuning {
         mtu_discovery_upper_bound: Some(8952),
         max_udp_payload_size: 8952,
+        segmentation_offload: true,
         ..TransportTuning::default()
     };
     let jumbo_no_gso = TransportTuning {
@@ -166,12 +173,15 @@ fn main() {
     };
     let variants = [
         ("quinn defaults", quinn_defaults),
-        ("default (wide windows, 1452 B)", TransportTuning::default()),
         (
-            "wide, kernel socket buffers",
+            "default (wide, 1452 B, 4 MiB sockets)",
+            TransportTuning::default(),
+        ),
+        (
+            "wide, 1452 B, kernel socket buffers",
             TransportTuning {
                 socket_buffer_bytes: None,
-                ..TransportTuning::default()
+                ..wide_1452
             },
         ),
         ("wide, PMTUD to 8952", pmtud_jumbo.clone()),
