@@ -38,6 +38,9 @@ pub enum NetError {
     /// The TLS or QUIC configuration could not be built from valid files.
     #[error("TLS configuration: {0}")]
     Tls(String),
+    /// A transport setting is out of range.
+    #[error("transport configuration: {0}")]
+    Config(String),
     /// The UDP socket could not be bound.
     #[error("cannot bind {addr}: {source}")]
     Bind {
