@@ -15,7 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::mpsc;
 
 use tether::common::codec::Scheme;
-use tether::common::config::{Config, DatasetKind, OptimizerKind, Staleness};
+use tether::common::config::{Config, DatasetKind, OptimizerKind, Schedule, Staleness};
 use tether::common::report::RunReport;
 use tether::{loopback_servers, LocalCluster};
 
@@ -56,6 +56,9 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f32,
+    /// Learning-rate schedule: cosine (linear warmup, then cosine decay over the run) or constant.
+    #[arg(long, default_value = "cosine")]
+    schedule: String,
     /// Per-worker batch size.
     #[arg(long, default_value_t = 128)]
     batch: usize,
@@ -104,6 +107,12 @@ fn main() -> Result<()> {
     }
     cfg.optimizer.kind = parse_optimizer(&args.optimizer)?;
     cfg.optimizer.lr = args.lr;
+    cfg.optimizer.schedule = match args.schedule.as_str() {
+        "constant" => Schedule::Constant,
+        // total = 0: LocalCluster stretches the cosine over the whole run.
+        "cosine" => Schedule::WarmupCosine { warmup: 100, total: 0, min_ratio: 0.01 },
+        o => anyhow::bail!("unknown schedule {o:?} (cosine|constant)"),
+    };
     cfg.checkpoint.every_updates = 0;
     cfg.validate()?;
 

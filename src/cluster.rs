@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::info;
 
-use tether_common::config::Config;
+use tether_common::config::{Config, Schedule};
 use tether_common::net::TlsFiles;
 use tether_common::report::RunReport;
 use tether_server::actor::GetWeights;
@@ -116,6 +116,12 @@ impl LocalCluster {
         let (train, test, note) = load_data(&mut cfg)?;
         if let Some(n) = &note {
             info!("{n}");
+        }
+        // A warmup-cosine schedule with `total = 0` spans the whole run: one update per worker step.
+        if let Schedule::WarmupCosine { total: total @ 0, .. } = &mut cfg.optimizer.schedule {
+            let per_worker = train.len() / cfg.cluster.workers.max(1) as usize;
+            let steps = (per_worker / cfg.train.batch.max(1)).max(1) as u64;
+            *total = steps * u64::from(cfg.train.epochs) * u64::from(cfg.cluster.workers);
         }
         let (train, test) = (Arc::new(train), Arc::new(test));
         let certs = self.work_dir.join("certs");
