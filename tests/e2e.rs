@@ -1,0 +1,114 @@
+//! End-to-end runs of a whole cluster in one process (`LocalCluster`: real QUIC with mutual TLS on loopback, real
+//! shard actors and workers): accuracy, the three consistency models, the staleness bound, and q4 against fp32.
+//! They train on Fashion-MNIST when it is installed (CI installs it) and on the embedded digits set otherwise.
+
+use tether::common::codec::Scheme;
+use tether::common::config::{Config, DatasetKind, Schedule, Staleness};
+use tether::common::report::RunReport;
+use tether::{loopback_servers, LocalCluster};
+
+fn fashion_installed() -> bool {
+    std::path::Path::new("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()
+}
+
+/// A small but real configuration: 2 shards, 3 workers, the MLP, a short schedule.
+fn config(staleness: Staleness, scheme: Scheme) -> Config {
+    let mut cfg = Config::with_servers(loopback_servers(2));
+    cfg.cluster.workers = 3;
+    cfg.cluster.staleness = staleness;
+    cfg.compression.scheme = scheme;
+    cfg.model.hidden = vec![64];
+    cfg.train.batch = 64;
+    cfg.train.eval_every = 0;
+    cfg.optimizer.schedule = Schedule::WarmupCosine { warmup: 50, total: 0, min_ratio: 0.05 };
+    cfg.checkpoint.every_updates = 0;
+    if fashion_installed() {
+        cfg.train.epochs = 2;
+    } else {
+        eprintln!("Fashion-MNIST not installed: these end-to-end tests train on the embedded digits set");
+        cfg.data.dataset = DatasetKind::Digits;
+        cfg.train.epochs = 12;
+    }
+    cfg
+}
+
+fn run(cfg: Config) -> RunReport {
+    let dir = tempfile::tempdir().unwrap();
+    let report = LocalCluster::new(cfg, dir.path().to_path_buf()).run().unwrap();
+    eprintln!(
+        "{} s={} {}: accuracy {:.4}, steps {}, applied {}, rejected {}, lead {}, staleness {}, wire/fp32 {:.3}, {:.1}s",
+        report.dataset,
+        report.staleness_bound,
+        report.compression,
+        report.final_test_accuracy,
+        report.steps,
+        report.updates_applied,
+        report.updates_rejected,
+        report.max_clock_lead_observed,
+        report.max_staleness_observed,
+        report.push_ratio(),
+        report.wall_seconds
+    );
+    report
+}
+
+fn accuracy_floor(r: &RunReport) -> f64 {
+    if r.dataset == "fashion-mnist" {
+        0.82
+    } else {
+        0.90
+    }
+}
+
+fn check_common(r: &RunReport, bound: Option<u64>) {
+    assert_eq!(r.workers, 3);
+    assert_eq!(r.shards, 2);
+    // Every push of every worker reached both shards and was applied; nothing was refused.
+    assert_eq!(r.updates_rejected, 0);
+    assert_eq!(r.updates_applied, 2 * r.steps, "each step pushes one frame per shard");
+    if let Some(s) = bound {
+        assert!(r.max_clock_lead_observed <= s, "clock lead {} beyond bound {s}", r.max_clock_lead_observed);
+    }
+    let hist_total: u64 = r.staleness_histogram.iter().map(|b| b.count).sum();
+    assert_eq!(hist_total, r.updates_applied);
+    assert!(r.final_test_accuracy >= accuracy_floor(r), "accuracy {} too low", r.final_test_accuracy);
+    assert!(r.final_train_loss.is_finite());
+    assert!(!r.loss_curve.is_empty());
+}
+
+#[test]
+fn ssp_q4_cluster_trains_to_accuracy_within_the_bound() {
+    let r = run(config(Staleness::Bounded(2), Scheme::Q4));
+    check_common(&r, Some(2));
+    // 4-bit codes plus one f32 scale per 512 values.
+    assert!(r.push_ratio() < 0.13, "q4 push ratio {}", r.push_ratio());
+}
+
+#[test]
+fn bsp_never_lets_a_worker_lead() {
+    let r = run(config(Staleness::Bounded(0), Scheme::Q4));
+    check_common(&r, Some(0));
+    // BSP: a pull for clock c waits for every push of clock c-1, so a gradient is at most (workers - 1) updates
+    // stale: the other workers' pushes of the same round.
+    assert!(r.max_staleness_observed <= 2, "staleness {} under BSP with 3 workers", r.max_staleness_observed);
+}
+
+#[test]
+fn async_run_completes_and_trains() {
+    let r = run(config(Staleness::Unbounded, Scheme::Q4));
+    check_common(&r, None);
+}
+
+#[test]
+fn q4_with_error_feedback_matches_fp32_within_one_point() {
+    let q4 = run(config(Staleness::Bounded(0), Scheme::Q4));
+    let fp32 = run(config(Staleness::Bounded(0), Scheme::None));
+    assert!((fp32.push_ratio() - 1.0).abs() < 0.01);
+    let gap = (q4.final_test_accuracy - fp32.final_test_accuracy).abs();
+    assert!(
+        gap <= 0.01,
+        "q4 {:.4} vs fp32 {:.4}: gap {gap:.4} over one point",
+        q4.final_test_accuracy,
+        fp32.final_test_accuracy
+    );
+}
