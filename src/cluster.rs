@@ -19,7 +19,7 @@ use tether_server::shard::ShardStats;
 use tether_worker::data::Dataset;
 use tether_worker::model;
 use tether_worker::step::GradientFault;
-use tether_worker::trainer::{load_data, prepare_worker, Progress, WorkerOptions, WorkerReport};
+use tether_worker::trainer::{load_data, prepare_worker, ModelFactory, Progress, WorkerOptions, WorkerReport};
 
 /// Errors running a local cluster.
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +76,8 @@ pub struct LocalCluster {
     pub spike_factor: f32,
     /// Evaluate every `train.eval_every` steps on rank 0 (the final accuracy is always measured).
     pub eval_during_training: bool,
+    /// A user model to train instead of the built-in one `[model]` describes.
+    pub model: Option<ModelFactory>,
 }
 
 /// Configuration for `shards` shards on loopback (ports are chosen when binding).
@@ -94,6 +96,7 @@ impl LocalCluster {
             delays: Vec::new(),
             spike_factor: 0.0,
             eval_during_training: true,
+            model: None,
         }
     }
 
@@ -142,6 +145,7 @@ impl LocalCluster {
                 tls: None,
                 metrics: None,
                 spike_factor: self.spike_factor,
+                layout: self.model.as_ref().map(|f| f().layout().clone()),
             };
             shards.push(start_shard(&cfg, opts).await?);
         }
@@ -162,6 +166,7 @@ impl LocalCluster {
                 metrics: None,
                 reconnect_deadline: Duration::from_secs(30),
                 step_delay: self.delays.iter().find(|(r, _)| *r == rank).map(|(_, d)| *d).unwrap_or_default(),
+                model: self.model.clone(),
             };
             let prepared = prepare_worker(opts).map_err(|source| ClusterError::Worker { rank, source })?;
             tasks.push((rank, tokio::spawn(prepared.run())));
@@ -206,9 +211,15 @@ impl LocalCluster {
         }
         let eval_cfg = cfg.clone();
         let test_eval = test.clone();
+        let factory = self.model.clone();
         let (accuracy, test_loss) = tokio::task::spawn_blocking(move || {
-            let (f, c) = eval_cfg.model_io().unwrap_or((test_eval.features, test_eval.classes));
-            let mut m = model::build(&eval_cfg.model, f, c);
+            let mut m = match factory {
+                Some(f) => f(),
+                None => {
+                    let (f, c) = eval_cfg.model_io().unwrap_or((test_eval.features, test_eval.classes));
+                    model::build(&eval_cfg.model, f, c)
+                }
+            };
             let acc = model::accuracy(m.as_mut(), &params, &test_eval.x, &test_eval.y, 1000);
             let loss = model::mean_loss(m.as_mut(), &params, &test_eval.x, &test_eval.y, 1000);
             (acc, loss)
@@ -217,6 +228,10 @@ impl LocalCluster {
         .map_err(|e| ClusterError::Runtime(e.to_string()))?;
         let wall = started.elapsed().as_secs_f64();
         let mut report = build_report(&cfg, &reports, &shard_stats, wall, f64::from(accuracy));
+        if let Some(f) = &self.model {
+            report.model = "user model".to_string();
+            report.params = f().layout().len() as u64;
+        }
         if let Some(n) = note {
             report.notes.push(n);
         }

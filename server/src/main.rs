@@ -114,6 +114,7 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
             tls: None,
             metrics: Some(server_metrics),
             spike_factor: cli.spike_factor,
+            layout: None,
         },
     )
     .await?;

@@ -12,6 +12,7 @@ use tracing::{info, warn};
 
 use tether_common::codec::max_encoded_len;
 use tether_common::config::{Config, ConfigError};
+use tether_common::layout::Layout;
 use tether_common::metrics::ServerMetrics;
 use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
 use tether_common::protocol::{ErrorCode, FrameLimits};
@@ -63,6 +64,8 @@ pub struct ShardOptions {
     pub metrics: Option<ServerMetrics>,
     /// Spike-guard factor (0 = off).
     pub spike_factor: f32,
+    /// The parameter layout, when it is not the one `[model]` describes (a user model embedded as a library).
+    pub layout: Option<Layout>,
 }
 
 /// A shard that is serving.
@@ -106,7 +109,10 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         Some(a) => a,
         None => resolve(&cfg.cluster.servers[opts.shard as usize])?,
     };
-    let layout = cfg.layout()?;
+    let layout = match opts.layout {
+        Some(l) => l,
+        None => cfg.layout()?,
+    };
     let spec = ShardSpec {
         shard: opts.shard,
         shards,

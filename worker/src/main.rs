@@ -132,6 +132,7 @@ fn run() -> Result<()> {
             metrics: Some(worker_metrics),
             reconnect_deadline: Duration::from_secs(cli.reconnect_deadline_s),
             step_delay: Duration::from_millis(cli.step_delay_ms),
+            model: None,
         };
         let prepared = prepare_worker(opts)?;
         let r = tokio::spawn(prepared.run()).await.context("worker task panicked")??;

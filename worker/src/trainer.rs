@@ -133,7 +133,12 @@ pub struct WorkerOptions {
     pub reconnect_deadline: Duration,
     /// Sleep this long after each compute (simulates a straggler).
     pub step_delay: Duration,
+    /// A user model to train instead of the one `[model]` describes (the shards must use its layout).
+    pub model: Option<ModelFactory>,
 }
+
+/// Builds a fresh instance of a user's model (one per worker, plus one for evaluation).
+pub type ModelFactory = Arc<dyn Fn() -> Box<dyn Model> + Send + Sync>;
 
 struct Compute {
     step: u64,
@@ -415,14 +420,20 @@ pub struct PreparedWorker {
 /// runs an actix `System` (Arbiters need one); the returned worker's `run` future may then be spawned anywhere.
 pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError> {
     let cfg = &opts.config;
-    let (features, classes) = cfg.model_io()?;
+    let model: Box<dyn Model> = match &opts.model {
+        Some(factory) => factory(),
+        None => {
+            let (features, classes) = cfg.model_io()?;
+            model::build(&cfg.model, features, classes)
+        }
+    };
+    let (features, classes) = (model.features(), model.classes());
     if opts.train.features != features || opts.train.classes > classes {
         return Err(WorkerError::Data(format!(
             "dataset has {} features / {} classes, model expects {features} / {classes}",
             opts.train.features, opts.train.classes
         )));
     }
-    let model: Box<dyn Model> = model::build(&cfg.model, features, classes);
     let layout = model.layout().clone();
     let shards = opts.servers.len();
     let ranges: Vec<(u64, u64)> = (0..shards)
