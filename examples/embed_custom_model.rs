@@ -26,12 +26,29 @@ struct TanhNet {
 impl TanhNet {
     fn new(features: usize, hidden: usize, classes: usize) -> Self {
         let layout = Layout::new(vec![
-            TensorSpec::new("w1", &[features, hidden], Init::Uniform { bound: (1.0 / features as f32).sqrt() }),
+            TensorSpec::new(
+                "w1",
+                &[features, hidden],
+                Init::Uniform {
+                    bound: (1.0 / features as f32).sqrt(),
+                },
+            ),
             TensorSpec::new("b1", &[hidden], Init::Zeros),
-            TensorSpec::new("w2", &[hidden, classes], Init::Uniform { bound: (1.0 / hidden as f32).sqrt() }),
+            TensorSpec::new(
+                "w2",
+                &[hidden, classes],
+                Init::Uniform {
+                    bound: (1.0 / hidden as f32).sqrt(),
+                },
+            ),
             TensorSpec::new("b2", &[classes], Init::Zeros),
         ]);
-        Self { layout, features, hidden, classes }
+        Self {
+            layout,
+            features,
+            hidden,
+            classes,
+        }
     }
 
     /// Hidden activations and class probabilities of one row.
@@ -56,10 +73,13 @@ impl TanhNet {
             probs[k] = z;
             max = max.max(z);
         }
-        let sum: f32 = probs.iter_mut().map(|z| {
-            *z = (*z - max).exp();
-            *z
-        }).sum();
+        let sum: f32 = probs
+            .iter_mut()
+            .map(|z| {
+                *z = (*z - max).exp();
+                *z
+            })
+            .sum();
         probs.iter_mut().for_each(|z| *z /= sum);
     }
 }
@@ -113,8 +133,15 @@ impl Model for TanhNet {
     fn predict(&mut self, p: &[f32], x: &[f32], out: &mut [u32]) {
         let (mut h, mut probs) = (vec![0.0; self.hidden], vec![0.0; self.classes]);
         for (r, o) in out.iter_mut().enumerate() {
-            self.forward(p, &x[r * self.features..(r + 1) * self.features], &mut h, &mut probs);
-            *o = (0..self.classes).max_by(|&a, &b| probs[a].total_cmp(&probs[b])).unwrap_or(0) as u32;
+            self.forward(
+                p,
+                &x[r * self.features..(r + 1) * self.features],
+                &mut h,
+                &mut probs,
+            );
+            *o = (0..self.classes)
+                .max_by(|&a, &b| probs[a].total_cmp(&probs[b]))
+                .unwrap_or(0) as u32;
         }
     }
 }
@@ -130,7 +157,9 @@ fn main() -> Result<()> {
     cfg.checkpoint.every_updates = 0;
     let dir = tempfile::tempdir()?;
     let mut cluster = LocalCluster::new(cfg, dir.path().to_path_buf());
-    cluster.model = Some(Arc::new(|| Box::new(TanhNet::new(64, 32, 10)) as Box<dyn Model>));
+    cluster.model = Some(Arc::new(|| {
+        Box::new(TanhNet::new(64, 32, 10)) as Box<dyn Model>
+    }));
     let report = cluster.run()?;
     println!(
         "user model ({} params) on {}: test accuracy {:.4} after {} steps in {:.1} s, {:.1}x fewer bytes pushed than fp32",
@@ -141,6 +170,9 @@ fn main() -> Result<()> {
         report.wall_seconds,
         1.0 / report.push_ratio().max(1e-12)
     );
-    anyhow::ensure!(report.final_test_accuracy > 0.9, "the user model did not learn");
+    anyhow::ensure!(
+        report.final_test_accuracy > 0.9,
+        "the user model did not learn"
+    );
     Ok(())
 }

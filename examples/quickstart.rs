@@ -38,9 +38,12 @@ struct Args {
     /// Disable error feedback.
     #[arg(long)]
     no_error_feedback: bool,
-    /// zstd over the packed gradients.
+    /// Turn off zstd over the packed gradients.
     #[arg(long)]
-    zstd: bool,
+    no_zstd: bool,
+    /// Pull parameters as bf16 (half the pull bytes).
+    #[arg(long)]
+    pull_bf16: bool,
     /// Epochs (passes over each worker's partition).
     #[arg(long, default_value_t = 10)]
     epochs: u32,
@@ -84,7 +87,9 @@ struct Args {
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
@@ -93,7 +98,8 @@ fn main() -> Result<()> {
     cfg.cluster.staleness = args.staleness;
     cfg.compression.scheme = args.compression;
     cfg.compression.error_feedback = !args.no_error_feedback;
-    cfg.compression.zstd = args.zstd;
+    cfg.compression.zstd = !args.no_zstd;
+    cfg.compression.pull_bf16 = args.pull_bf16;
     cfg.train.epochs = args.epochs;
     cfg.train.batch = args.batch;
     cfg.train.eval_every = args.eval_every;
@@ -110,23 +116,36 @@ fn main() -> Result<()> {
     cfg.optimizer.schedule = match args.schedule.as_str() {
         "constant" => Schedule::Constant,
         // total = 0: LocalCluster stretches the cosine over the whole run.
-        "cosine" => Schedule::WarmupCosine { warmup: 100, total: 0, min_ratio: 0.01 },
+        "cosine" => Schedule::WarmupCosine {
+            warmup: 100,
+            total: 0,
+            min_ratio: 0.01,
+        },
         o => anyhow::bail!("unknown schedule {o:?} (cosine|constant)"),
     };
     cfg.checkpoint.every_updates = 0;
     cfg.validate()?;
 
     let tmp = tempfile::tempdir().context("cannot create a temporary directory")?;
-    let work_dir = args.work_dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    std::fs::create_dir_all(&work_dir).with_context(|| format!("cannot create {}", work_dir.display()))?;
+    let work_dir = args
+        .work_dir
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&work_dir)
+        .with_context(|| format!("cannot create {}", work_dir.display()))?;
 
     println!(
-        "Tether quickstart: {} workers, {} shards, staleness {}, compression {}{}, {} epochs",
+        "Tether quickstart: {} workers, {} shards, staleness {}, compression {}{}{}, {} epochs",
         cfg.cluster.workers,
         cfg.cluster.servers.len(),
         cfg.cluster.staleness,
         cfg.compression.scheme,
-        if cfg.compression.error_feedback { " + error feedback" } else { "" },
+        if cfg.compression.error_feedback {
+            " + error feedback"
+        } else {
+            ""
+        },
+        if cfg.compression.zstd { " + zstd" } else { "" },
         cfg.train.epochs
     );
     let (tx, rx) = mpsc::unbounded_channel();
@@ -141,7 +160,9 @@ fn main() -> Result<()> {
     }
     print_summary(&report);
     if let Some(p) = &args.report {
-        report.write_json(p).with_context(|| format!("cannot write {}", p.display()))?;
+        report
+            .write_json(p)
+            .with_context(|| format!("cannot write {}", p.display()))?;
         println!("report: {}", p.display());
     }
     if let Some(p) = &args.plot {
@@ -195,7 +216,11 @@ fn show_progress(mut rx: mpsc::UnboundedReceiver<tether::worker::trainer::Progre
         if p.accuracy.is_some() {
             acc = p.accuracy;
         }
-        let ratio = if wire > 0 { fp32 as f64 / wire as f64 } else { 0.0 };
+        let ratio = if wire > 0 {
+            fp32 as f64 / wire as f64
+        } else {
+            0.0
+        };
         let msg = format!(
             "loss {:.4}  acc {}  compression {:.1}x",
             loss_ema.unwrap_or(f32::NAN),
@@ -235,7 +260,10 @@ fn print_summary(r: &RunReport) {
         ("steps (all workers)", r.steps.to_string()),
         ("wall time", format!("{:.1} s", r.wall_seconds)),
         ("final train loss", format!("{:.4}", r.final_train_loss)),
-        ("final test accuracy", format!("{:.4}", r.final_test_accuracy)),
+        (
+            "final test accuracy",
+            format!("{:.4}", r.final_test_accuracy),
+        ),
         (
             "pushed: wire vs fp32",
             format!(
@@ -246,9 +274,18 @@ fn print_summary(r: &RunReport) {
             ),
         ),
         ("pulled", format!("{:.1} MiB", mib(r.wire_bytes_pulled))),
-        ("updates applied / rejected", format!("{} / {}", r.updates_applied, r.updates_rejected)),
-        ("max clock lead (bound)", format!("{} ({})", r.max_clock_lead_observed, r.staleness_bound)),
-        ("max staleness (updates)", r.max_staleness_observed.to_string()),
+        (
+            "updates applied / rejected",
+            format!("{} / {}", r.updates_applied, r.updates_rejected),
+        ),
+        (
+            "max clock lead (bound)",
+            format!("{} ({})", r.max_clock_lead_observed, r.staleness_bound),
+        ),
+        (
+            "max staleness (updates)",
+            r.max_staleness_observed.to_string(),
+        ),
     ];
     let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     println!("\n{:-<1$}", "", w + 40);
@@ -260,7 +297,9 @@ fn print_summary(r: &RunReport) {
 
 fn plot(r: &RunReport, path: &Path) -> Result<()> {
     use plotters::prelude::*;
-    let font = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"].iter().find_map(|p| std::fs::read(p).ok());
+    let font = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"]
+        .iter()
+        .find_map(|p| std::fs::read(p).ok());
     let has_font = match font {
         Some(bytes) => {
             let leaked: &'static [u8] = Box::leak(bytes.into_boxed_slice());
@@ -271,30 +310,59 @@ fn plot(r: &RunReport, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (1000, 420)).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(500);
-    let tmax = r.loss_curve.iter().map(|p| p.1).chain(r.accuracy_curve.iter().map(|p| p.1)).fold(1e-3, f64::max);
-    let lmax = r.loss_curve.iter().map(|p| p.2).filter(|l| l.is_finite()).fold(0.1, f64::max);
+    let tmax = r
+        .loss_curve
+        .iter()
+        .map(|p| p.1)
+        .chain(r.accuracy_curve.iter().map(|p| p.1))
+        .fold(1e-3, f64::max);
+    let lmax = r
+        .loss_curve
+        .iter()
+        .map(|p| p.2)
+        .filter(|l| l.is_finite())
+        .fold(0.1, f64::max);
     let mut loss = ChartBuilder::on(&left);
     loss.margin(15);
     if has_font {
-        loss.caption("training loss", ("sans-serif", 18)).x_label_area_size(30).y_label_area_size(45);
+        loss.caption("training loss", ("sans-serif", 18))
+            .x_label_area_size(30)
+            .y_label_area_size(45);
     }
     let mut loss = loss.build_cartesian_2d(0.0..tmax, 0.0..lmax)?;
     if has_font {
         loss.configure_mesh().x_desc("seconds").draw()?;
     }
-    loss.draw_series(LineSeries::new(r.loss_curve.iter().map(|p| (p.1, p.2)), &BLUE))?;
+    loss.draw_series(LineSeries::new(
+        r.loss_curve.iter().map(|p| (p.1, p.2)),
+        &BLUE,
+    ))?;
     let mut acc = ChartBuilder::on(&right);
     acc.margin(15);
     if has_font {
-        acc.caption("test accuracy", ("sans-serif", 18)).x_label_area_size(30).y_label_area_size(45);
+        acc.caption("test accuracy", ("sans-serif", 18))
+            .x_label_area_size(30)
+            .y_label_area_size(45);
     }
-    let amin = r.accuracy_curve.iter().map(|p| p.2).fold(1.0, f64::min).min(0.5);
+    let amin = r
+        .accuracy_curve
+        .iter()
+        .map(|p| p.2)
+        .fold(1.0, f64::min)
+        .min(0.5);
     let mut acc = acc.build_cartesian_2d(0.0..tmax, amin..1.0)?;
     if has_font {
         acc.configure_mesh().x_desc("seconds").draw()?;
     }
-    acc.draw_series(LineSeries::new(r.accuracy_curve.iter().map(|p| (p.1, p.2)), &RED))?;
-    acc.draw_series(r.accuracy_curve.iter().map(|p| Circle::new((p.1, p.2), 3, RED.filled())))?;
+    acc.draw_series(LineSeries::new(
+        r.accuracy_curve.iter().map(|p| (p.1, p.2)),
+        &RED,
+    ))?;
+    acc.draw_series(
+        r.accuracy_curve
+            .iter()
+            .map(|p| Circle::new((p.1, p.2), 3, RED.filled())),
+    )?;
     root.present()?;
     Ok(())
 }

@@ -43,7 +43,10 @@ fn main() -> Result<()> {
     let mut m = model::build(&cfg.model, features, classes);
     let mut params = m.layout().init_all(cfg.model.seed);
     let mut grad = vec![0.0; params.len()];
-    let opt_cfg = OptimizerConfig { lr: args.lr, ..OptimizerConfig::default() };
+    let opt_cfg = OptimizerConfig {
+        lr: args.lr,
+        ..OptimizerConfig::default()
+    };
     let mut opt = Optimizer::new(&opt_cfg, params.len());
     let part = Partition::new(train.len(), 0, 1, cfg.train.seed)?;
     let (mut xb, mut yb) = (vec![0.0; args.batch * features], vec![0u32; args.batch]);
@@ -53,7 +56,10 @@ fn main() -> Result<()> {
         let mut loss_sum = 0.0;
         let steps = order.len() / args.batch;
         for s in 0..steps {
-            for (r, &i) in order[s * args.batch..(s + 1) * args.batch].iter().enumerate() {
+            for (r, &i) in order[s * args.batch..(s + 1) * args.batch]
+                .iter()
+                .enumerate()
+            {
                 xb[r * features..(r + 1) * features].copy_from_slice(train.row(i));
                 yb[r] = train.y[i];
             }
@@ -68,7 +74,11 @@ fn main() -> Result<()> {
             loss_sum / steps as f32
         );
         if args.target.is_some_and(|t| acc >= t) {
-            println!("reached {:.3} after {:.1} s", acc, started.elapsed().as_secs_f64());
+            println!(
+                "reached {:.3} after {:.1} s",
+                acc,
+                started.elapsed().as_secs_f64()
+            );
             break;
         }
     }

@@ -19,7 +19,9 @@ use tether_server::shard::ShardStats;
 use tether_worker::data::Dataset;
 use tether_worker::model;
 use tether_worker::step::GradientFault;
-use tether_worker::trainer::{load_data, prepare_worker, ModelFactory, Progress, WorkerOptions, WorkerReport};
+use tether_worker::trainer::{
+    load_data, prepare_worker, ModelFactory, Progress, WorkerOptions, WorkerReport,
+};
 
 /// Errors running a local cluster.
 #[derive(Debug, thiserror::Error)]
@@ -121,7 +123,10 @@ impl LocalCluster {
             info!("{n}");
         }
         // A warmup-cosine schedule with `total = 0` spans the whole run: one update per worker step.
-        if let Schedule::WarmupCosine { total: total @ 0, .. } = &mut cfg.optimizer.schedule {
+        if let Schedule::WarmupCosine {
+            total: total @ 0, ..
+        } = &mut cfg.optimizer.schedule
+        {
             let per_worker = train.len() / cfg.cluster.workers.max(1) as usize;
             let steps = (per_worker / cfg.train.batch.max(1)).max(1) as u64;
             *total = steps * u64::from(cfg.train.epochs) * u64::from(cfg.cluster.workers);
@@ -162,13 +167,24 @@ impl LocalCluster {
                 train: train.clone(),
                 test: (rank == 0 && self.eval_during_training).then(|| test.clone()),
                 progress: self.progress.clone(),
-                faults: self.faults.iter().filter(|(r, _)| *r == rank).map(|(_, f)| *f).collect(),
+                faults: self
+                    .faults
+                    .iter()
+                    .filter(|(r, _)| *r == rank)
+                    .map(|(_, f)| *f)
+                    .collect(),
                 metrics: None,
                 reconnect_deadline: Duration::from_secs(30),
-                step_delay: self.delays.iter().find(|(r, _)| *r == rank).map(|(_, d)| *d).unwrap_or_default(),
+                step_delay: self
+                    .delays
+                    .iter()
+                    .find(|(r, _)| *r == rank)
+                    .map(|(_, d)| *d)
+                    .unwrap_or_default(),
                 model: self.model.clone(),
             };
-            let prepared = prepare_worker(opts).map_err(|source| ClusterError::Worker { rank, source })?;
+            let prepared =
+                prepare_worker(opts).map_err(|source| ClusterError::Worker { rank, source })?;
             tasks.push((rank, tokio::spawn(prepared.run())));
         }
         let mut reports = Vec::with_capacity(tasks.len());
@@ -180,7 +196,8 @@ impl LocalCluster {
                     first_error.get_or_insert(ClusterError::Worker { rank, source });
                 }
                 Err(e) => {
-                    first_error.get_or_insert(ClusterError::Runtime(format!("worker {rank} task: {e}")));
+                    first_error
+                        .get_or_insert(ClusterError::Runtime(format!("worker {rank} task: {e}")));
                 }
             }
         }
@@ -198,7 +215,11 @@ impl LocalCluster {
         // Final model straight from the shards, then the shards' counters.
         let mut params = Vec::new();
         for s in &shards {
-            let (_, w) = s.actor.send(GetWeights).await.map_err(|_| ClusterError::Runtime("shard gone".into()))?;
+            let (_, w) = s
+                .actor
+                .send(GetWeights)
+                .await
+                .map_err(|_| ClusterError::Runtime("shard gone".into()))?;
             params.extend_from_slice(&w);
         }
         let mut shard_stats = Vec::with_capacity(shards.len());
@@ -216,7 +237,9 @@ impl LocalCluster {
             let mut m = match factory {
                 Some(f) => f(),
                 None => {
-                    let (f, c) = eval_cfg.model_io().unwrap_or((test_eval.features, test_eval.classes));
+                    let (f, c) = eval_cfg
+                        .model_io()
+                        .unwrap_or((test_eval.features, test_eval.classes));
                     model::build(&eval_cfg.model, f, c)
                 }
             };
@@ -252,9 +275,14 @@ pub fn build_report(
     let dims_s: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
     let mut loss_curve: Vec<(u64, f64, f64)> = Vec::new();
     // Training loss over time: mean over workers of the loss of each worker's step k, stamped with the latest time.
-    let max_steps = workers.iter().map(|w| w.loss_curve.len()).max().unwrap_or(0);
+    let max_steps = workers
+        .iter()
+        .map(|w| w.loss_curve.len())
+        .max()
+        .unwrap_or(0);
     for k in 0..max_steps {
-        let pts: Vec<&(u64, f64, f64)> = workers.iter().filter_map(|w| w.loss_curve.get(k)).collect();
+        let pts: Vec<&(u64, f64, f64)> =
+            workers.iter().filter_map(|w| w.loss_curve.get(k)).collect();
         let loss = pts.iter().map(|p| p.2).sum::<f64>() / pts.len() as f64;
         let secs = pts.iter().map(|p| p.1).fold(0.0, f64::max);
         let step = pts.iter().map(|p| p.0).sum::<u64>();
@@ -274,7 +302,12 @@ pub fn build_report(
     let accuracy_curve = workers
         .iter()
         .find(|w| !w.accuracy_curve.is_empty())
-        .map(|w| w.accuracy_curve.iter().map(|&(s, t, a)| (s * workers_n.max(1), t, a)).collect())
+        .map(|w| {
+            w.accuracy_curve
+                .iter()
+                .map(|&(s, t, a)| (s * workers_n.max(1), t, a))
+                .collect()
+        })
         .unwrap_or_default();
     RunReport {
         dataset: cfg.data.dataset.to_string(),

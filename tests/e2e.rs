@@ -20,12 +20,18 @@ fn config(staleness: Staleness, scheme: Scheme) -> Config {
     cfg.model.hidden = vec![64];
     cfg.train.batch = 64;
     cfg.train.eval_every = 0;
-    cfg.optimizer.schedule = Schedule::WarmupCosine { warmup: 50, total: 0, min_ratio: 0.05 };
+    cfg.optimizer.schedule = Schedule::WarmupCosine {
+        warmup: 50,
+        total: 0,
+        min_ratio: 0.05,
+    };
     cfg.checkpoint.every_updates = 0;
     if fashion_installed() {
         cfg.train.epochs = 2;
     } else {
-        eprintln!("Fashion-MNIST not installed: these end-to-end tests train on the embedded digits set");
+        eprintln!(
+            "Fashion-MNIST not installed: these end-to-end tests train on the embedded digits set"
+        );
         cfg.data.dataset = DatasetKind::Digits;
         cfg.train.epochs = 12;
     }
@@ -34,7 +40,9 @@ fn config(staleness: Staleness, scheme: Scheme) -> Config {
 
 fn run(cfg: Config) -> RunReport {
     let dir = tempfile::tempdir().unwrap();
-    let report = LocalCluster::new(cfg, dir.path().to_path_buf()).run().unwrap();
+    let report = LocalCluster::new(cfg, dir.path().to_path_buf())
+        .run()
+        .unwrap();
     eprintln!(
         "{} s={} {}: accuracy {:.4}, steps {}, applied {}, rejected {}, lead {}, staleness {}, wire/fp32 {:.3}, {:.1}s",
         report.dataset,
@@ -65,13 +73,25 @@ fn check_common(r: &RunReport, bound: Option<u64>) {
     assert_eq!(r.shards, 2);
     // Every push of every worker reached both shards and was applied; nothing was refused.
     assert_eq!(r.updates_rejected, 0);
-    assert_eq!(r.updates_applied, 2 * r.steps, "each step pushes one frame per shard");
+    assert_eq!(
+        r.updates_applied,
+        2 * r.steps,
+        "each step pushes one frame per shard"
+    );
     if let Some(s) = bound {
-        assert!(r.max_clock_lead_observed <= s, "clock lead {} beyond bound {s}", r.max_clock_lead_observed);
+        assert!(
+            r.max_clock_lead_observed <= s,
+            "clock lead {} beyond bound {s}",
+            r.max_clock_lead_observed
+        );
     }
     let hist_total: u64 = r.staleness_histogram.iter().map(|b| b.count).sum();
     assert_eq!(hist_total, r.updates_applied);
-    assert!(r.final_test_accuracy >= accuracy_floor(r), "accuracy {} too low", r.final_test_accuracy);
+    assert!(
+        r.final_test_accuracy >= accuracy_floor(r),
+        "accuracy {} too low",
+        r.final_test_accuracy
+    );
     assert!(r.final_train_loss.is_finite());
     assert!(!r.loss_curve.is_empty());
 }
@@ -90,7 +110,11 @@ fn bsp_never_lets_a_worker_lead() {
     check_common(&r, Some(0));
     // BSP: a pull for clock c waits for every push of clock c-1, so a gradient is at most (workers - 1) updates
     // stale: the other workers' pushes of the same round.
-    assert!(r.max_staleness_observed <= 2, "staleness {} under BSP with 3 workers", r.max_staleness_observed);
+    assert!(
+        r.max_staleness_observed <= 2,
+        "staleness {} under BSP with 3 workers",
+        r.max_staleness_observed
+    );
 }
 
 #[test]

@@ -493,12 +493,17 @@ pub struct CompressionConfig {
     /// Worker-side error feedback (default true).
     #[serde(default = "d_true")]
     pub error_feedback: bool,
-    /// zstd over the packed body when it helps (default false: it costs CPU and pays only on slow links).
-    #[serde(default)]
+    /// zstd (level 1) over the packed body when it makes it smaller (default true: q4 codes of real gradients are
+    /// mostly small, so it roughly doubles the ratio for a little CPU; turn it off when the CPU is the limit).
+    #[serde(default = "d_true")]
     pub zstd: bool,
     /// Rounding (default stochastic).
     #[serde(default)]
     pub rounding: Rounding,
+    /// Pull parameters as bf16 instead of f32: half the pull bytes, weights rounded to 8 mantissa bits for the
+    /// gradient computation only (the shards keep f32). Default false.
+    #[serde(default)]
+    pub pull_bf16: bool,
 }
 
 impl Default for CompressionConfig {
@@ -507,8 +512,9 @@ impl Default for CompressionConfig {
             scheme: Scheme::default(),
             bucket: d_bucket(),
             error_feedback: true,
-            zstd: false,
+            zstd: true,
             rounding: Rounding::default(),
+            pull_bf16: false,
         }
     }
 }
@@ -516,7 +522,12 @@ impl Default for CompressionConfig {
 impl CompressionConfig {
     /// The codec configuration this section describes.
     pub fn codec(&self) -> CodecConfig {
-        CodecConfig { scheme: self.scheme, bucket: self.bucket, rounding: self.rounding, zstd: self.zstd }
+        CodecConfig {
+            scheme: self.scheme,
+            bucket: self.bucket,
+            rounding: self.rounding,
+            zstd: self.zstd,
+        }
     }
 }
 
@@ -556,19 +567,26 @@ pub struct Config {
 impl Config {
     /// Reads, parses and validates `path`; relative paths inside resolve against the file's directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
         Self::parse(&text, &base).map_err(|e| match e {
-            ConfigError::Parse { message, .. } => ConfigError::Parse { path: Some(path.to_path_buf()), message },
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: Some(path.to_path_buf()),
+                message,
+            },
             other => other,
         })
     }
 
     /// Parses and validates TOML text; relative paths resolve against `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
-        let mut cfg: Config =
-            toml::from_str(text).map_err(|e| ConfigError::Parse { path: None, message: e.to_string() })?;
+        let mut cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: None,
+            message: e.to_string(),
+        })?;
         cfg.resolve_paths(base);
         cfg.validate()?;
         Ok(cfg)
@@ -576,7 +594,11 @@ impl Config {
 
     /// Makes relative paths absolute against `base`.
     pub fn resolve_paths(&mut self, base: &Path) {
-        for p in [&mut self.cluster.tls_dir, &mut self.data.path, &mut self.checkpoint.dir] {
+        for p in [
+            &mut self.cluster.tls_dir,
+            &mut self.data.path,
+            &mut self.checkpoint.dir,
+        ] {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -590,7 +612,12 @@ impl Config {
 
     /// Checks ranges and consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |key: &'static str, reason: &str| Err(ConfigError::Invalid { key, reason: reason.to_string() });
+        let bad = |key: &'static str, reason: &str| {
+            Err(ConfigError::Invalid {
+                key,
+                reason: reason.to_string(),
+            })
+        };
         if self.cluster.servers.is_empty() {
             return bad("cluster.servers", "at least one server address is required");
         }
@@ -609,7 +636,9 @@ impl Config {
         if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
             return bad("optimizer.lr", "must be a finite positive number");
         }
-        if !(0.0..1.0).contains(&self.optimizer.beta1) || !(0.0..1.0).contains(&self.optimizer.beta2) {
+        if !(0.0..1.0).contains(&self.optimizer.beta1)
+            || !(0.0..1.0).contains(&self.optimizer.beta2)
+        {
             return bad("optimizer.beta1/beta2", "must be in [0, 1)");
         }
         if self.compression.bucket == 0 || self.compression.bucket > (1 << 20) {
@@ -622,7 +651,10 @@ impl Config {
             return bad("model.hidden", "layer widths must be positive");
         }
         if self.model.features == Some(0) || self.model.classes.is_some_and(|c| c < 2) {
-            return bad("model.features/classes", "need at least one feature and two classes");
+            return bad(
+                "model.features/classes",
+                "need at least one feature and two classes",
+            );
         }
         Ok(())
     }
@@ -681,12 +713,19 @@ mod tests {
 
     #[test]
     fn minimal_file_gets_defaults_and_resolves_paths() {
-        let cfg = Config::parse("[cluster]\nservers = [\"127.0.0.1:7000\"]\n", Path::new("/etc/tether")).unwrap();
+        let cfg = Config::parse(
+            "[cluster]\nservers = [\"127.0.0.1:7000\"]\n",
+            Path::new("/etc/tether"),
+        )
+        .unwrap();
         assert_eq!(cfg.cluster.workers, 4);
         assert_eq!(cfg.cluster.staleness, Staleness::Bounded(3));
         assert_eq!(cfg.cluster.tls_dir, PathBuf::from("/etc/tether/certs"));
         assert_eq!(cfg.checkpoint.dir, PathBuf::from("/etc/tether/ckpt"));
-        assert_eq!(cfg.data.path, PathBuf::from("/usr/share/datasets/fashion-mnist"));
+        assert_eq!(
+            cfg.data.path,
+            PathBuf::from("/usr/share/datasets/fashion-mnist")
+        );
         assert_eq!(cfg.compression.scheme, Scheme::Q4);
         assert_eq!(cfg.optimizer.kind, OptimizerKind::Adam);
         assert_eq!(cfg.model.hidden, vec![256, 128]);
@@ -732,8 +771,16 @@ keep = 3
 
     #[test]
     fn staleness_accepts_inf_and_numbers_only() {
-        let p = |s: &str| Config::parse(&format!("[cluster]\nservers=[\"a:1\"]\nstaleness={s}\n"), Path::new("/"));
-        assert_eq!(p("\"inf\"").unwrap().cluster.staleness, Staleness::Unbounded);
+        let p = |s: &str| {
+            Config::parse(
+                &format!("[cluster]\nservers=[\"a:1\"]\nstaleness={s}\n"),
+                Path::new("/"),
+            )
+        };
+        assert_eq!(
+            p("\"inf\"").unwrap().cluster.staleness,
+            Staleness::Unbounded
+        );
         assert_eq!(p("0").unwrap().cluster.staleness, Staleness::Bounded(0));
         assert!(p("-1").is_err());
         assert!(p("\"soon\"").is_err());
@@ -741,17 +788,33 @@ keep = 3
 
     #[test]
     fn unknown_keys_are_errors_naming_the_key() {
-        let e = Config::parse("[cluster]\nservers=[\"a:1\"]\nworkerz = 3\n", Path::new("/")).unwrap_err();
+        let e = Config::parse(
+            "[cluster]\nservers=[\"a:1\"]\nworkerz = 3\n",
+            Path::new("/"),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("workerz"), "{e}");
-        let e = Config::parse("[cluster]\nservers=[\"a:1\"]\n[optimiser]\nlr=1\n", Path::new("/")).unwrap_err();
+        let e = Config::parse(
+            "[cluster]\nservers=[\"a:1\"]\n[optimiser]\nlr=1\n",
+            Path::new("/"),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("optimiser"), "{e}");
     }
 
     #[test]
     fn missing_servers_and_bad_values_are_rejected() {
         assert!(Config::parse("[cluster]\nworkers = 2\n", Path::new("/")).is_err());
-        let e = Config::parse("[cluster]\nservers=[\"a:1\"]\n[optimizer]\nlr = -1.0\n", Path::new("/")).unwrap_err();
+        let e = Config::parse(
+            "[cluster]\nservers=[\"a:1\"]\n[optimizer]\nlr = -1.0\n",
+            Path::new("/"),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("optimizer.lr"), "{e}");
-        assert!(Config::parse("[cluster]\nservers=[\"a:1\"]\n[compression]\nscheme=\"q3\"\n", Path::new("/")).is_err());
+        assert!(Config::parse(
+            "[cluster]\nservers=[\"a:1\"]\n[compression]\nscheme=\"q3\"\n",
+            Path::new("/")
+        )
+        .is_err());
     }
 }

@@ -174,8 +174,16 @@ pub fn mlp_layout(dims: &[usize]) -> Layout {
     let mut specs = Vec::with_capacity(2 * dims.len().saturating_sub(1));
     for (k, w) in dims.windows(2).enumerate() {
         let bound = (6.0 / w[0] as f64).sqrt() as f32;
-        specs.push(TensorSpec::new(format!("fc{}.weight", k + 1), &[w[0], w[1]], Init::Uniform { bound }));
-        specs.push(TensorSpec::new(format!("fc{}.bias", k + 1), &[w[1]], Init::Zeros));
+        specs.push(TensorSpec::new(
+            format!("fc{}.weight", k + 1),
+            &[w[0], w[1]],
+            Init::Uniform { bound },
+        ));
+        specs.push(TensorSpec::new(
+            format!("fc{}.bias", k + 1),
+            &[w[1]],
+            Init::Zeros,
+        ));
     }
     Layout::new(specs)
 }

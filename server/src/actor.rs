@@ -187,16 +187,16 @@ impl ShardActor {
         let w = self.core.weights();
         match precision {
             Precision::F32 => {
-                let mut out = Vec::with_capacity(w.len() * 4);
-                for v in w {
-                    out.extend_from_slice(&v.to_le_bytes());
+                let mut out = vec![0u8; w.len() * 4];
+                for (o, v) in out.chunks_exact_mut(4).zip(w) {
+                    o.copy_from_slice(&v.to_le_bytes());
                 }
                 out
             }
             Precision::Bf16 => {
-                let mut out = Vec::with_capacity(w.len() * 2);
-                for v in w {
-                    out.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+                let mut out = vec![0u8; w.len() * 2];
+                for (o, v) in out.chunks_exact_mut(2).zip(w) {
+                    o.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
                 }
                 out
             }
@@ -206,7 +206,12 @@ impl ShardActor {
     fn answer(&mut self, clock: u64, precision: Precision) -> PullReply {
         let values = self.encode_values(precision);
         self.core.answered(clock, values.len() as u64);
-        PullReply { version: self.core.version(), min_clock: self.core.clocks().min_clock(), clock, values }
+        PullReply {
+            version: self.core.version(),
+            min_clock: self.core.clocks().min_clock(),
+            clock,
+            values,
+        }
     }
 
     fn release_ready(&mut self) {
@@ -247,7 +252,9 @@ impl ShardActor {
     }
 
     /// Snapshots now and returns a future that writes it off the actor thread.
-    fn spawn_checkpoint(&mut self) -> impl std::future::Future<Output = Result<Option<u64>, String>> + 'static {
+    fn spawn_checkpoint(
+        &mut self,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, String>> + 'static {
         let store = self.store.clone();
         let snap = store.as_ref().map(|_| self.core.snapshot());
         let version = self.core.version();
@@ -258,7 +265,9 @@ impl ShardActor {
         }
         let shard = self.core.shard();
         async move {
-            let (Some(store), Some(snap)) = (store, snap) else { return Ok(None) };
+            let (Some(store), Some(snap)) = (store, snap) else {
+                return Ok(None);
+            };
             let t0 = Instant::now();
             let res = tokio::task::spawn_blocking(move || store.write(&snap)).await;
             let secs = t0.elapsed().as_secs_f64();
@@ -315,11 +324,20 @@ impl Handler<Join> for ShardActor {
     fn handle(&mut self, msg: Join, _: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
         let clock = self.core.join_at(msg.worker, msg.clock, now);
-        debug!(shard = self.core.shard(), worker = msg.worker, clock, "worker joined");
+        debug!(
+            shard = self.core.shard(),
+            worker = msg.worker,
+            clock,
+            "worker joined"
+        );
         self.update_live();
         self.release_ready();
         let r = self.core.range();
-        MessageResult(JoinInfo { clock, version: self.core.version(), range: (r.start, r.end) })
+        MessageResult(JoinInfo {
+            clock,
+            version: self.core.version(),
+            range: (r.start, r.end),
+        })
     }
 }
 
@@ -355,15 +373,21 @@ impl Handler<ApplyPush> for ShardActor {
         let res = self.core.apply(&push, now);
         if let Some(m) = &self.metrics {
             let fp32 = 4 * (msg.range.1.saturating_sub(msg.range.0));
-            m.bytes_received.get_or_create(&vec![("kind", "wire")]).inc_by(msg.payload.len() as u64);
-            m.bytes_received.get_or_create(&vec![("kind", "fp32")]).inc_by(fp32);
+            m.bytes_received
+                .get_or_create(&vec![("kind", "wire")])
+                .inc_by(msg.payload.len() as u64);
+            m.bytes_received
+                .get_or_create(&vec![("kind", "fp32")])
+                .inc_by(fp32);
             match &res {
                 Ok(a) => {
                     m.updates_applied.inc();
                     m.staleness.observe(a.staleness as f64);
                 }
                 Err(e) => {
-                    m.updates_rejected.get_or_create(&vec![("reason", reject_reason(e))]).inc();
+                    m.updates_rejected
+                        .get_or_create(&vec![("reason", reject_reason(e))])
+                        .inc();
                 }
             }
         }
@@ -402,7 +426,12 @@ impl Handler<Pull> for ShardActor {
         } else if self.parked.len() >= MAX_PARKED_PULLS {
             let _ = tx.send(Err(ShardError::Overloaded));
         } else {
-            self.parked.push(ParkedPull { clock: msg.clock, precision: msg.precision, since: Instant::now(), tx });
+            self.parked.push(ParkedPull {
+                clock: msg.clock,
+                precision: msg.precision,
+                since: Instant::now(),
+                tx,
+            });
         }
         MessageResult(rx)
     }
@@ -411,7 +440,11 @@ impl Handler<Pull> for ShardActor {
 impl Handler<GetStats> for ShardActor {
     type Result = MessageResult<GetStats>;
     fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
-        MessageResult((self.core.version(), self.core.stats().clone(), self.core.clocks().live()))
+        MessageResult((
+            self.core.version(),
+            self.core.stats().clone(),
+            self.core.clocks().live(),
+        ))
     }
 }
 

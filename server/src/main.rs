@@ -16,7 +16,11 @@ use tether_server::node::{shard_report, start_shard, ShardOptions};
 
 /// Serve one parameter shard of a Tether cluster.
 #[derive(Parser, Debug)]
-#[command(name = "tether-server", version, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "tether-server",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -68,6 +72,7 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if let Err(e) = run() {
         eprintln!("tether-server: {e:#}");
@@ -77,13 +82,21 @@ fn main() {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    if let Some(Command::Keygen { out, hosts, workers }) = &cli.command {
+    if let Some(Command::Keygen {
+        out,
+        hosts,
+        workers,
+    }) = &cli.command
+    {
         tether_common::pki::generate(out, hosts, *workers)
             .with_context(|| format!("keygen into {}", out.display()))?;
         println!("wrote cluster certificates to {}", out.display());
         return Ok(());
     }
-    let config_path = cli.config.clone().context("--config is required (or use `keygen`)")?;
+    let config_path = cli
+        .config
+        .clone()
+        .context("--config is required (or use `keygen`)")?;
     let shard = cli.shard.context("--shard is required")?;
     let cfg = Config::load(&config_path)?;
     let runtime = || {
@@ -118,7 +131,10 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
         },
     )
     .await?;
-    println!("tether-server shard {shard} listening on {}", running.local_addr);
+    println!(
+        "tether-server shard {shard} listening on {}",
+        running.local_addr
+    );
     wait_for_end(&running, cli.exit_after_workers).await;
     let (_, stats) = running.shutdown(true).await?;
     if let Some(path) = &cli.report {

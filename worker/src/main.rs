@@ -58,6 +58,7 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if let Err(e) = run() {
         eprintln!("tether-worker: {e:#}");
@@ -87,9 +88,17 @@ fn run() -> Result<()> {
     }
     let mut cfg = Config::load(&cli.config)?;
     if cli.rank >= cfg.cluster.workers {
-        bail!("--rank {} but cluster.workers is {}", cli.rank, cfg.cluster.workers);
+        bail!(
+            "--rank {} but cluster.workers is {}",
+            cli.rank,
+            cfg.cluster.workers
+        );
     }
-    let faults = cli.inject.iter().map(|s| parse_fault(s)).collect::<Result<Vec<_>>>()?;
+    let faults = cli
+        .inject
+        .iter()
+        .map(|s| parse_fault(s))
+        .collect::<Result<Vec<_>>>()?;
     let (train, test, note) = load_data(&mut cfg)?;
     if let Some(n) = &note {
         eprintln!("note: {n}");
@@ -98,7 +107,12 @@ fn run() -> Result<()> {
     let mut names = Vec::new();
     for s in &cfg.cluster.servers {
         servers.push(tether_server_resolve(s)?);
-        names.push(s.rsplit_once(':').map_or(s.as_str(), |(h, _)| h).trim_matches(['[', ']']).to_string());
+        names.push(
+            s.rsplit_once(':')
+                .map_or(s.as_str(), |(h, _)| h)
+                .trim_matches(['[', ']'])
+                .to_string(),
+        );
     }
     let tls = TlsFiles::load_worker(&cfg.cluster.tls_dir, cli.rank)?;
     let evaluate = cli.eval.unwrap_or(cli.rank == 0);
@@ -135,7 +149,9 @@ fn run() -> Result<()> {
             model: None,
         };
         let prepared = prepare_worker(opts)?;
-        let r = tokio::spawn(prepared.run()).await.context("worker task panicked")??;
+        let r = tokio::spawn(prepared.run())
+            .await
+            .context("worker task panicked")??;
         let final_acc = r.accuracy_curve.last().map_or(f64::NAN, |a| a.2);
         println!(
             "tether-worker rank {}: {} steps in {:.1} s, last loss {:.4}, test accuracy {}",
@@ -143,14 +159,20 @@ fn run() -> Result<()> {
             r.steps,
             r.wall_seconds,
             r.loss_curve.last().map_or(f64::NAN, |l| l.2),
-            if final_acc.is_nan() { "-".to_string() } else { format!("{final_acc:.4}") }
+            if final_acc.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{final_acc:.4}")
+            }
         );
         if let Some(path) = report_path {
             let mut report: RunReport = tether_worker::trainer::worker_run_report(&cfg, &r);
             if let Some(n) = note {
                 report.notes.push(n);
             }
-            report.write_json(&path).with_context(|| format!("cannot write {}", path.display()))?;
+            report
+                .write_json(&path)
+                .with_context(|| format!("cannot write {}", path.display()))?;
         }
         Ok(())
     })

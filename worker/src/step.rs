@@ -52,7 +52,8 @@ impl StepEngine {
         clip_norm: f32,
     ) -> Result<Self, CodecError> {
         let len = model.layout().len();
-        let feedback = error_feedback.then(|| shards.iter().map(|r| ErrorFeedback::new(r.len())).collect());
+        let feedback =
+            error_feedback.then(|| shards.iter().map(|r| ErrorFeedback::new(r.len())).collect());
         Ok(Self {
             model,
             rank,
@@ -87,22 +88,37 @@ impl StepEngine {
         for f in &self.faults {
             match *f {
                 GradientFault::NanAt(s) if s == step => self.grad[0] = f32::NAN,
-                GradientFault::ScaleAt(s, k) if s == step => self.grad.iter_mut().for_each(|g| *g *= k),
+                GradientFault::ScaleAt(s, k) if s == step => {
+                    self.grad.iter_mut().for_each(|g| *g *= k)
+                }
                 _ => {}
             }
         }
-        let sq: f64 = self.grad.iter().map(|g| f64::from(*g) * f64::from(*g)).sum();
+        let sq: f64 = self
+            .grad
+            .iter()
+            .map(|g| f64::from(*g) * f64::from(*g))
+            .sum();
         let norm = sq.sqrt() as f32;
         let finite = loss.is_finite() && norm.is_finite();
         if finite && self.clip_norm > 0.0 && norm > self.clip_norm {
             let k = self.clip_norm / norm;
             self.grad.iter_mut().for_each(|g| *g *= k);
         }
-        StepOutcome { loss, grad_norm: norm, finite }
+        StepOutcome {
+            loss,
+            grad_norm: norm,
+            finite,
+        }
     }
 
     /// Encodes the computed gradient's part for shard `k` (with error feedback when enabled) into `out`.
-    pub fn encode_shard(&mut self, k: usize, step: u64, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    pub fn encode_shard(
+        &mut self,
+        k: usize,
+        step: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
         let r = self.shards[k].clone();
         let seed = seed_for(self.rank, step, k as u32);
         match self.feedback.as_mut() {

@@ -15,10 +15,12 @@ use tracing::{debug, info, warn};
 use tether_common::codec::CodecError;
 use tether_common::config::Config;
 use tether_common::metrics::WorkerMetrics;
-use tether_common::net::{client_endpoint, client_handshake, connect, recv_bulk, ControlChannel, NetError, TlsFiles};
 use tether_common::net::TransportTuning;
+use tether_common::net::{
+    client_endpoint, client_handshake, connect, recv_bulk, ControlChannel, NetError, TlsFiles,
+};
 use tether_common::protocol::{
-    decode_params, encode_push, Control, FrameKind, FrameLimits, Hello, Precision, PushFrame,
+    access_params, encode_push, Control, FrameKind, FrameLimits, Hello, Precision, PushFrame,
 };
 
 use crate::data::{Dataset, Partition};
@@ -201,13 +203,19 @@ impl Handler<Compute> for WorkerActor {
     type Result = Result<Computed, CodecError>;
     fn handle(&mut self, mut msg: Compute, _: &mut Context<Self>) -> Self::Result {
         self.load_batch(msg.step);
-        let outcome = self.engine.compute(msg.step, &msg.params, &self.xb, &self.yb);
+        let outcome = self
+            .engine
+            .compute(msg.step, &msg.params, &self.xb, &self.yb);
         if outcome.finite {
             for (k, out) in msg.frames.iter_mut().enumerate() {
                 self.engine.encode_shard(k, msg.step, out)?;
             }
         }
-        Ok(Computed { outcome, params: msg.params, frames: msg.frames })
+        Ok(Computed {
+            outcome,
+            params: msg.params,
+            frames: msg.frames,
+        })
     }
 }
 
@@ -240,13 +248,20 @@ struct Driver {
     versions: Vec<u64>,
     report: WorkerReport,
     pushes: Vec<tokio::task::JoinHandle<()>>,
+    precision: Precision,
 }
 
 impl Driver {
     async fn connect_shard(&mut self, k: usize) -> Result<(), NetError> {
-        let conn = connect(&self.endpoint, self.opts.servers[k], &self.opts.server_names[k]).await?;
+        let conn = connect(
+            &self.endpoint,
+            self.opts.servers[k],
+            &self.opts.server_names[k],
+        )
+        .await?;
         let mut control = ControlChannel::open(&conn).await?;
-        let welcome = client_handshake(&mut control, Hello::new(self.opts.rank, self.layout_hash)).await?;
+        let welcome =
+            client_handshake(&mut control, Hello::new(self.opts.rank, self.layout_hash)).await?;
         let range = (welcome.range_start, welcome.range_end);
         if range != self.ranges[k] {
             conn.close(0u32.into(), b"unexpected range");
@@ -258,7 +273,12 @@ impl Driver {
         // A rejoining worker may have been evicted: continue from the shard's minimum clock if that is ahead.
         self.clock = self.clock.max(welcome.min_clock);
         let limits = crate::trainer::frame_limits(&self.opts.config, (range.1 - range.0) as usize);
-        self.links[k] = Some(ShardLink { conn, control, range, limits });
+        self.links[k] = Some(ShardLink {
+            conn,
+            control,
+            range,
+            limits,
+        });
         Ok(())
     }
 
@@ -274,7 +294,10 @@ impl Driver {
                     if let Err(e) = self.connect_shard(k).await {
                         debug!(rank = self.opts.rank, shard = k, error = %e, "connect failed");
                         if e.remote_close_code().is_some() || matches!(e, NetError::Protocol(_)) {
-                            return Err(WorkerError::Net { shard: k, source: e });
+                            return Err(WorkerError::Net {
+                                shard: k,
+                                source: e,
+                            });
                         }
                         last_err = Some((k, e));
                     } else {
@@ -285,7 +308,10 @@ impl Driver {
             match last_err {
                 None => break,
                 Some((k, e)) if Instant::now() + backoff > deadline => {
-                    return Err(WorkerError::Net { shard: k, source: e })
+                    return Err(WorkerError::Net {
+                        shard: k,
+                        source: e,
+                    })
                 }
                 Some(_) => {
                     tokio::time::sleep(backoff).await;
@@ -312,32 +338,51 @@ impl Driver {
         for (k, link) in self.links.iter_mut().enumerate() {
             let link = link.as_mut().ok_or((k, NetError::ControlClosed))?;
             link.control
-                .send(&Control::PullRequest { clock, precision: Precision::F32 })
+                .send(&Control::PullRequest {
+                    clock,
+                    precision: self.precision,
+                })
                 .await
                 .map_err(|e| (k, e))?;
         }
         for k in 0..self.links.len() {
             let link = self.links[k].as_ref().ok_or((k, NetError::ControlClosed))?;
-            let stream = link.conn.accept_uni().await.map_err(|e| (k, NetError::from(e)))?;
-            let frame = recv_bulk(stream, &link.limits, FrameKind::Params).await.map_err(|e| (k, e))?;
-            let reply = decode_params(&frame.body).map_err(|e| (k, NetError::from(e)))?;
-            if (reply.range_start, reply.range_end) != link.range
-                || reply.precision != Precision::F32
-                || reply.values.len() as u64 != 4 * (link.range.1 - link.range.0)
-            {
-                return Err((k, NetError::Identity(format!("shard {k} sent a reply of the wrong shape"))));
-            }
+            let stream = link
+                .conn
+                .accept_uni()
+                .await
+                .map_err(|e| (k, NetError::from(e)))?;
+            let frame = recv_bulk(stream, &link.limits, FrameKind::Params)
+                .await
+                .map_err(|e| (k, e))?;
+            // Validated in place: no copy of the values besides the conversion into `params`.
+            let reply = access_params(&frame.body).map_err(|e| (k, NetError::from(e)))?;
+            reply
+                .check_shape(link.range.0, link.range.1)
+                .map_err(|e| (k, NetError::from(e)))?;
             let dst = &mut params[link.range.0 as usize..link.range.1 as usize];
-            for (d, b) in dst.iter_mut().zip(reply.values.chunks_exact(4)) {
-                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            match reply.precision() {
+                Precision::F32 => {
+                    for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(4)) {
+                        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+                Precision::Bf16 => {
+                    for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(2)) {
+                        *d = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                    }
+                }
             }
-            self.versions[k] = reply.version;
-            self.report.wire_bytes_pulled += reply.values.len() as u64;
-            self.report.max_clock_lead = self.report.max_clock_lead.max(clock.saturating_sub(reply.min_clock));
+            let (version, min_clock) = (reply.version.to_native(), reply.min_clock.to_native());
+            self.report.wire_bytes_pulled += reply.values().len() as u64;
+            self.versions[k] = version;
+            self.report.max_clock_lead = self
+                .report
+                .max_clock_lead
+                .max(clock.saturating_sub(min_clock));
         }
         Ok(())
     }
-
     /// Starts the pushes of this step; each runs as its own task so the next step's pull and compute overlap it.
     async fn push(&mut self, frames: &[Vec<u8>], loss: f32) -> Result<(), (usize, NetError)> {
         self.pushes.retain(|h| !h.is_finished());
@@ -355,15 +400,23 @@ impl Driver {
             };
             let bytes = encode_push(&frame).map_err(|e| (k, NetError::from(e)))?;
             // Opening the stream here (not in the task) keeps stream order equal to clock order.
-            let mut stream = link.conn.open_uni().await.map_err(|e| (k, NetError::from(e)))?;
+            let mut stream = link
+                .conn
+                .open_uni()
+                .await
+                .map_err(|e| (k, NetError::from(e)))?;
             self.report.wire_bytes_pushed += payload.len() as u64;
             self.report.fp32_bytes_pushed += 4 * (link.range.1 - link.range.0);
             self.pushes.push(tokio::spawn(async move {
-                let header = match tether_common::protocol::FrameHeader::encode(FrameKind::Push, bytes.len()) {
+                let header = match tether_common::protocol::FrameHeader::encode(
+                    FrameKind::Push,
+                    bytes.len(),
+                ) {
                     Ok(h) => h,
                     Err(_) => return,
                 };
-                if stream.write_all(&header).await.is_ok() && stream.write_all(&bytes).await.is_ok() {
+                if stream.write_all(&header).await.is_ok() && stream.write_all(&bytes).await.is_ok()
+                {
                     let _ = stream.finish();
                 }
             }));
@@ -375,7 +428,10 @@ impl Driver {
         let clock = self.clock + 1;
         for (k, link) in self.links.iter_mut().enumerate() {
             let link = link.as_mut().ok_or((k, NetError::ControlClosed))?;
-            link.control.send(&Control::Clock { clock }).await.map_err(|e| (k, e))?;
+            link.control
+                .send(&Control::Clock { clock })
+                .await
+                .map_err(|e| (k, e))?;
         }
         Ok(())
     }
@@ -451,8 +507,13 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         cfg.train.clip_norm,
     )?
     .with_faults(opts.faults.clone());
-    let partition = Partition::new(opts.train.len(), opts.rank, cfg.cluster.workers, cfg.train.seed)
-        .map_err(|e| WorkerError::Data(e.to_string()))?;
+    let partition = Partition::new(
+        opts.train.len(),
+        opts.rank,
+        cfg.cluster.workers,
+        cfg.train.seed,
+    )
+    .map_err(|e| WorkerError::Data(e.to_string()))?;
     let batch = cfg.train.batch.min(partition.len().max(1));
     let steps_per_epoch = (partition.len() / batch).max(1) as u64;
     let total_steps = steps_per_epoch * u64::from(cfg.train.epochs);
@@ -469,20 +530,37 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     };
     let arbiter = Arbiter::new();
     let addr = WorkerActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
-    let endpoint = client_endpoint(&opts.tls, &TransportTuning::default())
-        .map_err(|e| WorkerError::Net { shard: 0, source: e })?;
+    let endpoint =
+        client_endpoint(&opts.tls, &TransportTuning::default()).map_err(|e| WorkerError::Net {
+            shard: 0,
+            source: e,
+        })?;
     let driver = Driver {
         links: (0..shards).map(|_| None).collect(),
         versions: vec![0; shards],
         ranges,
         layout_hash: layout.hash(),
         clock: 0,
-        report: WorkerReport { rank: opts.rank, ..WorkerReport::default() },
+        report: WorkerReport {
+            rank: opts.rank,
+            ..WorkerReport::default()
+        },
         pushes: Vec::new(),
+        precision: if cfg.compression.pull_bf16 {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        },
         endpoint,
         opts,
     };
-    Ok(PreparedWorker { driver, actor: addr, arbiter, total_steps, n_params: layout.len() })
+    Ok(PreparedWorker {
+        driver,
+        actor: addr,
+        arbiter,
+        total_steps,
+        n_params: layout.len(),
+    })
 }
 
 impl PreparedWorker {
@@ -493,7 +571,13 @@ impl PreparedWorker {
 
     /// Trains to completion, says goodbye to every shard and returns the report.
     pub async fn run(mut self) -> Result<WorkerReport, WorkerError> {
-        let result = train_loop(&mut self.driver, &self.actor, self.total_steps, self.n_params).await;
+        let result = train_loop(
+            &mut self.driver,
+            &self.actor,
+            self.total_steps,
+            self.n_params,
+        )
+        .await;
         self.arbiter.stop();
         result?;
         self.driver.goodbye().await;
@@ -526,7 +610,11 @@ async fn train_loop(
             continue;
         }
         let computed = addr
-            .send(Compute { step, params, frames })
+            .send(Compute {
+                step,
+                params,
+                frames,
+            })
             .await
             .map_err(|_| WorkerError::ActorGone)??;
         params = computed.params;
@@ -557,13 +645,20 @@ async fn train_loop(
         step += 1;
         let secs = started.elapsed().as_secs_f64();
         if outcome.finite {
-            d.report.loss_curve.push((step, secs, f64::from(outcome.loss)));
+            d.report
+                .loss_curve
+                .push((step, secs, f64::from(outcome.loss)));
         }
         let mut accuracy = None;
-        if d.opts.test.is_some() && eval_every > 0 && step % eval_every == 0 && step < total_steps {
-            let (acc, p) = addr.send(Evaluate { params }).await.map_err(|_| WorkerError::ActorGone)?;
+        if d.opts.test.is_some() && eval_every > 0 && step.is_multiple_of(eval_every) && step < total_steps {
+            let (acc, p) = addr
+                .send(Evaluate { params })
+                .await
+                .map_err(|_| WorkerError::ActorGone)?;
             params = p;
-            d.report.accuracy_curve.push((step, started.elapsed().as_secs_f64(), f64::from(acc)));
+            d.report
+                .accuracy_curve
+                .push((step, started.elapsed().as_secs_f64(), f64::from(acc)));
             accuracy = Some(acc);
         }
         let wire = d.report.wire_bytes_pushed - wire0;
@@ -572,8 +667,12 @@ async fn train_loop(
             m.step_seconds.observe(t0.elapsed().as_secs_f64());
             m.loss.set(f64::from(outcome.loss));
             m.steps.inc();
-            m.bytes_pushed.get_or_create(&vec![("kind", "wire")]).inc_by(wire);
-            m.bytes_pushed.get_or_create(&vec![("kind", "fp32")]).inc_by(fp32);
+            m.bytes_pushed
+                .get_or_create(&vec![("kind", "wire")])
+                .inc_by(wire);
+            m.bytes_pushed
+                .get_or_create(&vec![("kind", "fp32")])
+                .inc_by(fp32);
         }
         if let Some(tx) = &d.opts.progress {
             let _ = tx.send(Progress {
@@ -587,19 +686,36 @@ async fn train_loop(
             });
         } else if last_log.elapsed() > Duration::from_secs(5) || step == total_steps {
             last_log = Instant::now();
-            info!(rank, step, total_steps, loss = outcome.loss, ?accuracy, clock = d.clock, "progress");
+            info!(
+                rank,
+                step,
+                total_steps,
+                loss = outcome.loss,
+                ?accuracy,
+                clock = d.clock,
+                "progress"
+            );
         }
     }
     if d.opts.test.is_some() {
         // The final model: one more pull (it waits, as any pull, until the others are within the bound).
         match d.pull(&mut params).await {
             Ok(()) => {
-                let (acc, p) = addr.send(Evaluate { params }).await.map_err(|_| WorkerError::ActorGone)?;
+                let (acc, p) = addr
+                    .send(Evaluate { params })
+                    .await
+                    .map_err(|_| WorkerError::ActorGone)?;
                 params = p;
-                d.report.accuracy_curve.push((step, started.elapsed().as_secs_f64(), f64::from(acc)));
+                d.report.accuracy_curve.push((
+                    step,
+                    started.elapsed().as_secs_f64(),
+                    f64::from(acc),
+                ));
                 info!(rank, step, accuracy = acc, "final evaluation");
             }
-            Err((k, e)) => warn!(rank, shard = k, error = %e, "final pull failed; no final evaluation"),
+            Err((k, e)) => {
+                warn!(rank, shard = k, error = %e, "final pull failed; no final evaluation")
+            }
         }
     }
     d.report.steps = step;
@@ -611,7 +727,9 @@ async fn train_loop(
 /// Loads the configured training and test sets. When the configured Fashion-MNIST directory is missing, falls back
 /// to the embedded digits set, switches `cfg.data.dataset` accordingly (the model's input width changes with it)
 /// and returns a note saying so.
-pub fn load_data(cfg: &mut Config) -> Result<(Dataset, Dataset, Option<String>), crate::data::DataError> {
+pub fn load_data(
+    cfg: &mut Config,
+) -> Result<(Dataset, Dataset, Option<String>), crate::data::DataError> {
     match crate::data::load(&cfg.data) {
         Ok((train, test, _)) => Ok((train, test, None)),
         Err(crate::data::DataError::NotFound { .. })
@@ -633,7 +751,12 @@ pub fn load_data(cfg: &mut Config) -> Result<(Dataset, Dataset, Option<String>),
 
 /// A run report holding one worker's view (shard-side counters are in the servers' reports).
 pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::report::RunReport {
-    let dims: Vec<String> = cfg.model_dims().unwrap_or_default().iter().map(|d| d.to_string()).collect();
+    let dims: Vec<String> = cfg
+        .model_dims()
+        .unwrap_or_default()
+        .iter()
+        .map(|d| d.to_string())
+        .collect();
     let tail = r.loss_curve.len().saturating_sub(20);
     let final_train_loss = if r.loss_curve.is_empty() {
         f64::NAN
