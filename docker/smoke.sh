@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Docker smoke test of the compose demo, fully offline: builds the release binaries on the host, turns them into a
+# runtime image with docker/build-rootfs.sh (`docker import`, nothing pulled), starts docker/docker-compose.yml
+# (2 shards, 4 workers, Fashion-MNIST), waits for training progress, kills one worker and one server, restarts
+# them (the server with --resume from its newest checkpoint), waits for every worker to finish, and checks the
+# exit codes and the run reports. Everything it created (containers, volumes, network, image, temp dir) is removed
+# whatever happens. Exits non-zero with the reason on any failure; prints the timing of each phase.
+#
+# Knobs: TETHER_SMOKE_MIN_ACCURACY (default 0.80), TETHER_SUBNET / TETHER_NET (if 172.28.250.0/24 is taken),
+# TETHER_SMOKE_SKIP_BUILD=1 (use target/release as it is), TETHER_SMOKE_KEEP=DIR (copy the reports and the
+# service logs there before tearing down).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+root=$(pwd)
+min_acc=${TETHER_SMOKE_MIN_ACCURACY:-0.80}
+project=tethersmoke$$
+image=tether:smoke-$$
+work=$(mktemp -d "${TMPDIR:-/tmp}/tether-smoke.XXXXXX")
+image_built=0
+ok=0
+
+if docker-compose version >/dev/null 2>&1; then
+  compose_bin=(docker-compose)
+elif docker compose version >/dev/null 2>&1; then
+  compose_bin=(docker compose)
+else
+  echo "smoke: FAIL: neither docker-compose nor docker compose is available" >&2
+  exit 1
+fi
+compose() { "${compose_bin[@]}" -p "$project" -f "$root/docker/docker-compose.yml" "$@"; }
+
+export TETHER_IMAGE=$image
+export TETHER_REPORTS=$work/reports
+export TETHER_METRICS_PORT_0='' TETHER_METRICS_PORT_1=''   # ephemeral host ports: never collide
+
+t_start=$(date +%s)
+t_phase=$t_start
+phase() { # phase NAME: prints the time since the previous phase mark
+  local now
+  now=$(date +%s)
+  printf 'smoke: %-28s %4d s (total %4d s)\n' "$1" $((now - t_phase)) $((now - t_start))
+  t_phase=$now
+}
+mark() { # mark WHAT: time since the kill
+  echo "smoke:   $1 $(($(date +%s) - t_kill)) s after the kill"
+}
+fail() {
+  echo "smoke: FAIL: $*" >&2
+  exit 1
+}
+
+cleanup() {
+  local rc=$?
+  if [ "$ok" != 1 ]; then
+    echo "smoke: --- last log lines of each service ---" >&2
+    for s in certs server-0 server-1 worker-0 worker-1 worker-2 worker-3; do
+      echo "--- $s" >&2
+      compose logs --no-color --tail 15 "$s" 2>&1 | tail -n 15 >&2 || true
+    done
+  fi
+  if [ -n "${TETHER_SMOKE_KEEP:-}" ]; then
+    mkdir -p "$TETHER_SMOKE_KEEP"
+    cp -r "$TETHER_REPORTS"/. "$TETHER_SMOKE_KEEP"/ 2>/dev/null || true
+    for s in certs server-0 server-1 worker-0 worker-1 worker-2 worker-3; do
+      compose logs --no-color "$s" >"$TETHER_SMOKE_KEEP/$s.log" 2>&1 || true
+    done
+  fi
+  compose down -v --remove-orphans >/dev/null 2>&1 || true
+  [ "$image_built" = 1 ] && docker rmi -f "$image" >/dev/null 2>&1
+  rm -rf "$work"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+declare -A ids=()
+resolve_ids() { # container ids, resolved once (docker-compose v1 takes seconds per call)
+  local s
+  for s in certs server-0 server-1 worker-0 worker-1 worker-2 worker-3; do ids[$s]=$(compose ps -q "$s"); done
+}
+cid() { echo "${ids[$1]}"; }
+state() { docker inspect -f '{{.State.Status}}' "$(cid "$1")"; }
+exit_code() { docker inspect -f '{{.State.ExitCode}}' "$(cid "$1")"; }
+json_num() { # json_num FILE KEY: a top-level numeric field of a run report
+  sed -n "s/.*\"$2\"[[:space:]]*:[[:space:]]*\([-0-9.eE+]*\).*/\1/p" "$1" | head -n 1
+}
+# wait_for SECONDS WHAT COMMAND...: polls COMMAND once a second until it succeeds; fails after SECONDS.
+wait_for() {
+  local limit=$1 what=$2
+  shift 2
+  local deadline=$(($(date +%s) + limit))
+  until "$@"; do
+    [ "$(date +%s)" -lt "$deadline" ] || fail "timed out after ${limit}s waiting for $what"
+    sleep 1
+  done
+}
+
+# --- 1. image -------------------------------------------------------------------------------------------------
+if [ "${TETHER_SMOKE_SKIP_BUILD:-0}" != 1 ]; then
+  cargo build --release -q -p tether-server -p tether-worker
+fi
+phase "cargo build"
+image_built=1
+docker/build-rootfs.sh "$image" || fail "cannot build the runtime image"
+mkdir -p "$TETHER_REPORTS"
+chown 10001:10001 "$TETHER_REPORTS" 2>/dev/null || chmod 777 "$TETHER_REPORTS"
+phase "build image (docker import)"
+
+# --- 2. up ----------------------------------------------------------------------------------------------------
+compose up -d >"$work/up.log" 2>&1 || { cat "$work/up.log" >&2; fail "compose up failed"; }
+resolve_ids
+[ "$(exit_code certs)" = 0 ] || fail "the certs service exited $(exit_code certs)"
+phase "compose up (servers healthy)"
+
+# --- 3. first progress ----------------------------------------------------------------------------------------
+progress_lines() { compose logs --no-color "$1" 2>&1 | grep -c 'progress' || true; }
+has_progress() { [ "$(progress_lines worker-0)" -ge 1 ]; }
+wait_for 120 "training progress in worker-0's log" has_progress
+port0=$(compose port server-0 9100 | sed 's/.*://')
+updates=$(curl -fsS "http://127.0.0.1:$port0/metrics" | sed -n 's/^tether_updates_applied_total \([0-9]*\).*/\1/p')
+echo "smoke: first progress: $(compose logs --no-color worker-0 2>&1 | grep progress | head -n 1 | sed 's/.*progress *//')"
+echo "smoke: server-0 metrics: tether_updates_applied_total=${updates:-?}"
+phase "first progress"
+
+# --- 4. kill one worker and one server, restart them ----------------------------------------------------------
+has_checkpoint() { compose exec -T server-1 bash -c 'compgen -G "/ckpt/shard-1/v*"' >/dev/null 2>&1; }
+wait_for 60 "a first checkpoint of server-1" has_checkpoint
+since=$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)
+t_kill=$(date +%s)
+docker kill "$(cid worker-2)" "$(cid server-1)" >/dev/null
+echo "smoke: killed worker-2 and server-1 at $since"
+sleep 2
+# `docker start` restarts the same containers (same volumes, same fixed address); `compose up -d --no-deps
+# server-1 worker-2` does the same but costs seconds of docker-compose start-up on a loaded machine.
+docker start "$(cid server-1)" "$(cid worker-2)" >/dev/null || fail "cannot restart server-1 and worker-2"
+resume_line() { docker logs --since "$since" "$(cid server-1)" 2>&1 | grep -E 'resumed from checkpoint|no checkpoint to resume'; }
+resumed() { resume_line >/dev/null; }
+wait_for 60 "server-1 to start again" resumed
+mark "server-1 restarted"
+line=$(resume_line | head -n 1)
+echo "$line" | grep -q 'resumed from checkpoint' || fail "server-1 did not resume from a checkpoint: $line"
+resumed_version=$(echo "$line" | sed -n 's/.*version=\([0-9]*\).*/\1/p')
+echo "smoke: server-1 resumed from checkpoint version ${resumed_version:-?}"
+healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$(cid server-1)")" = healthy ]; }
+wait_for 60 "server-1 to be healthy again" healthy
+mark "server-1 healthy"
+since_healthy=$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)
+progress_after() { docker logs --since "$1" "$(cid "$2")" 2>&1 | grep -q 'progress'; }
+wait_for 120 "worker-0 progress after the restart" progress_after "$since_healthy" worker-0
+mark "worker-0 progressing again"
+docker logs --since "$since" "$(cid worker-0)" 2>&1 | grep -E 'reconnecting|progress' | head -n 2 |
+  sed 's/^[^ ]* *[A-Z]* */smoke:   worker-0: /'
+wait_for 60 "worker-2 progress after its restart" progress_after "$since" worker-2
+mark "worker-2 progressing again"
+echo "smoke: restarted worker-2: $(docker logs --since "$since" "$(cid worker-2)" 2>&1 | grep progress | head -n 1 | sed 's/.*progress *//')"
+phase "kill + recover"
+
+# --- 5. completion --------------------------------------------------------------------------------------------
+workers_done() {
+  local w
+  for w in worker-0 worker-1 worker-2 worker-3; do [ "$(state "$w")" = exited ] || return 1; done
+}
+wait_for 420 "every worker to finish" workers_done
+for w in worker-0 worker-1 worker-2 worker-3; do
+  [ "$(exit_code "$w")" = 0 ] || fail "$w exited $(exit_code "$w")"
+done
+servers_done() { [ "$(state server-0)" = exited ] && [ "$(state server-1)" = exited ]; }
+wait_for 60 "both servers to exit after the last goodbye" servers_done
+for s in server-0 server-1; do
+  [ "$(exit_code "$s")" = 0 ] || fail "$s exited $(exit_code "$s")"
+done
+phase "completion"
+
+# --- 6. reports -----------------------------------------------------------------------------------------------
+for f in worker-0 worker-1 worker-2 worker-3 server-0 server-1; do
+  [ -s "$TETHER_REPORTS/$f.json" ] || fail "no report $f.json"
+done
+acc=$(json_num "$TETHER_REPORTS/worker-0.json" final_test_accuracy)
+[ -n "$acc" ] || fail "worker-0.json has no final_test_accuracy"
+awk -v a="$acc" -v m="$min_acc" 'BEGIN { exit !(a >= m) }' || fail "final test accuracy $acc < $min_acc"
+reconnects=0
+for w in worker-0 worker-1 worker-3; do
+  n=$(compose logs --no-color "$w" 2>&1 | grep -c 'reconnecting' || true)
+  reconnects=$((reconnects + n))
+done
+echo "smoke: worker-2 (restarted) ran $(json_num "$TETHER_REPORTS/worker-2.json" steps) steps;" \
+  "the other workers logged $reconnects reconnects"
+echo "smoke: server-0 updates_applied=$(json_num "$TETHER_REPORTS/server-0.json" updates_applied)," \
+  "server-1 (resumed at $resumed_version) updates_applied=$(json_num "$TETHER_REPORTS/server-1.json" updates_applied)"
+echo "smoke: worker-0 final_test_accuracy=$acc (threshold $min_acc)"
+phase "reports"
+ok=1
+echo "smoke: PASS"
