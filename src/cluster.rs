@@ -161,7 +161,7 @@ impl LocalCluster {
             let opts = WorkerOptions {
                 rank,
                 config: cfg.clone(),
-                servers: servers.clone(),
+                servers: cfg.cluster.servers.clone(),
                 server_names: vec!["localhost".to_string(); shards_n],
                 tls: TlsFiles::load_worker(&certs, rank)?,
                 train: train.clone(),

@@ -103,10 +103,11 @@ fn run() -> Result<()> {
     if let Some(n) = &note {
         eprintln!("note: {n}");
     }
-    let mut servers = Vec::new();
+    let servers = cfg.cluster.servers.clone();
     let mut names = Vec::new();
-    for s in &cfg.cluster.servers {
-        servers.push(tether_server_resolve(s)?);
+    for s in &servers {
+        // Fail early on an address that does not resolve at all; the driver resolves again at every reconnect.
+        resolve(s)?;
         names.push(
             s.rsplit_once(':')
                 .map_or(s.as_str(), |(h, _)| h)
@@ -178,7 +179,7 @@ fn run() -> Result<()> {
     })
 }
 
-fn tether_server_resolve(addr: &str) -> Result<SocketAddr> {
+fn resolve(addr: &str) -> Result<SocketAddr> {
     use std::net::ToSocketAddrs;
     addr.to_socket_addrs()
         .with_context(|| format!("cannot resolve server address {addr:?}"))?

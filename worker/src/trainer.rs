@@ -4,7 +4,6 @@
 //! spawned tasks while the pull and compute of step t+1 proceed, so with s ≥ 1 communication overlaps compute. When
 //! a shard goes away the driver reconnects with exponential backoff, re-announces its clock and redoes the step.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -115,8 +114,9 @@ pub struct WorkerOptions {
     pub rank: u32,
     /// Cluster configuration.
     pub config: Config,
-    /// Shard addresses, index = shard.
-    pub servers: Vec<SocketAddr>,
+    /// Shard addresses (`host:port`), index = shard; resolved again at every (re)connect, so a restarted server
+    /// may come back at another address under the same name.
+    pub servers: Vec<String>,
     /// TLS server name per shard (a SAN of its certificate).
     pub server_names: Vec<String>,
     /// This worker's certificate and the cluster CA.
@@ -253,12 +253,13 @@ struct Driver {
 
 impl Driver {
     async fn connect_shard(&mut self, k: usize) -> Result<(), NetError> {
-        let conn = connect(
-            &self.endpoint,
-            self.opts.servers[k],
-            &self.opts.server_names[k],
-        )
-        .await?;
+        let name = &self.opts.servers[k];
+        let addr = tokio::net::lookup_host(name.as_str())
+            .await
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| NetError::Resolve(name.clone()))?;
+        let conn = connect(&self.endpoint, addr, &self.opts.server_names[k]).await?;
         let mut control = ControlChannel::open(&conn).await?;
         let welcome =
             client_handshake(&mut control, Hello::new(self.opts.rank, self.layout_hash)).await?;
@@ -650,7 +651,11 @@ async fn train_loop(
                 .push((step, secs, f64::from(outcome.loss)));
         }
         let mut accuracy = None;
-        if d.opts.test.is_some() && eval_every > 0 && step.is_multiple_of(eval_every) && step < total_steps {
+        if d.opts.test.is_some()
+            && eval_every > 0
+            && step.is_multiple_of(eval_every)
+            && step < total_steps
+        {
             let (acc, p) = addr
                 .send(Evaluate { params })
                 .await

@@ -70,6 +70,9 @@ pub enum NetError {
     /// The peer's bytes or message order violate the protocol.
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
+    /// A server address did not resolve.
+    #[error("cannot resolve {0}")]
+    Resolve(String),
     /// The peer's certificate is missing or names no Tether identity.
     #[error("peer identity: {0}")]
     Identity(String),

@@ -50,7 +50,7 @@ impl Default for TransportTuning {
             max_concurrent_uni_streams: 256,
             max_concurrent_bidi_streams: 4,
             keep_alive_interval: Some(Duration::from_secs(2)),
-            idle_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(10),
             initial_mtu: 1200,
             mtu_discovery_upper_bound: Some(1452),
             max_udp_payload_size: 1472,
