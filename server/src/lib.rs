@@ -2,8 +2,11 @@
 
 pub mod checkpoint;
 pub mod clock;
+pub mod error;
 pub mod optim;
 pub mod actor;
 pub mod node;
 pub mod session;
 pub mod shard;
+
+pub use error::{Error, Result};

@@ -9,6 +9,7 @@ use std::ops::Range;
 use tether_common::codec::{CodecError, Decoder};
 use tether_common::config::{OptimizerConfig, Staleness};
 use tether_common::layout::Layout;
+use tether_common::protocol::ErrorCode;
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
@@ -94,6 +95,23 @@ impl From<ClockError> for ShardError {
                     ShardError::ClockFromFuture { worker, expected: expected.saturating_sub(1), found: got.saturating_sub(1) }
                 }
             }
+        }
+    }
+}
+
+impl ShardError {
+    /// The stable wire code that carries this refusal (the numeric guard's spike counts as non-finite input, a read
+    /// version from the future as a clock from the future, a non-member as evicted).
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ShardError::WrongShard { .. } => ErrorCode::WrongShard,
+            ShardError::BadRange { .. } => ErrorCode::BadRange,
+            ShardError::Codec(_) => ErrorCode::BadFrame,
+            ShardError::NonFinite(_) | ShardError::NormSpike { .. } => ErrorCode::NonFinite,
+            ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => ErrorCode::ClockFromFuture,
+            ShardError::Replay { .. } => ErrorCode::Replay,
+            ShardError::NotMember(_) => ErrorCode::Evicted,
+            ShardError::Overloaded => ErrorCode::Overloaded,
         }
     }
 }

@@ -708,3 +708,89 @@ fn bsp_gate_refuses_to_run_ahead() {
     assert!(core.can_answer(1));
     assert!(!core.can_answer(2));
 }
+
+#[test]
+fn every_shard_error_has_one_wire_code_everywhere() {
+    use tether_common::protocol::ErrorCode;
+    use tether_server::clock::ClockError;
+    let all = [
+        (
+            ShardError::WrongShard {
+                expected: 1,
+                found: 0,
+            },
+            ErrorCode::WrongShard,
+        ),
+        (
+            ShardError::BadRange {
+                expected: 0..1,
+                found: 0..2,
+            },
+            ErrorCode::BadRange,
+        ),
+        (ShardError::Codec("x".into()), ErrorCode::BadFrame),
+        (ShardError::NonFinite(3), ErrorCode::NonFinite),
+        (
+            ShardError::ClockFromFuture {
+                worker: 0,
+                expected: 1,
+                found: 2,
+            },
+            ErrorCode::ClockFromFuture,
+        ),
+        (
+            ShardError::Replay {
+                worker: 0,
+                expected: 2,
+                found: 1,
+            },
+            ErrorCode::Replay,
+        ),
+        (
+            ShardError::VersionFromFuture {
+                current: 1,
+                found: 2,
+            },
+            ErrorCode::ClockFromFuture,
+        ),
+        (ShardError::NotMember(4), ErrorCode::Evicted),
+        (
+            ShardError::NormSpike {
+                norm: 1e3,
+                limit: 1.0,
+            },
+            ErrorCode::NonFinite,
+        ),
+        (ShardError::Overloaded, ErrorCode::Overloaded),
+    ];
+    for (e, code) in all {
+        assert_eq!(e.code(), code, "{e:?}");
+        assert_eq!(tether_server::session::shard_error_code(&e), code, "{e:?}");
+        let crate_error = tether_server::Error::from(e.clone());
+        assert_eq!(crate_error.code(), Some(code));
+        assert_eq!(crate_error.to_string(), e.to_string());
+    }
+    // Clock-table refusals carry the same codes as the shard errors they become.
+    for ce in [
+        ClockError::UnknownWorker { worker: 1 },
+        ClockError::Evicted { worker: 1 },
+        ClockError::NotNext {
+            worker: 1,
+            expected: 3,
+            got: 2,
+        },
+        ClockError::NotNext {
+            worker: 1,
+            expected: 3,
+            got: 5,
+        },
+    ] {
+        let via_shard = ShardError::from(ce.clone()).code();
+        assert_eq!(tether_server::Error::from(ce).code(), Some(via_shard));
+    }
+    let gone = tether_server::Error::from(tether_server::node::ServerError::ActorGone);
+    assert_eq!(gone.code(), Some(ErrorCode::Shutdown));
+    let local =
+        tether_server::Error::from(tether_server::node::ServerError::Address("nowhere".into()));
+    assert_eq!(local.code(), None);
+}
