@@ -21,20 +21,20 @@ pub const MAILBOX: usize = 64;
 /// At most this many pulls are parked at once; beyond it a pull is refused as overloaded.
 pub const MAX_PARKED_PULLS: usize = 4096;
 
-/// Writes `weights` into `out` (cleared first) as little-endian values in `precision`: the body of a pull reply.
-/// Sized once and filled through fixed-width chunks, so the loop compiles to straight copies (f32) or conversions
-/// (bf16) with no per-value capacity checks.
+/// Replaces the contents of `out` with `weights` as little-endian values in `precision`: the body of a pull reply.
+/// Sized once (only growth is zero-filled, so a reused buffer is written in one pass) and filled through fixed-width
+/// chunks, so the loop compiles to straight copies (f32) or conversions (bf16) with no per-value capacity checks.
 pub fn encode_values(weights: &[f32], precision: Precision, out: &mut Vec<u8>) {
-    out.clear();
+    let len = weights.len() * precision.width();
+    out.truncate(len);
+    out.resize(len, 0);
     match precision {
         Precision::F32 => {
-            out.resize(weights.len() * 4, 0);
             for (dst, v) in out.chunks_exact_mut(4).zip(weights) {
                 dst.copy_from_slice(&v.to_le_bytes());
             }
         }
         Precision::Bf16 => {
-            out.resize(weights.len() * 2, 0);
             for (dst, v) in out.chunks_exact_mut(2).zip(weights) {
                 dst.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
             }

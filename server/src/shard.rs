@@ -225,6 +225,23 @@ impl SpikeGuard {
     }
 }
 
+/// Σ g² in f64 over eight independent accumulators (one serial chain would bound the loop by the add latency).
+fn sum_of_squares(g: &[f32]) -> f64 {
+    const LANES: usize = 8;
+    let mut acc = [0.0f64; LANES];
+    let chunks = g.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += f64::from(*x) * f64::from(*x);
+        }
+    }
+    for (a, x) in acc.iter_mut().zip(rest) {
+        *a += f64::from(*x) * f64::from(*x);
+    }
+    acc.iter().sum()
+}
+
 /// One shard's state: weights, optimizer, version, clock table.
 pub struct ShardCore {
     shard: u32,
@@ -403,12 +420,11 @@ impl ShardCore {
             CodecError::NonFinite { index } => ShardError::NonFinite(index),
             other => ShardError::Codec(other.to_string()),
         })?;
-        let mut sq = 0.0f64;
-        for (i, g) in self.scratch.iter().enumerate() {
-            if !g.is_finite() {
-                return Err(ShardError::NonFinite(i));
-            }
-            sq += f64::from(*g) * f64::from(*g);
+        let sq = sum_of_squares(&self.scratch);
+        // f32² summed in f64 cannot overflow for any realistic length, so a non-finite sum means a non-finite value.
+        if !sq.is_finite() {
+            let i = self.scratch.iter().position(|g| !g.is_finite()).unwrap_or(0);
+            return Err(ShardError::NonFinite(i));
         }
         let norm = sq.sqrt() as f32;
         if let Some(limit) = self.guard.limit() {
