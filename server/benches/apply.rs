@@ -30,12 +30,19 @@ fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 }
 
 fn shard_of(n: usize) -> ShardCore {
-    let layout = Layout::new(vec![TensorSpec::new("w", &[n], Init::Uniform { bound: 0.1 })]);
+    let layout = Layout::new(vec![TensorSpec::new(
+        "w",
+        &[n],
+        Init::Uniform { bound: 0.1 },
+    )]);
     let spec = ShardSpec {
         shard: 0,
         shards: 1,
         seed: 1,
-        optimizer: OptimizerConfig { kind: OptimizerKind::Adam, ..OptimizerConfig::default() },
+        optimizer: OptimizerConfig {
+            kind: OptimizerKind::Adam,
+            ..OptimizerConfig::default()
+        },
         staleness: Staleness::Unbounded,
         worker_timeout_ms: u64::MAX,
         spike_factor: 10.0,
@@ -54,7 +61,8 @@ fn bench_apply(c: &mut Criterion) {
         let frames: Vec<Vec<u8>> = (0..8)
             .map(|k| {
                 let mut f = Vec::new();
-                enc.encode(&noise(n, 0x9e37_79b9 + k, 1e-2), k, &mut f).unwrap();
+                enc.encode(&noise(n, 0x9e37_79b9 + k, 1e-2), k, &mut f)
+                    .unwrap();
                 f
             })
             .collect();
@@ -80,7 +88,9 @@ fn bench_apply(c: &mut Criterion) {
         let g = noise(n, 7, 1e-2);
         let mut w = noise(n, 11, 0.1);
         let mut opt = Optimizer::new(&OptimizerConfig::default(), n);
-        group.bench_function("adam_step", |b| b.iter(|| opt.step(black_box(&mut w), black_box(&g), 1.0)));
+        group.bench_function("adam_step", |b| {
+            b.iter(|| opt.step(black_box(&mut w), black_box(&g), 1.0))
+        });
         group.finish();
     }
 
@@ -98,7 +108,9 @@ fn bench_apply(c: &mut Criterion) {
     });
     let src: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut dst = vec![0u8; src.len()];
-    group.bench_function("memcpy", |b| b.iter(|| dst.copy_from_slice(black_box(&src))));
+    group.bench_function("memcpy", |b| {
+        b.iter(|| dst.copy_from_slice(black_box(&src)))
+    });
     group.bench_function("fresh_vec_f32", |b| {
         b.iter(|| {
             let mut v = Vec::new();

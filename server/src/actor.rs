@@ -208,7 +208,12 @@ impl ShardActor {
         let mut values = Vec::new();
         encode_values(self.core.weights(), precision, &mut values);
         self.core.answered(clock, values.len() as u64);
-        PullReply { version: self.core.version(), min_clock: self.core.clocks().min_clock(), clock, values }
+        PullReply {
+            version: self.core.version(),
+            min_clock: self.core.clocks().min_clock(),
+            clock,
+            values,
+        }
     }
 
     fn release_ready(&mut self) {
@@ -249,7 +254,9 @@ impl ShardActor {
     }
 
     /// Snapshots now and returns a future that writes it off the actor thread.
-    fn spawn_checkpoint(&mut self) -> impl std::future::Future<Output = Result<Option<u64>, String>> + 'static {
+    fn spawn_checkpoint(
+        &mut self,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, String>> + 'static {
         let store = self.store.clone();
         let snap = store.as_ref().map(|_| self.core.snapshot());
         let version = self.core.version();
@@ -260,7 +267,9 @@ impl ShardActor {
         }
         let shard = self.core.shard();
         async move {
-            let (Some(store), Some(snap)) = (store, snap) else { return Ok(None) };
+            let (Some(store), Some(snap)) = (store, snap) else {
+                return Ok(None);
+            };
             let t0 = Instant::now();
             let res = tokio::task::spawn_blocking(move || store.write(&snap)).await;
             let secs = t0.elapsed().as_secs_f64();
@@ -317,11 +326,20 @@ impl Handler<Join> for ShardActor {
     fn handle(&mut self, msg: Join, _: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
         let clock = self.core.join_at(msg.worker, msg.clock, now);
-        debug!(shard = self.core.shard(), worker = msg.worker, clock, "worker joined");
+        debug!(
+            shard = self.core.shard(),
+            worker = msg.worker,
+            clock,
+            "worker joined"
+        );
         self.update_live();
         self.release_ready();
         let r = self.core.range();
-        MessageResult(JoinInfo { clock, version: self.core.version(), range: (r.start, r.end) })
+        MessageResult(JoinInfo {
+            clock,
+            version: self.core.version(),
+            range: (r.start, r.end),
+        })
     }
 }
 
@@ -357,15 +375,21 @@ impl Handler<ApplyPush> for ShardActor {
         let res = self.core.apply(&push, now);
         if let Some(m) = &self.metrics {
             let fp32 = 4 * (msg.range.1.saturating_sub(msg.range.0));
-            m.bytes_received.get_or_create(&vec![("kind", "wire")]).inc_by(msg.payload.len() as u64);
-            m.bytes_received.get_or_create(&vec![("kind", "fp32")]).inc_by(fp32);
+            m.bytes_received
+                .get_or_create(&vec![("kind", "wire")])
+                .inc_by(msg.payload.len() as u64);
+            m.bytes_received
+                .get_or_create(&vec![("kind", "fp32")])
+                .inc_by(fp32);
             match &res {
                 Ok(a) => {
                     m.updates_applied.inc();
                     m.staleness.observe(a.staleness as f64);
                 }
                 Err(e) => {
-                    m.updates_rejected.get_or_create(&vec![("reason", reject_reason(e))]).inc();
+                    m.updates_rejected
+                        .get_or_create(&vec![("reason", reject_reason(e))])
+                        .inc();
                 }
             }
         }
@@ -409,7 +433,12 @@ impl Handler<Pull> for ShardActor {
             if self.parked.len() >= MAX_PARKED_PULLS {
                 let _ = tx.send(Err(ShardError::Overloaded));
             } else {
-                self.parked.push(ParkedPull { clock: msg.clock, precision: msg.precision, since: Instant::now(), tx });
+                self.parked.push(ParkedPull {
+                    clock: msg.clock,
+                    precision: msg.precision,
+                    since: Instant::now(),
+                    tx,
+                });
             }
         }
         MessageResult(rx)
@@ -419,7 +448,11 @@ impl Handler<Pull> for ShardActor {
 impl Handler<GetStats> for ShardActor {
     type Result = MessageResult<GetStats>;
     fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
-        MessageResult((self.core.version(), self.core.stats().clone(), self.core.clocks().live()))
+        MessageResult((
+            self.core.version(),
+            self.core.stats().clone(),
+            self.core.clocks().live(),
+        ))
     }
 }
 

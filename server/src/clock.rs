@@ -243,7 +243,11 @@ impl ClockTable {
     /// Restores a worker's clock from a checkpoint manifest: the worker is live as of `now_ms` at `clock`, so a
     /// restarted shard waits for it (up to the timeout) exactly as before the crash.
     pub fn restore(&mut self, worker: u32, clock: u64, now_ms: u64) {
-        let row = self.rows.entry(worker).or_insert(Row { clock, last_seen: now_ms, live: false });
+        let row = self.rows.entry(worker).or_insert(Row {
+            clock,
+            last_seen: now_ms,
+            live: false,
+        });
         row.clock = clock;
         row.last_seen = now_ms;
         if !row.live {

@@ -90,7 +90,10 @@ pub fn resolve(addr: &str) -> Result<SocketAddr, ServerError> {
 
 /// Frame limits for a shard of `range_len` parameters under the configured codec.
 pub fn frame_limits(cfg: &Config, range_len: usize) -> FrameLimits {
-    FrameLimits::for_shard(range_len as u64, max_encoded_len(&cfg.compression.codec(), range_len))
+    FrameLimits::for_shard(
+        range_len as u64,
+        max_encoded_len(&cfg.compression.codec(), range_len),
+    )
 }
 
 /// Starts shard `opts.shard` of `cfg`.
@@ -117,7 +120,10 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         spike_factor: opts.spike_factor,
     };
     let mut core = ShardCore::new(&layout, &spec);
-    let store = CheckpointStore::new(cfg.checkpoint.dir.join(format!("shard-{}", opts.shard)), cfg.checkpoint.keep);
+    let store = CheckpointStore::new(
+        cfg.checkpoint.dir.join(format!("shard-{}", opts.shard)),
+        cfg.checkpoint.keep,
+    );
     let mut resumed_from = None;
     if opts.resume {
         let r = core.range();
@@ -127,11 +133,15 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
                     warn!(shard = opts.shard, path = %path.display(), reason = %why, "skipped unusable checkpoint");
                 }
                 let v = snap.version;
-                core.restore(snap, 0).map_err(|e| ServerError::Restore(e.to_string()))?;
+                core.restore(snap, 0)
+                    .map_err(|e| ServerError::Restore(e.to_string()))?;
                 info!(shard = opts.shard, version = v, "resumed from checkpoint");
                 resumed_from = Some(v);
             }
-            None => info!(shard = opts.shard, "no checkpoint to resume from; starting fresh"),
+            None => info!(
+                shard = opts.shard,
+                "no checkpoint to resume from; starting fresh"
+            ),
         }
     }
     let tls = match opts.tls {
@@ -142,7 +152,10 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     let limits = frame_limits(cfg, (range.end - range.start) as usize);
     let tuning = TransportTuning::default().sized_for(&limits);
     let endpoint = server_endpoint(listen, &tls, &tuning)?;
-    let local_addr = endpoint.local_addr().map_err(|source| NetError::Bind { addr: listen, source })?;
+    let local_addr = endpoint.local_addr().map_err(|source| NetError::Bind {
+        addr: listen,
+        source,
+    })?;
     let layout_hash = core.layout_hash();
     let actor = ShardActor::new(
         core,
@@ -164,7 +177,9 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let accept = tokio::spawn(async move {
         while let Some(incoming) = ep.accept().await {
-            let Ok(permit) = permits.clone().acquire_owned().await else { break };
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break;
+            };
             let ctx = ctx.clone();
             tokio::spawn(async move {
                 serve_connection(incoming, ctx).await;
@@ -173,29 +188,47 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         }
     });
     info!(shard = opts.shard, %local_addr, range = ?(range.start, range.end), "shard serving");
-    Ok(RunningShard { actor: addr, local_addr, resumed_from, shard: opts.shard, endpoint, arbiter, accept })
+    Ok(RunningShard {
+        actor: addr,
+        local_addr,
+        resumed_from,
+        shard: opts.shard,
+        endpoint,
+        arbiter,
+        accept,
+    })
 }
 
 impl RunningShard {
     /// Version, counters and live workers of the shard.
     pub async fn stats(&self) -> Result<(u64, ShardStats, usize), ServerError> {
-        self.actor.send(GetStats).await.map_err(|_| ServerError::ActorGone)
+        self.actor
+            .send(GetStats)
+            .await
+            .map_err(|_| ServerError::ActorGone)
     }
 
     /// Stops accepting, closes every connection, optionally writes a final checkpoint, and stops the actor.
     /// Returns the final version and counters.
     pub async fn shutdown(self, final_checkpoint: bool) -> Result<(u64, ShardStats), ServerError> {
         self.accept.abort();
-        self.endpoint.close(ErrorCode::Shutdown.close_code(), b"server shutting down");
+        self.endpoint
+            .close(ErrorCode::Shutdown.close_code(), b"server shutting down");
         if final_checkpoint {
             match self.actor.send(CheckpointNow).await {
-                Ok(Ok(Some(v))) => info!(shard = self.shard, version = v, "final checkpoint written"),
+                Ok(Ok(Some(v))) => {
+                    info!(shard = self.shard, version = v, "final checkpoint written")
+                }
                 Ok(Ok(None)) => {}
                 Ok(Err(e)) => warn!(shard = self.shard, error = %e, "final checkpoint failed"),
                 Err(_) => return Err(ServerError::ActorGone),
             }
         }
-        let (version, stats, _) = self.actor.send(GetStats).await.map_err(|_| ServerError::ActorGone)?;
+        let (version, stats, _) = self
+            .actor
+            .send(GetStats)
+            .await
+            .map_err(|_| ServerError::ActorGone)?;
         self.arbiter.stop();
         Ok((version, stats))
     }
@@ -203,7 +236,8 @@ impl RunningShard {
     /// Closes every connection abruptly without a checkpoint (tests of crash recovery).
     pub fn kill(self) {
         self.accept.abort();
-        self.endpoint.close(ErrorCode::Shutdown.close_code(), b"killed");
+        self.endpoint
+            .close(ErrorCode::Shutdown.close_code(), b"killed");
         self.arbiter.stop();
     }
 }

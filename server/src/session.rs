@@ -10,10 +10,12 @@ use actix::Addr;
 use tracing::{debug, info, warn};
 
 use tether_common::net::{
-    close_with, peer_identity, recv_bulk, reject, send_bulk, server_accept_hello, ControlChannel, NetError,
+    close_with, peer_identity, recv_bulk, reject, send_bulk, server_accept_hello, ControlChannel,
+    NetError,
 };
 use tether_common::protocol::{
-    decode_push, encode_params, Control, ErrorCode, FrameKind, FrameLimits, ParamReply, ProtocolError, Welcome,
+    decode_push, encode_params, Control, ErrorCode, FrameKind, FrameLimits, ParamReply,
+    ProtocolError, Welcome,
 };
 
 use crate::actor::{ApplyPush, Heartbeat, Join, Leave, Pull, ShardActor};
@@ -50,7 +52,9 @@ pub fn shard_error_code(e: &ShardError) -> ErrorCode {
         ShardError::BadRange { .. } => ErrorCode::BadRange,
         ShardError::Codec(_) => ErrorCode::BadFrame,
         ShardError::NonFinite(_) | ShardError::NormSpike { .. } => ErrorCode::NonFinite,
-        ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => ErrorCode::ClockFromFuture,
+        ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => {
+            ErrorCode::ClockFromFuture
+        }
         ShardError::Replay { .. } => ErrorCode::Replay,
         ShardError::NotMember(_) => ErrorCode::Evicted,
         ShardError::Overloaded => ErrorCode::Overloaded,
@@ -91,7 +95,11 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext
             return;
         }
         Err(_) => {
-            close_with(&conn, ErrorCode::BadFrame, "no hello within the handshake timeout");
+            close_with(
+                &conn,
+                ErrorCode::BadFrame,
+                "no hello within the handshake timeout",
+            );
             return;
         }
     };
@@ -163,7 +171,10 @@ async fn control_loop(
                 return;
             }
             other => {
-                let e = ProtocolError::UnexpectedMessage(format!("{} after the handshake", other.name()));
+                let e = ProtocolError::UnexpectedMessage(format!(
+                    "{} after the handshake",
+                    other.name()
+                ));
                 reject(conn, Some(control), &e).await;
                 return;
             }
@@ -182,7 +193,17 @@ async fn answer_pull(
     clock: u64,
     precision: tether_common::protocol::Precision,
 ) {
-    let Ok(rx) = ctx.shard_actor.send(Pull { worker, clock, precision }).await else { return };
+    let Ok(rx) = ctx
+        .shard_actor
+        .send(Pull {
+            worker,
+            clock,
+            precision,
+        })
+        .await
+    else {
+        return;
+    };
     // Parked until the SSP gate opens; the connection closing drops this task.
     let reply = tokio::select! {
         r = rx => r,
@@ -227,7 +248,12 @@ async fn push_loop(
             Ok(s) => s,
             Err(_) => return,
         };
-        let frame = match tokio::time::timeout(FRAME_TIMEOUT, recv_bulk(stream, &ctx.limits, FrameKind::Push)).await {
+        let frame = match tokio::time::timeout(
+            FRAME_TIMEOUT,
+            recv_bulk(stream, &ctx.limits, FrameKind::Push),
+        )
+        .await
+        {
             Ok(Ok(f)) => f,
             Ok(Err(NetError::Protocol(p))) => {
                 reject(&conn, None, &p).await;
@@ -235,7 +261,11 @@ async fn push_loop(
             }
             Ok(Err(_)) => return,
             Err(_) => {
-                close_with(&conn, ErrorCode::Truncated, "push frame not completed in time");
+                close_with(
+                    &conn,
+                    ErrorCode::Truncated,
+                    "push frame not completed in time",
+                );
                 return;
             }
         };
@@ -268,7 +298,9 @@ async fn push_loop(
                 let code = shard_error_code(&e);
                 match e {
                     // Malformed or misaddressed frames are protocol violations: close this connection only.
-                    ShardError::Codec(_) | ShardError::WrongShard { .. } | ShardError::BadRange { .. } => {
+                    ShardError::Codec(_)
+                    | ShardError::WrongShard { .. }
+                    | ShardError::BadRange { .. } => {
                         warn!(shard = ctx.shard, worker, error = %e, "closing connection after a bad push");
                         close_with(&conn, code, &e.to_string());
                         return;

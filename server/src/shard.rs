@@ -87,12 +87,26 @@ pub enum ShardError {
 impl From<ClockError> for ShardError {
     fn from(e: ClockError) -> Self {
         match e {
-            ClockError::UnknownWorker { worker } | ClockError::Evicted { worker } => ShardError::NotMember(worker),
-            ClockError::NotNext { worker, expected, got } => {
+            ClockError::UnknownWorker { worker } | ClockError::Evicted { worker } => {
+                ShardError::NotMember(worker)
+            }
+            ClockError::NotNext {
+                worker,
+                expected,
+                got,
+            } => {
                 if got < expected {
-                    ShardError::Replay { worker, expected: expected.saturating_sub(1), found: got.saturating_sub(1) }
+                    ShardError::Replay {
+                        worker,
+                        expected: expected.saturating_sub(1),
+                        found: got.saturating_sub(1),
+                    }
                 } else {
-                    ShardError::ClockFromFuture { worker, expected: expected.saturating_sub(1), found: got.saturating_sub(1) }
+                    ShardError::ClockFromFuture {
+                        worker,
+                        expected: expected.saturating_sub(1),
+                        found: got.saturating_sub(1),
+                    }
                 }
             }
         }
@@ -108,7 +122,9 @@ impl ShardError {
             ShardError::BadRange { .. } => ErrorCode::BadRange,
             ShardError::Codec(_) => ErrorCode::BadFrame,
             ShardError::NonFinite(_) | ShardError::NormSpike { .. } => ErrorCode::NonFinite,
-            ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => ErrorCode::ClockFromFuture,
+            ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => {
+                ErrorCode::ClockFromFuture
+            }
             ShardError::Replay { .. } => ErrorCode::Replay,
             ShardError::NotMember(_) => ErrorCode::Evicted,
             ShardError::Overloaded => ErrorCode::Overloaded,
@@ -202,7 +218,12 @@ impl SpikeGuard {
     const WARMUP: usize = 16;
 
     fn new(factor: f32) -> Self {
-        Self { factor, recent: Vec::with_capacity(Self::WINDOW), next: 0, sorted: Vec::with_capacity(Self::WINDOW) }
+        Self {
+            factor,
+            recent: Vec::with_capacity(Self::WINDOW),
+            next: 0,
+            sorted: Vec::with_capacity(Self::WINDOW),
+        }
     }
 
     fn limit(&mut self) -> Option<f32> {
@@ -373,12 +394,23 @@ impl ShardCore {
     }
 
     fn check_clock(&self, worker: u32, clock: u64) -> Result<(), ShardError> {
-        let current = self.clocks.clock_of(worker).ok_or(ShardError::NotMember(worker))?;
+        let current = self
+            .clocks
+            .clock_of(worker)
+            .ok_or(ShardError::NotMember(worker))?;
         if clock < current {
-            return Err(ShardError::Replay { worker, expected: current, found: clock });
+            return Err(ShardError::Replay {
+                worker,
+                expected: current,
+                found: clock,
+            });
         }
         if clock > current {
-            return Err(ShardError::ClockFromFuture { worker, expected: current, found: clock });
+            return Err(ShardError::ClockFromFuture {
+                worker,
+                expected: current,
+                found: clock,
+            });
         }
         Ok(())
     }
@@ -407,23 +439,38 @@ impl ShardCore {
 
     fn validate_and_decode(&mut self, push: &Push<'_>) -> Result<(), ShardError> {
         if push.shard != self.shard {
-            return Err(ShardError::WrongShard { expected: self.shard, found: push.shard });
+            return Err(ShardError::WrongShard {
+                expected: self.shard,
+                found: push.shard,
+            });
         }
         if push.range.0 != self.range.start || push.range.1 != self.range.end {
-            return Err(ShardError::BadRange { expected: self.range.clone(), found: push.range.0..push.range.1 });
+            return Err(ShardError::BadRange {
+                expected: self.range.clone(),
+                found: push.range.0..push.range.1,
+            });
         }
         self.check_clock(push.worker, push.clock)?;
         if push.read_version > self.version {
-            return Err(ShardError::VersionFromFuture { current: self.version, found: push.read_version });
+            return Err(ShardError::VersionFromFuture {
+                current: self.version,
+                found: push.read_version,
+            });
         }
-        self.decoder.decode(push.payload, &mut self.scratch).map_err(|e| match e {
-            CodecError::NonFinite { index } => ShardError::NonFinite(index),
-            other => ShardError::Codec(other.to_string()),
-        })?;
+        self.decoder
+            .decode(push.payload, &mut self.scratch)
+            .map_err(|e| match e {
+                CodecError::NonFinite { index } => ShardError::NonFinite(index),
+                other => ShardError::Codec(other.to_string()),
+            })?;
         let sq = sum_of_squares(&self.scratch);
         // f32² summed in f64 cannot overflow for any realistic length, so a non-finite sum means a non-finite value.
         if !sq.is_finite() {
-            let i = self.scratch.iter().position(|g| !g.is_finite()).unwrap_or(0);
+            let i = self
+                .scratch
+                .iter()
+                .position(|g| !g.is_finite())
+                .unwrap_or(0);
             return Err(ShardError::NonFinite(i));
         }
         let norm = sq.sqrt() as f32;
@@ -440,12 +487,20 @@ impl ShardCore {
         // Clock first: it is the last check that can fail, and it must not fail after the weights changed.
         self.clocks.advance(push.worker, push.clock + 1, now_ms)?;
         let staleness = self.version - push.read_version;
-        let scale = if self.staleness_aware { 1.0 / (staleness.max(1) as f32) } else { 1.0 };
+        let scale = if self.staleness_aware {
+            1.0 / (staleness.max(1) as f32)
+        } else {
+            1.0
+        };
         self.optimizer.step(&mut self.weights, &self.scratch, scale);
         self.version += 1;
         self.stats.updates_applied += 1;
         self.stats.staleness.record(staleness);
-        Ok(Applied { version: self.version, staleness, clock: push.clock + 1 })
+        Ok(Applied {
+            version: self.version,
+            staleness,
+            clock: push.clock + 1,
+        })
     }
 
     /// Whether a pull for `clock` may be answered now (the SSP gate).
@@ -476,7 +531,11 @@ impl ShardCore {
     }
 
     /// Restores weights, optimizer state and version from a verified snapshot of this shard.
-    pub fn restore(&mut self, snap: ShardSnapshot, now_ms: u64) -> Result<(), crate::optim::OptimError> {
+    pub fn restore(
+        &mut self,
+        snap: ShardSnapshot,
+        now_ms: u64,
+    ) -> Result<(), crate::optim::OptimError> {
         self.optimizer.restore(snap.opt_steps, snap.slots)?;
         self.weights = snap.weights;
         self.version = snap.version;

@@ -624,8 +624,8 @@ fn bsp_run(first: &[u32], exact: bool) -> ShardCore {
     for c in 0..ROUNDS {
         // Both pulls for clock c are answerable only after every round c−1 push landed.
         assert!(core.can_answer(c));
-        for w in 0..2 {
-            read[w] = core.version();
+        for r in read.iter_mut() {
+            *r = core.version();
             core.answered(c, 0);
         }
         let order = [first[c as usize], 1 - first[c as usize]];
