@@ -21,6 +21,27 @@ pub const MAILBOX: usize = 64;
 /// At most this many pulls are parked at once; beyond it a pull is refused as overloaded.
 pub const MAX_PARKED_PULLS: usize = 4096;
 
+/// Replaces the contents of `out` with `weights` as little-endian values in `precision`: the body of a pull reply.
+/// Sized once (only growth is zero-filled, so a reused buffer is written in one pass) and filled through fixed-width
+/// chunks, so the loop compiles to straight copies (f32) or conversions (bf16) with no per-value capacity checks.
+pub fn encode_values(weights: &[f32], precision: Precision, out: &mut Vec<u8>) {
+    let len = weights.len() * precision.width();
+    out.truncate(len);
+    out.resize(len, 0);
+    match precision {
+        Precision::F32 => {
+            for (dst, v) in out.chunks_exact_mut(4).zip(weights) {
+                dst.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Precision::Bf16 => {
+            for (dst, v) in out.chunks_exact_mut(2).zip(weights) {
+                dst.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+    }
+}
+
 /// What a worker learns when it joins a shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JoinInfo {
@@ -183,28 +204,9 @@ impl ShardActor {
         self.started.elapsed().as_millis() as u64
     }
 
-    fn encode_values(&self, precision: Precision) -> Vec<u8> {
-        let w = self.core.weights();
-        match precision {
-            Precision::F32 => {
-                let mut out = vec![0u8; w.len() * 4];
-                for (o, v) in out.chunks_exact_mut(4).zip(w) {
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
-                out
-            }
-            Precision::Bf16 => {
-                let mut out = vec![0u8; w.len() * 2];
-                for (o, v) in out.chunks_exact_mut(2).zip(w) {
-                    o.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
-                }
-                out
-            }
-        }
-    }
-
     fn answer(&mut self, clock: u64, precision: Precision) -> PullReply {
-        let values = self.encode_values(precision);
+        let mut values = Vec::new();
+        encode_values(self.core.weights(), precision, &mut values);
         self.core.answered(clock, values.len() as u64);
         PullReply {
             version: self.core.version(),
@@ -423,15 +425,21 @@ impl Handler<Pull> for ShardActor {
             }
             let reply = self.answer(msg.clock, msg.precision);
             let _ = tx.send(Ok(reply));
-        } else if self.parked.len() >= MAX_PARKED_PULLS {
-            let _ = tx.send(Err(ShardError::Overloaded));
         } else {
-            self.parked.push(ParkedPull {
-                clock: msg.clock,
-                precision: msg.precision,
-                since: Instant::now(),
-                tx,
-            });
+            if self.parked.len() >= MAX_PARKED_PULLS {
+                // Pulls whose requester went away still hold a slot until swept; sweep before refusing anyone.
+                self.parked.retain(|p| !p.tx.is_closed());
+            }
+            if self.parked.len() >= MAX_PARKED_PULLS {
+                let _ = tx.send(Err(ShardError::Overloaded));
+            } else {
+                self.parked.push(ParkedPull {
+                    clock: msg.clock,
+                    precision: msg.precision,
+                    since: Instant::now(),
+                    tx,
+                });
+            }
         }
         MessageResult(rx)
     }

@@ -1,9 +1,13 @@
-//! Tether parameter-server shards: optimizers, the SSP clock table, checkpoints and the shard actors.
+//! Tether parameter-server shards: the pure cores (optimizers, the SSP clock table, checkpoints, `ShardCore`) and
+//! the shells around them (the `ShardActor`, per-connection sessions, the shard server and its binary).
 
 pub mod actor;
 pub mod checkpoint;
 pub mod clock;
+pub mod error;
 pub mod node;
 pub mod optim;
 pub mod session;
 pub mod shard;
+
+pub use error::Error;

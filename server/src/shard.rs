@@ -9,6 +9,7 @@ use std::ops::Range;
 use tether_common::codec::{CodecError, Decoder};
 use tether_common::config::{OptimizerConfig, Staleness};
 use tether_common::layout::Layout;
+use tether_common::protocol::ErrorCode;
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
@@ -108,6 +109,25 @@ impl From<ClockError> for ShardError {
                     }
                 }
             }
+        }
+    }
+}
+
+impl ShardError {
+    /// The stable wire code that carries this refusal (the numeric guard's spike counts as non-finite input, a read
+    /// version from the future as a clock from the future, a non-member as evicted).
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ShardError::WrongShard { .. } => ErrorCode::WrongShard,
+            ShardError::BadRange { .. } => ErrorCode::BadRange,
+            ShardError::Codec(_) => ErrorCode::BadFrame,
+            ShardError::NonFinite(_) | ShardError::NormSpike { .. } => ErrorCode::NonFinite,
+            ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => {
+                ErrorCode::ClockFromFuture
+            }
+            ShardError::Replay { .. } => ErrorCode::Replay,
+            ShardError::NotMember(_) => ErrorCode::Evicted,
+            ShardError::Overloaded => ErrorCode::Overloaded,
         }
     }
 }
@@ -224,6 +244,23 @@ impl SpikeGuard {
             self.next = (self.next + 1) % Self::WINDOW;
         }
     }
+}
+
+/// Σ g² in f64 over eight independent accumulators (one serial chain would bound the loop by the add latency).
+fn sum_of_squares(g: &[f32]) -> f64 {
+    const LANES: usize = 8;
+    let mut acc = [0.0f64; LANES];
+    let chunks = g.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += f64::from(*x) * f64::from(*x);
+        }
+    }
+    for (a, x) in acc.iter_mut().zip(rest) {
+        *a += f64::from(*x) * f64::from(*x);
+    }
+    acc.iter().sum()
 }
 
 /// One shard's state: weights, optimizer, version, clock table.
@@ -426,12 +463,15 @@ impl ShardCore {
                 CodecError::NonFinite { index } => ShardError::NonFinite(index),
                 other => ShardError::Codec(other.to_string()),
             })?;
-        let mut sq = 0.0f64;
-        for (i, g) in self.scratch.iter().enumerate() {
-            if !g.is_finite() {
-                return Err(ShardError::NonFinite(i));
-            }
-            sq += f64::from(*g) * f64::from(*g);
+        let sq = sum_of_squares(&self.scratch);
+        // f32² summed in f64 cannot overflow for any realistic length, so a non-finite sum means a non-finite value.
+        if !sq.is_finite() {
+            let i = self
+                .scratch
+                .iter()
+                .position(|g| !g.is_finite())
+                .unwrap_or(0);
+            return Err(ShardError::NonFinite(i));
         }
         let norm = sq.sqrt() as f32;
         if let Some(limit) = self.guard.limit() {
