@@ -45,22 +45,6 @@ pub struct SessionContext {
     pub limits: FrameLimits,
 }
 
-/// The wire code for a refused push.
-pub fn shard_error_code(e: &ShardError) -> ErrorCode {
-    match e {
-        ShardError::WrongShard { .. } => ErrorCode::WrongShard,
-        ShardError::BadRange { .. } => ErrorCode::BadRange,
-        ShardError::Codec(_) => ErrorCode::BadFrame,
-        ShardError::NonFinite(_) | ShardError::NormSpike { .. } => ErrorCode::NonFinite,
-        ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => {
-            ErrorCode::ClockFromFuture
-        }
-        ShardError::Replay { .. } => ErrorCode::Replay,
-        ShardError::NotMember(_) => ErrorCode::Evicted,
-        ShardError::Overloaded => ErrorCode::Overloaded,
-    }
-}
-
 /// Serves one incoming connection until it closes.
 pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext>) {
     let peer = incoming.remote_address();
@@ -212,7 +196,7 @@ async fn answer_pull(
     let reply = match reply {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
-            close_with(&conn, shard_error_code(&e), &e.to_string());
+            close_with(&conn, e.code(), &e.to_string());
             return;
         }
         Err(_) => return,
@@ -295,7 +279,7 @@ async fn push_loop(
         match result {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
-                let code = shard_error_code(&e);
+                let code = e.code();
                 match e {
                     // Malformed or misaddressed frames are protocol violations: close this connection only.
                     ShardError::Codec(_)
