@@ -59,6 +59,9 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f32,
+    /// Weight decay (L2 for adam/sgd-family, decoupled for adamw).
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
     /// Learning-rate schedule: cosine (linear warmup, then cosine decay over the run) or constant.
     #[arg(long, default_value = "cosine")]
     schedule: String,
@@ -113,6 +116,7 @@ fn main() -> Result<()> {
     }
     cfg.optimizer.kind = parse_optimizer(&args.optimizer)?;
     cfg.optimizer.lr = args.lr;
+    cfg.optimizer.weight_decay = args.weight_decay;
     cfg.optimizer.schedule = match args.schedule.as_str() {
         "constant" => Schedule::Constant,
         // total = 0: LocalCluster stretches the cosine over the whole run.
