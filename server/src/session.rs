@@ -289,6 +289,16 @@ async fn push_loop(
                         close_with(&conn, code, &e.to_string());
                         return;
                     }
+                    // Evicted while its connection stayed up (a partition shorter than the idle timeout): closing
+                    // makes the worker reconnect, and its handshake rejoins it at a clock the table accepts.
+                    ShardError::NotMember(_) => {
+                        info!(
+                            shard = ctx.shard,
+                            worker, "push from an evicted worker: closing so that it rejoins"
+                        );
+                        close_with(&conn, code, &e.to_string());
+                        return;
+                    }
                     // Refused but well-formed: counted by the shard, the session goes on.
                     _ => debug!(shard = ctx.shard, worker, error = %e, "push refused"),
                 }

@@ -346,13 +346,28 @@ impl Driver {
                 .await
                 .map_err(|e| (k, e))?;
         }
+        let heartbeat = Duration::from_millis(self.opts.config.cluster.heartbeat_ms.max(10));
         for k in 0..self.links.len() {
-            let link = self.links[k].as_ref().ok_or((k, NetError::ControlClosed))?;
-            let stream = link
+            let conn = self.links[k]
+                .as_ref()
+                .ok_or((k, NetError::ControlClosed))?
                 .conn
-                .accept_uni()
-                .await
-                .map_err(|e| (k, NetError::from(e)))?;
+                .clone();
+            // While the SSP gate holds the pull, heartbeats keep this worker from being evicted as silent.
+            let accept = conn.accept_uni();
+            tokio::pin!(accept);
+            let stream = loop {
+                tokio::select! {
+                    s = &mut accept => break s.map_err(|e| (k, NetError::from(e)))?,
+                    _ = tokio::time::sleep(heartbeat) => {
+                        for (j, l) in self.links.iter_mut().enumerate() {
+                            let l = l.as_mut().ok_or((j, NetError::ControlClosed))?;
+                            l.control.send(&Control::Heartbeat { clock }).await.map_err(|e| (j, e))?;
+                        }
+                    }
+                }
+            };
+            let link = self.links[k].as_ref().ok_or((k, NetError::ControlClosed))?;
             let frame = recv_bulk(stream, &link.limits, FrameKind::Params)
                 .await
                 .map_err(|e| (k, e))?;

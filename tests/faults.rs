@@ -1,0 +1,364 @@
+//! Fault tests across real processes (release `tether-server` / `tether-worker`, certificates from keygen, loopback
+//! QUIC): a worker killed with SIGKILL and restarted, a shard killed and resumed from its checkpoint, a worker cut
+//! off by a packet-dropping UDP proxy and healed, a 3x straggler under SSP, and a seeded loop of random kills
+//! (`TETHER_KILL_LOOP_N`, default 3). Every process is SIGKILLed when its test ends; every wait is bounded.
+//! Figures are printed (run with `--nocapture` to see them).
+
+mod support;
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use support::{max_step_gap, num, run_undisturbed, serial, Cluster, Proc, Rng, Spec, UdpProxy};
+
+/// Per-step delay of every worker: stretches the digits run to ~3 s so faults land mid-run.
+const STEP_DELAY: &str = "10";
+
+fn spec() -> Spec {
+    Spec::default()
+}
+
+/// Final test accuracy of the undisturbed run of `spec()` (computed once per test binary).
+fn baseline_accuracy() -> f64 {
+    static ACC: OnceLock<f64> = OnceLock::new();
+    *ACC.get_or_init(|| {
+        let (w0, shards) = run_undisturbed(&spec(), &["--step-delay-ms", STEP_DELAY]);
+        let acc = num(&w0, "final_test_accuracy");
+        println!(
+            "undisturbed: accuracy {acc:.4}, wall {:.2} s, updates {:?}",
+            num(&w0, "wall_seconds"),
+            shards
+                .iter()
+                .map(|s| num(s, "updates_applied"))
+                .collect::<Vec<_>>()
+        );
+        assert!(acc > 0.85, "undisturbed digits run reached only {acc}");
+        acc
+    })
+}
+
+fn worker_args(report: &str) -> Vec<&str> {
+    vec!["--report", report, "--step-delay-ms", STEP_DELAY]
+}
+
+#[test]
+fn killed_worker_stalls_others_at_most_the_timeout_and_rejoins() {
+    let _serial = serial();
+    let base = baseline_accuracy();
+    let c = Cluster::new(spec());
+    let timeout_s = c.spec.worker_timeout_ms as f64 / 1000.0;
+    let mut servers = c.servers(&[]);
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1-killed.json"));
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(
+        w1.alive(),
+        "worker 1 ended before the kill:\n{}",
+        w1.log_tail(2000)
+    );
+    w1.kill9();
+    let killed_at = Instant::now();
+    // Restart after the eviction timeout, so the survivor's stall can only have ended through eviction.
+    std::thread::sleep(Duration::from_millis(c.spec.worker_timeout_ms + 500));
+    let mut w1b = c.worker(1, &worker_args("w1.json"));
+    w0.wait_success(Duration::from_secs(90));
+    w1b.wait_success(Duration::from_secs(90));
+    for s in &mut servers {
+        s.wait_success(Duration::from_secs(30));
+    }
+    let r0 = c.report("w0.json");
+    let r1 = c.report("w1.json");
+    let gap = max_step_gap(&r0);
+    let acc = num(&r0, "final_test_accuracy");
+    let steps = c.steps_per_worker() as f64;
+    let applied: Vec<f64> = (0..2)
+        .map(|k| num(&c.report(&format!("server-{k}.json")), "updates_applied"))
+        .collect();
+    println!(
+        "worker kill: survivor's longest stall {gap:.2} s (timeout {timeout_s} s), accuracy {acc:.4} vs {base:.4} \
+         undisturbed, restarted worker ran {} steps, shard updates {applied:?}, total {:.1} s after the kill",
+        num(&r1, "steps"),
+        killed_at.elapsed().as_secs_f64()
+    );
+    // The stall ends with the eviction: timeout + one eviction tick (timeout/4) + scheduling slack.
+    assert!(
+        gap <= timeout_s * 1.25 + 1.0,
+        "survivor stalled {gap:.2} s, timeout is {timeout_s} s"
+    );
+    assert!(
+        acc >= base - 0.01,
+        "accuracy {acc} fell more than 1 pt below the undisturbed {base}"
+    );
+    // The restarted worker trained a full run again, and the shards applied its pushes on top of the others'.
+    assert_eq!(num(&r1, "steps"), steps);
+    for a in applied {
+        assert!(
+            a >= 2.0 * steps,
+            "shard applied {a} updates, survivor + restarted worker pushed {}",
+            2.0 * steps
+        );
+    }
+    assert!(servers
+        .iter()
+        .all(|s| s.log_text().matches("worker session started").count() >= 3));
+}
+
+#[test]
+fn killed_server_resumes_from_checkpoint_and_loses_at_most_one_interval() {
+    let _serial = serial();
+    let base = baseline_accuracy();
+    let c = Cluster::new(spec());
+    let mut servers = c.servers(&[]);
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1.json"));
+    std::thread::sleep(Duration::from_millis(1200));
+    servers[0].kill9();
+    let on_disk = c.checkpoint_versions(0);
+    let resumed_from = *on_disk.last().expect("no checkpoint before the kill");
+    std::thread::sleep(Duration::from_millis(500));
+    let n = c.spec.workers.to_string();
+    servers[0] = c.server(
+        0,
+        &[
+            "--resume",
+            "--exit-after-workers",
+            &n,
+            "--report",
+            "server-0.json",
+        ],
+    );
+    w0.wait_success(Duration::from_secs(90));
+    w1.wait_success(Duration::from_secs(90));
+    for s in &mut servers {
+        s.wait_success(Duration::from_secs(30));
+    }
+    let log = servers[0].log_text();
+    assert!(
+        log.contains("resumed from checkpoint"),
+        "restarted shard did not resume:\n{log}"
+    );
+    let after = num(&c.report("server-0.json"), "updates_applied") as u64;
+    let final_version = resumed_from + after;
+    assert_eq!(
+        c.checkpoint_versions(0).last().copied(),
+        Some(final_version),
+        "final checkpoint version"
+    );
+    let pushed = c.steps_per_worker() * u64::from(c.spec.workers);
+    let lost = pushed as i64 - final_version as i64;
+    let r0 = c.report("w0.json");
+    let acc = num(&r0, "final_test_accuracy");
+    println!(
+        "server kill: resumed from v{resumed_from}, applied {after} after the restart, final v{final_version}, \
+         pushed {pushed}: lost {lost} updates (checkpoint every {}); accuracy {acc:.4} vs {base:.4}",
+        c.spec.checkpoint_every
+    );
+    assert!(
+        lost >= 0,
+        "shard applied more updates ({final_version}) than were pushed ({pushed})"
+    );
+    // Lost: what was applied after the newest checkpoint plus what was in flight (≤ workers × (s + 1) pushes).
+    let in_flight = u64::from(c.spec.workers) * 3;
+    assert!(
+        lost as u64 <= c.spec.checkpoint_every + in_flight,
+        "lost {lost} updates"
+    );
+    assert!(
+        acc >= base - 0.01,
+        "accuracy {acc} fell more than 1 pt below the undisturbed {base}"
+    );
+}
+
+#[test]
+fn partitioned_worker_heals_and_ssp_bound_holds() {
+    let _serial = serial();
+    let c = Cluster::new(spec());
+    let proxy = UdpProxy::start(c.servers[0]);
+    let via_proxy = c.write_config("cluster-proxy.toml", &[proxy.addr, c.servers[1]]);
+    let via_proxy = via_proxy.display().to_string();
+    let mut servers = c.servers(&[]);
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(
+        1,
+        &[
+            "--config",
+            &via_proxy,
+            "--report",
+            "w1.json",
+            "--step-delay-ms",
+            STEP_DELAY,
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(800));
+    proxy.set_cut(true);
+    // Longer than the eviction timeout: the shard evicts the silent worker and the other worker goes on.
+    std::thread::sleep(Duration::from_millis(2 * c.spec.worker_timeout_ms));
+    proxy.set_cut(false);
+    let dropped = proxy.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    w0.wait_success(Duration::from_secs(90));
+    w1.wait_success(Duration::from_secs(90));
+    for s in &mut servers {
+        s.wait_success(Duration::from_secs(30));
+    }
+    let r0 = c.report("w0.json");
+    let r1 = c.report("w1.json");
+    let s0 = c.report("server-0.json");
+    let bound = 2.0;
+    println!(
+        "partition: {dropped} packets dropped; survivor's longest stall {:.2} s; cut-off worker {} steps; \
+         shard 0 applied {} rejected {} max lead {}",
+        max_step_gap(&r0),
+        num(&r1, "steps"),
+        num(&s0, "updates_applied"),
+        num(&s0, "updates_rejected"),
+        num(&s0, "max_clock_lead_observed")
+    );
+    assert!(
+        dropped > 0,
+        "the proxy dropped nothing: the partition did not happen"
+    );
+    assert_eq!(num(&r1, "steps"), c.steps_per_worker() as f64);
+    assert!(max_step_gap(&r0) <= c.spec.worker_timeout_ms as f64 / 1000.0 * 1.25 + 1.0);
+    for k in 0..2 {
+        let s = c.report(&format!("server-{k}.json"));
+        assert!(
+            num(&s, "max_clock_lead_observed") <= bound,
+            "shard {k}: {s}"
+        );
+    }
+    // After the heal the worker's pushes count again: it was not silently refused for the rest of the run.
+    let refused = num(&s0, "updates_rejected");
+    assert!(
+        refused <= 3.0,
+        "shard 0 refused {refused} pushes of the healed worker"
+    );
+}
+
+#[test]
+fn straggler_3x_slower_keeps_everyone_within_the_bound() {
+    let _serial = serial();
+    let c = Cluster::new(spec());
+    let mut servers = c.servers(&[]);
+    let started = Instant::now();
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &["--report", "w1.json", "--step-delay-ms", "30"]);
+    w0.wait_success(Duration::from_secs(90));
+    w1.wait_success(Duration::from_secs(90));
+    for s in &mut servers {
+        s.wait_success(Duration::from_secs(30));
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let leads: Vec<f64> = (0..2)
+        .map(|k| {
+            num(
+                &c.report(&format!("server-{k}.json")),
+                "max_clock_lead_observed",
+            )
+        })
+        .chain(
+            ["w0.json", "w1.json"]
+                .iter()
+                .map(|f| num(&c.report(f), "max_clock_lead_observed")),
+        )
+        .collect();
+    let (t0, t1) = (
+        num(&c.report("w0.json"), "wall_seconds"),
+        num(&c.report("w1.json"), "wall_seconds"),
+    );
+    println!("straggler: max clock leads (shard 0, shard 1, w0, w1) {leads:?}; fast worker {t0:.2} s, straggler {t1:.2} s, run {wall:.1} s");
+    assert!(
+        leads.iter().all(|&l| l <= 2.0),
+        "clock lead beyond s = 2: {leads:?}"
+    );
+    // SSP couples the fast worker to the straggler: it cannot finish much earlier than s steps ahead allows.
+    let straggler_step = t1 / c.steps_per_worker() as f64;
+    assert!(
+        t0 >= t1 - (2.0 + 2.0) * straggler_step - 0.5,
+        "fast worker finished {t0:.2} s vs straggler {t1:.2} s"
+    );
+}
+
+/// One fault round: start a cluster, kill a random process at a random time, restart it, run to the end.
+fn kill_round(rng: &mut Rng) -> Result<String, String> {
+    let c = Cluster::new(spec());
+    let n = c.spec.workers.to_string();
+    let mut servers = c.servers(&[]);
+    let mut workers: Vec<Proc> = (0..c.spec.workers)
+        .map(|r| c.worker(r, &worker_args(&format!("w{r}.json"))))
+        .collect();
+    let at = 300 + rng.below(1200);
+    let victim = rng.below(u64::from(c.spec.workers) + c.spec.shards as u64) as usize;
+    let pause = rng.below(c.spec.worker_timeout_ms * 2);
+    std::thread::sleep(Duration::from_millis(at));
+    let what = if victim < workers.len() {
+        if !workers[victim].alive() {
+            return Err(format!("worker {victim} ended before the kill at {at} ms"));
+        }
+        workers[victim].kill9();
+        std::thread::sleep(Duration::from_millis(pause));
+        workers[victim] = c.worker(victim as u32, &worker_args(&format!("w{victim}.json")));
+        format!("worker {victim} killed at {at} ms, restarted {pause} ms later")
+    } else {
+        let k = victim - workers.len();
+        servers[k].kill9();
+        std::thread::sleep(Duration::from_millis(pause));
+        let report = format!("server-{k}.json");
+        servers[k] = c.server(
+            k,
+            &["--resume", "--exit-after-workers", &n, "--report", &report],
+        );
+        format!("shard {k} killed at {at} ms, resumed {pause} ms later")
+    };
+    let finish = |p: &mut Proc, limit: u64| -> Result<(), String> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            p.wait_success(Duration::from_secs(limit))
+        }))
+        .map_err(|_| format!("{what}: {} failed:\n{}", p.name, p.log_tail(1500)))
+    };
+    for w in &mut workers {
+        finish(w, 90)?;
+    }
+    for s in &mut servers {
+        finish(s, 30)?;
+    }
+    let acc = num(&c.report("w0.json"), "final_test_accuracy");
+    if acc < 0.85 {
+        return Err(format!("{what}: accuracy {acc}"));
+    }
+    Ok(format!("{what}: accuracy {acc:.4}"))
+}
+
+#[test]
+fn random_kill_loop_survives() {
+    let _serial = serial();
+    let n: u64 = std::env::var("TETHER_KILL_LOOP_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .min(1000);
+    let seed: u64 = std::env::var("TETHER_KILL_LOOP_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7);
+    let mut rng = Rng::new(seed);
+    let mut failures = Vec::new();
+    for i in 0..n {
+        match kill_round(&mut rng) {
+            Ok(line) => println!("kill loop {i}: survived: {line}"),
+            Err(e) => {
+                println!("kill loop {i}: FAILED: {e}");
+                failures.push(e);
+            }
+        }
+    }
+    println!(
+        "kill loop (seed {seed}): survived {}/{n}",
+        n - failures.len() as u64
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {n} kill rounds failed:\n{}",
+        failures.len(),
+        failures.join("\n---\n")
+    );
+}
