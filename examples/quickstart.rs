@@ -41,11 +41,11 @@ struct Args {
     /// Turn off zstd over the packed gradients.
     #[arg(long)]
     no_zstd: bool,
-    /// Pull parameters as bf16 (half the pull bytes).
+    /// Pull parameters as exact f32 (default: bf16, half the pull bytes; the shards always keep f32).
     #[arg(long)]
-    pull_bf16: bool,
+    pull_f32: bool,
     /// Epochs (passes over each worker's partition).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 30)]
     epochs: u32,
     /// Dataset: fashion-mnist | digits | idx | csv | libsvm.
     #[arg(long, default_value = "fashion-mnist")]
@@ -102,7 +102,7 @@ fn main() -> Result<()> {
     cfg.compression.scheme = args.compression;
     cfg.compression.error_feedback = !args.no_error_feedback;
     cfg.compression.zstd = !args.no_zstd;
-    cfg.compression.pull_bf16 = args.pull_bf16;
+    cfg.compression.pull_bf16 = !args.pull_f32;
     cfg.train.epochs = args.epochs;
     cfg.train.batch = args.batch;
     cfg.train.eval_every = args.eval_every;
@@ -139,7 +139,7 @@ fn main() -> Result<()> {
         .with_context(|| format!("cannot create {}", work_dir.display()))?;
 
     println!(
-        "Tether quickstart: {} workers, {} shards, staleness {}, compression {}{}{}, {} epochs",
+        "Tether quickstart: {} workers, {} shards, staleness {}, compression {}{}{}, {} pulls, {} epochs",
         cfg.cluster.workers,
         cfg.cluster.servers.len(),
         cfg.cluster.staleness,
@@ -150,6 +150,7 @@ fn main() -> Result<()> {
             ""
         },
         if cfg.compression.zstd { " + zstd" } else { "" },
+        if cfg.compression.pull_bf16 { "bf16" } else { "f32" },
         cfg.train.epochs
     );
     let (tx, rx) = mpsc::unbounded_channel();
