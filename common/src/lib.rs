@@ -6,6 +6,7 @@ pub mod config;
 pub mod layout;
 pub mod metrics;
 pub mod net;
+pub mod numeric;
 pub mod pki;
 pub mod protocol;
 pub mod report;

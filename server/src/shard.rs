@@ -9,6 +9,7 @@ use std::ops::Range;
 use tether_common::codec::{CodecError, Decoder};
 use tether_common::config::{OptimizerConfig, Staleness};
 use tether_common::layout::Layout;
+use tether_common::numeric::sum_of_squares;
 use tether_common::protocol::ErrorCode;
 
 use crate::checkpoint::ShardSnapshot;
@@ -244,23 +245,6 @@ impl SpikeGuard {
             self.next = (self.next + 1) % Self::WINDOW;
         }
     }
-}
-
-/// Σ g² in f64 over eight independent accumulators (one serial chain would bound the loop by the add latency).
-fn sum_of_squares(g: &[f32]) -> f64 {
-    const LANES: usize = 8;
-    let mut acc = [0.0f64; LANES];
-    let chunks = g.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, x) in acc.iter_mut().zip(c) {
-            *a += f64::from(*x) * f64::from(*x);
-        }
-    }
-    for (a, x) in acc.iter_mut().zip(rest) {
-        *a += f64::from(*x) * f64::from(*x);
-    }
-    acc.iter().sum()
 }
 
 /// One shard's state: weights, optimizer, version, clock table.

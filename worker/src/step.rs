@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use tether_common::codec::{seed_for, CodecConfig, CodecError, Encoder, ErrorFeedback};
+use tether_common::numeric::sum_of_squares;
 
 use crate::model::Model;
 
@@ -94,12 +95,7 @@ impl StepEngine {
                 _ => {}
             }
         }
-        let sq: f64 = self
-            .grad
-            .iter()
-            .map(|g| f64::from(*g) * f64::from(*g))
-            .sum();
-        let norm = sq.sqrt() as f32;
+        let norm = sum_of_squares(&self.grad).sqrt() as f32;
         let finite = loss.is_finite() && norm.is_finite();
         if finite && self.clip_norm > 0.0 && norm > self.clip_norm {
             let k = self.clip_norm / norm;

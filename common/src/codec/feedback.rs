@@ -4,7 +4,7 @@
 //! received tracks the sum of true gradients up to the current residual (bounded by one bucket step per element).
 //! Invariant: `r` changes only when a frame was successfully produced; buffers are allocated once, on first use.
 
-use super::{CodecError, Decoder, Encoder};
+use super::{CodecError, Encoder};
 
 /// The residual of one shard's range and the scratch needed to update it without allocating.
 #[derive(Debug)]
@@ -12,7 +12,6 @@ pub struct ErrorFeedback {
     residual: Vec<f32>,
     sum: Vec<f32>,
     decoded: Vec<f32>,
-    decoder: Decoder,
 }
 
 impl ErrorFeedback {
@@ -22,7 +21,6 @@ impl ErrorFeedback {
             residual: vec![0.0; len],
             sum: Vec::new(),
             decoded: Vec::new(),
-            decoder: Decoder::new(len),
         }
     }
 
@@ -59,7 +57,7 @@ impl ErrorFeedback {
             *s = g + r;
         }
         enc.encode(&self.sum, seed, out)?;
-        if let Err(e) = self.decoder.decode(out, &mut self.decoded) {
+        if let Err(e) = enc.decode_last(out, &mut self.decoded) {
             out.clear();
             return Err(e);
         }

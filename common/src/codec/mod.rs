@@ -347,6 +347,29 @@ impl Encoder {
         r
     }
 
+    /// Decodes `frame`, which this encoder's last successful `encode` produced, from the uncompressed body it
+    /// kept: error feedback needs the decoded values and should not pay a zstd round trip for them.
+    pub fn decode_last(&self, frame: &[u8], out: &mut [f32]) -> Result<(), CodecError> {
+        let h = FrameHeader::parse(frame)?;
+        if h.len != out.len() as u64 {
+            return Err(CodecError::LengthMismatch {
+                expected: out.len() as u64,
+                found: h.len,
+            });
+        }
+        let raw_len = h.raw_body_len();
+        let body: &[u8] = if h.zstd {
+            self.raw.get(..raw_len).ok_or(CodecError::Truncated)?
+        } else {
+            &frame[HEADER_LEN..]
+        };
+        if h.scheme.is_quantized() {
+            quant::decode_quant(body, h.scheme.bits(), h.bucket as usize, self.kernel, out)
+        } else {
+            float::decode_float(h.scheme, body, self.kernel, out)
+        }
+    }
+
     fn encode_inner(
         &mut self,
         input: &[f32],
