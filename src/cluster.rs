@@ -40,7 +40,7 @@ pub enum ClusterError {
     Net(#[from] tether_common::net::NetError),
     /// A shard failed.
     #[error(transparent)]
-    Server(#[from] tether_server::node::ServerError),
+    Server(#[from] tether_server::Error),
     /// A worker failed.
     #[error("worker {rank}: {source}")]
     Worker {
@@ -288,12 +288,7 @@ pub fn build_report(
         let step = pts.iter().map(|p| p.0).sum::<u64>();
         loss_curve.push((step, secs, loss));
     }
-    let tail = loss_curve.len().saturating_sub(20);
-    let final_train_loss = if loss_curve.is_empty() {
-        f64::NAN
-    } else {
-        loss_curve[tail..].iter().map(|p| p.2).sum::<f64>() / (loss_curve.len() - tail) as f64
-    };
+    let final_train_loss = tether_common::report::final_loss(&loss_curve);
     let mut hist = tether_server::clock::StalenessHistogram::default();
     for s in shards {
         hist.merge(&s.staleness);

@@ -90,8 +90,29 @@ impl RunReport {
     }
 }
 
+/// The final training loss of a loss curve: the mean over its last 20 points (NaN for an empty curve), so one
+/// noisy mini-batch does not decide it.
+pub fn final_loss(curve: &[(u64, f64, f64)]) -> f64 {
+    let tail = &curve[curve.len().saturating_sub(20)..];
+    if tail.is_empty() {
+        f64::NAN
+    } else {
+        tail.iter().map(|p| p.2).sum::<f64>() / tail.len() as f64
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn final_loss_averages_the_tail() {
+        assert!(super::final_loss(&[]).is_nan());
+        let curve: Vec<(u64, f64, f64)> = (0..30)
+            .map(|i| (i, i as f64, if i < 10 { 100.0 } else { 1.0 }))
+            .collect();
+        assert_eq!(super::final_loss(&curve), 1.0);
+        assert_eq!(super::final_loss(&curve[..2]), 100.0);
+    }
+
     use super::*;
 
     #[test]

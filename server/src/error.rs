@@ -9,7 +9,6 @@ use tether_common::protocol::{ErrorCode, ProtocolError};
 
 use crate::checkpoint::CheckpointError;
 use crate::clock::ClockError;
-use crate::node::ServerError;
 use crate::optim::OptimError;
 use crate::shard::ShardError;
 
@@ -40,25 +39,9 @@ pub enum Error {
     /// The shard index is not in `cluster.servers`, or an address does not resolve.
     #[error("{0}")]
     Address(String),
-    /// Optimizer state from a checkpoint could not be restored (reported as text by the node).
-    #[error("cannot restore optimizer state: {0}")]
-    Restore(String),
     /// The shard actor stopped.
     #[error("shard actor is gone")]
     ActorGone,
-}
-
-impl From<ServerError> for Error {
-    fn from(e: ServerError) -> Self {
-        match e {
-            ServerError::Config(e) => Error::Config(e),
-            ServerError::Net(e) => Error::Net(e),
-            ServerError::Checkpoint(e) => Error::Checkpoint(e),
-            ServerError::Address(a) => Error::Address(a),
-            ServerError::Restore(r) => Error::Restore(r),
-            ServerError::ActorGone => Error::ActorGone,
-        }
-    }
 }
 
 impl Error {
@@ -78,11 +61,7 @@ impl Error {
             Error::Protocol(e) => Some(e.code()),
             Error::Net(e) => e.code(),
             Error::ActorGone => Some(ErrorCode::Shutdown),
-            Error::Optim(_)
-            | Error::Checkpoint(_)
-            | Error::Config(_)
-            | Error::Address(_)
-            | Error::Restore(_) => None,
+            Error::Optim(_) | Error::Checkpoint(_) | Error::Config(_) | Error::Address(_) => None,
         }
     }
 }

@@ -11,7 +11,7 @@ use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
 use tether_common::codec::max_encoded_len;
-use tether_common::config::{Config, ConfigError};
+use tether_common::config::Config;
 use tether_common::layout::Layout;
 use tether_common::metrics::ServerMetrics;
 use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
@@ -19,35 +19,13 @@ use tether_common::protocol::{ErrorCode, FrameLimits};
 use tether_common::report::{HistogramBucket, RunReport};
 
 use crate::actor::{CheckpointNow, GetStats, ShardActor};
-use crate::checkpoint::{CheckpointError, CheckpointStore};
+use crate::checkpoint::CheckpointStore;
+use crate::error::Error;
 use crate::session::{serve_connection, SessionContext};
 use crate::shard::{ShardCore, ShardSpec, ShardStats};
 
 /// At most this many connections are served at once per shard; more wait in the accept queue.
 pub const MAX_CONNECTIONS: usize = 1024;
-
-/// Errors starting or stopping a shard server.
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    /// The configuration is invalid.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// Certificates or the endpoint could not be set up.
-    #[error(transparent)]
-    Net(#[from] NetError),
-    /// Resuming from a checkpoint failed.
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// The shard index is not in `cluster.servers`, or an address does not parse.
-    #[error("{0}")]
-    Address(String),
-    /// Restoring optimizer state failed.
-    #[error("cannot restore optimizer state: {0}")]
-    Restore(String),
-    /// The shard actor stopped.
-    #[error("shard actor is gone")]
-    ActorGone,
-}
 
 /// How to start one shard.
 #[derive(Clone, Default)]
@@ -83,12 +61,12 @@ pub struct RunningShard {
 }
 
 /// Parses `host:port` (resolving names) into a socket address.
-pub fn resolve(addr: &str) -> Result<SocketAddr, ServerError> {
+pub fn resolve(addr: &str) -> Result<SocketAddr, Error> {
     use std::net::ToSocketAddrs;
     addr.to_socket_addrs()
-        .map_err(|e| ServerError::Address(format!("cannot resolve {addr:?}: {e}")))?
+        .map_err(|e| Error::Address(format!("cannot resolve {addr:?}: {e}")))?
         .next()
-        .ok_or_else(|| ServerError::Address(format!("{addr:?} resolves to no address")))
+        .ok_or_else(|| Error::Address(format!("{addr:?} resolves to no address")))
 }
 
 /// Frame limits for a shard of `range_len` parameters under the configured codec.
@@ -100,10 +78,10 @@ pub fn frame_limits(cfg: &Config, range_len: usize) -> FrameLimits {
 }
 
 /// Starts shard `opts.shard` of `cfg`.
-pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShard, ServerError> {
+pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShard, Error> {
     let shards = cfg.cluster.servers.len() as u32;
     if opts.shard >= shards {
-        return Err(ServerError::Address(format!(
+        return Err(Error::Address(format!(
             "--shard {} but cluster.servers lists {shards} server(s)",
             opts.shard
         )));
@@ -139,8 +117,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
                     warn!(shard = opts.shard, path = %path.display(), reason = %why, "skipped unusable checkpoint");
                 }
                 let v = snap.version;
-                core.restore(snap, 0)
-                    .map_err(|e| ServerError::Restore(e.to_string()))?;
+                core.restore(snap, 0).map_err(|e| Error::Optim(e))?;
                 info!(shard = opts.shard, version = v, "resumed from checkpoint");
                 resumed_from = Some(v);
             }
@@ -207,16 +184,16 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
 
 impl RunningShard {
     /// Version, counters and live workers of the shard.
-    pub async fn stats(&self) -> Result<(u64, ShardStats, usize), ServerError> {
+    pub async fn stats(&self) -> Result<(u64, ShardStats, usize), Error> {
         self.actor
             .send(GetStats)
             .await
-            .map_err(|_| ServerError::ActorGone)
+            .map_err(|_| Error::ActorGone)
     }
 
     /// Stops accepting, closes every connection, optionally writes a final checkpoint, and stops the actor.
     /// Returns the final version and counters.
-    pub async fn shutdown(self, final_checkpoint: bool) -> Result<(u64, ShardStats), ServerError> {
+    pub async fn shutdown(self, final_checkpoint: bool) -> Result<(u64, ShardStats), Error> {
         self.accept.abort();
         self.endpoint
             .close(ErrorCode::Shutdown.close_code(), b"server shutting down");
@@ -227,14 +204,14 @@ impl RunningShard {
                 }
                 Ok(Ok(None)) => {}
                 Ok(Err(e)) => warn!(shard = self.shard, error = %e, "final checkpoint failed"),
-                Err(_) => return Err(ServerError::ActorGone),
+                Err(_) => return Err(Error::ActorGone),
             }
         }
         let (version, stats, _) = self
             .actor
             .send(GetStats)
             .await
-            .map_err(|_| ServerError::ActorGone)?;
+            .map_err(|_| Error::ActorGone)?;
         self.arbiter.stop();
         Ok((version, stats))
     }

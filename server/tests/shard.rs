@@ -787,9 +787,8 @@ fn every_shard_error_has_one_wire_code_everywhere() {
         let via_shard = ShardError::from(ce.clone()).code();
         assert_eq!(tether_server::Error::from(ce).code(), Some(via_shard));
     }
-    let gone = tether_server::Error::from(tether_server::node::ServerError::ActorGone);
+    let gone = tether_server::Error::ActorGone;
     assert_eq!(gone.code(), Some(ErrorCode::Shutdown));
-    let local =
-        tether_server::Error::from(tether_server::node::ServerError::Address("nowhere".into()));
+    let local = tether_server::Error::Address("nowhere".into());
     assert_eq!(local.code(), None);
 }

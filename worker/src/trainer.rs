@@ -777,12 +777,7 @@ pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::repor
         .iter()
         .map(|d| d.to_string())
         .collect();
-    let tail = r.loss_curve.len().saturating_sub(20);
-    let final_train_loss = if r.loss_curve.is_empty() {
-        f64::NAN
-    } else {
-        r.loss_curve[tail..].iter().map(|p| p.2).sum::<f64>() / (r.loss_curve.len() - tail) as f64
-    };
+    let final_train_loss = tether_common::report::final_loss(&r.loss_curve);
     tether_common::report::RunReport {
         dataset: cfg.data.dataset.to_string(),
         model: format!("{:?} {}", cfg.model.kind, dims.join("-")).to_lowercase(),
