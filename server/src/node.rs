@@ -117,7 +117,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
                     warn!(shard = opts.shard, path = %path.display(), reason = %why, "skipped unusable checkpoint");
                 }
                 let v = snap.version;
-                core.restore(snap, 0).map_err(|e| Error::Optim(e))?;
+                core.restore(snap, 0)?;
                 info!(shard = opts.shard, version = v, "resumed from checkpoint");
                 resumed_from = Some(v);
             }
