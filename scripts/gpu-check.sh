@@ -56,7 +56,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 
 step "CUDA test suite (CPU oracle vs GPU)"
 if [ -x "$G/cuda-tests" ]; then
-  timeout 300 "$G/cuda-tests" --nocapture --test-threads 1 || status=1
+  TETHER_WORKER_BIN="$G/tether-worker" timeout 300 "$G/cuda-tests" --nocapture --test-threads 1 || status=1
 else
   echo "SKIPPED: no $G/cuda-tests"
 fi

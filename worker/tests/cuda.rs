@@ -24,7 +24,10 @@ fn devices_parse_and_cpu_is_not_probed() {
 #[test]
 fn worker_binary_rejects_unusable_cuda_device_with_one_line() {
     // The device is checked before the config is read, so a missing config file is never reached.
-    let out = Command::new(env!("CARGO_BIN_EXE_tether-worker"))
+    // TETHER_WORKER_BIN: the carried binary when this test runs on a machine without the build tree (gpu-check.sh).
+    let bin = std::env::var("TETHER_WORKER_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_tether-worker").to_string());
+    let out = Command::new(bin)
         .args(["--config", "/nonexistent/cluster.toml", "--rank", "0"])
         .args(["--device", "cuda:0"])
         .output()
