@@ -1,5 +1,6 @@
 //! Tether workers: models, data loading, compute backends and the worker actor.
 
+pub mod backend;
 pub mod data;
 pub mod model;
 pub mod step;

@@ -16,6 +16,7 @@ use tether_common::config::Config;
 use tether_common::metrics::{self, WorkerMetrics};
 use tether_common::net::TlsFiles;
 use tether_common::report::RunReport;
+use tether_worker::backend::{self, Device};
 use tether_worker::step::GradientFault;
 use tether_worker::trainer::{load_data, prepare_worker, WorkerOptions};
 
@@ -29,7 +30,7 @@ struct Cli {
     /// This worker's rank, 0..cluster.workers.
     #[arg(long)]
     rank: u32,
-    /// Compute device: cpu (cuda:N needs a build with the `cuda` feature and a GPU).
+    /// Compute device: cpu | cuda:N (cuda needs a build with `--features cuda`, the NVIDIA driver and a GPU).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Write this worker's JSON run report here.
@@ -79,12 +80,11 @@ fn parse_fault(s: &str) -> Result<GradientFault> {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    match cli.device.as_str() {
-        "cpu" => {}
-        d if d.starts_with("cuda") => {
-            bail!("device {d}: this build has no CUDA backend; use --device cpu")
-        }
-        d => bail!("unknown device {d:?} (cpu | cuda:N)"),
+    let device: Device = cli.device.parse()?;
+    if let Device::Cuda(_) = device {
+        // Fail before reading config or data: no driver, no GPU or no CUDA build is a one-line cause.
+        let info = backend::probe(&cli.device).with_context(|| format!("device {device}"))?;
+        info!(%info, "CUDA device");
     }
     let mut cfg = Config::load(&cli.config)?;
     if cli.rank >= cfg.cluster.workers {
@@ -100,6 +100,17 @@ fn run() -> Result<()> {
         .map(|s| parse_fault(s))
         .collect::<Result<Vec<_>>>()?;
     let (train, test, note) = load_data(&mut cfg)?;
+    let model = match device {
+        Device::Cpu => None,
+        Device::Cuda(ordinal) => {
+            let (features, classes) = cfg.model_io()?;
+            let (info, factory) =
+                backend::cuda::model_factory(ordinal, &cfg.model, features, classes)
+                    .with_context(|| format!("device {device}"))?;
+            eprintln!("tether-worker rank {}: training on {info}", cli.rank);
+            Some(factory)
+        }
+    };
     if let Some(n) = &note {
         eprintln!("note: {n}");
     }
@@ -147,7 +158,7 @@ fn run() -> Result<()> {
             metrics: Some(worker_metrics),
             reconnect_deadline: Duration::from_secs(cli.reconnect_deadline_s),
             step_delay: Duration::from_millis(cli.step_delay_ms),
-            model: None,
+            model,
         };
         let prepared = prepare_worker(opts)?;
         let r = tokio::spawn(prepared.run())
