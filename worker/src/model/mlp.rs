@@ -8,7 +8,7 @@
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
 use std::ops::Range;
-use tether_common::layout::{Init, Layout, TensorSpec};
+use tether_common::layout::{mlp_layout, Layout};
 
 use super::Model;
 
@@ -41,21 +41,8 @@ impl Mlp {
             "Mlp::new: every layer width must be positive, got {dims:?}"
         );
         let layers = dims.len() - 1;
-        let mut specs = Vec::with_capacity(2 * layers);
-        for k in 0..layers {
-            let bound = (6.0 / dims[k] as f64).sqrt() as f32;
-            specs.push(TensorSpec::new(
-                format!("fc{}.weight", k + 1),
-                &[dims[k], dims[k + 1]],
-                Init::Uniform { bound },
-            ));
-            specs.push(TensorSpec::new(
-                format!("fc{}.bias", k + 1),
-                &[dims[k + 1]],
-                Init::Zeros,
-            ));
-        }
-        let layout = Layout::new(specs);
+        // The same layout the shards build from the config: names, shapes and He-uniform bounds.
+        let layout = mlp_layout(&dims);
         let weight = (0..layers).map(|k| layout.tensor_range(2 * k)).collect();
         let bias = (0..layers)
             .map(|k| layout.tensor_range(2 * k + 1))
