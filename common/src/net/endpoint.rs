@@ -15,20 +15,39 @@ pub fn server_endpoint(
         .map_err(|e| NetError::Tls(format!("QUIC server crypto: {e}")))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(tuning.transport_config());
-    endpoint(listen, Some(config), tuning, Some(reset_key(tls)))
+    endpoint(listen, Some(config), tuning, Some(ServerKeys::derive(tls)))
 }
 
-/// The stateless-reset key of a server, derived from its private key: a restarted server answers packets of its
-/// previous life's connections with resets the clients recognise, so they reconnect at once instead of waiting
-/// for the idle timeout.
-fn reset_key(tls: &TlsFiles) -> Arc<dyn quinn::crypto::HmacKey> {
-    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
-    ctx.update(b"tether stateless reset v1");
-    ctx.update(tls.key.secret_der());
-    Arc::new(ring::hmac::Key::new(
-        ring::hmac::HMAC_SHA256,
-        ctx.finish().as_ref(),
-    ))
+/// Keys a server derives from its private key so that they survive a restart: the stateless-reset key, and the key
+/// of the hashed connection-ID generator (a restarted endpoint must recognise its previous life's connection IDs as
+/// its own, or it drops their packets silently instead of answering with a reset). With both, a client of a
+/// restarted server learns at once that its connection is gone and reconnects, instead of waiting for the idle
+/// timeout.
+struct ServerKeys {
+    reset: Arc<dyn quinn::crypto::HmacKey>,
+    cid: u64,
+}
+
+impl ServerKeys {
+    fn derive(tls: &TlsFiles) -> ServerKeys {
+        let derive = |label: &[u8]| {
+            let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+            ctx.update(label);
+            ctx.update(tls.key.secret_der());
+            ctx.finish()
+        };
+        let reset = derive(b"tether stateless reset v1");
+        let cid = derive(b"tether connection id v1");
+        let mut cid_key = [0u8; 8];
+        cid_key.copy_from_slice(&cid.as_ref()[..8]);
+        ServerKeys {
+            reset: Arc::new(ring::hmac::Key::new(
+                ring::hmac::HMAC_SHA256,
+                reset.as_ref(),
+            )),
+            cid: u64::from_le_bytes(cid_key),
+        }
+    }
 }
 
 /// A client endpoint on an ephemeral IPv4 port presenting `tls`'s certificate.
@@ -69,10 +88,17 @@ fn endpoint(
     bind: SocketAddr,
     server: Option<quinn::ServerConfig>,
     tuning: &TransportTuning,
-    reset_key: Option<Arc<dyn quinn::crypto::HmacKey>>,
+    keys: Option<ServerKeys>,
 ) -> Result<quinn::Endpoint, NetError> {
-    let mut config = match reset_key {
-        Some(k) => quinn::EndpointConfig::new(k),
+    let mut config = match keys {
+        Some(k) => {
+            let mut c = quinn::EndpointConfig::new(k.reset);
+            let cid_key = k.cid;
+            c.cid_generator(move || {
+                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+            });
+            c
+        }
         None => quinn::EndpointConfig::default(),
     };
     config
