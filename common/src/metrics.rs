@@ -148,6 +148,9 @@ impl WorkerMetrics {
     }
 }
 
+/// Largest request head the exporter reads.
+const MAX_REQUEST: usize = 8192;
+
 /// Renders the registry in the Prometheus text format.
 pub fn render(registry: &Registry) -> String {
     let mut out = String::new();
@@ -170,16 +173,17 @@ pub async fn serve(
             };
             let registry = registry.clone();
             tokio::spawn(async move {
-                let mut buf = [0u8; 1024];
-                let n = match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    sock.read(&mut buf),
-                )
-                .await
-                {
-                    Ok(Ok(n)) => n,
-                    _ => return,
-                };
+                // Read the whole request head (bounded in size and time): closing a socket with unread request
+                // bytes makes the kernel answer with a reset, which the client sees instead of the response.
+                let mut buf = [0u8; MAX_REQUEST];
+                let mut n = 0;
+                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+                while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tokio::time::timeout_at(deadline, sock.read(&mut buf[n..])).await {
+                        Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+                        Ok(Ok(k)) => n += k,
+                    }
+                }
                 let req = String::from_utf8_lossy(&buf[..n]);
                 let (status, body) = if req.starts_with("GET /metrics") {
                     ("200 OK", render(&registry))
@@ -192,6 +196,7 @@ pub async fn serve(
                 );
                 let _ = sock.write_all(head.as_bytes()).await;
                 let _ = sock.write_all(body.as_bytes()).await;
+                let _ = sock.shutdown().await;
             });
         }
     });
