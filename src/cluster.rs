@@ -16,7 +16,6 @@ use tether_common::report::RunReport;
 use tether_server::actor::GetWeights;
 use tether_server::node::{start_shard, RunningShard, ShardOptions};
 use tether_server::shard::ShardStats;
-use tether_worker::data::Dataset;
 use tether_worker::model;
 use tether_worker::step::GradientFault;
 use tether_worker::trainer::{
@@ -335,9 +334,4 @@ pub fn build_report(
         nonfinite_skipped: workers.iter().map(|w| w.nonfinite_skipped).sum(),
         notes: Vec::new(),
     }
-}
-
-/// The dataset a config trains on, with the digits fallback applied (for callers that want to look first).
-pub fn dataset_for(cfg: &mut Config) -> Result<(Dataset, Dataset, Option<String>), ClusterError> {
-    Ok(load_data(cfg)?)
 }

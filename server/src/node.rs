@@ -10,13 +10,12 @@ use actix::{Addr, Arbiter};
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use tether_common::codec::max_encoded_len;
 use tether_common::config::Config;
 use tether_common::layout::Layout;
 use tether_common::metrics::ServerMetrics;
 use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
 use tether_common::protocol::{ErrorCode, FrameLimits};
-use tether_common::report::{HistogramBucket, RunReport};
+use tether_common::report::RunReport;
 
 use crate::actor::{CheckpointNow, GetStats, ShardActor};
 use crate::checkpoint::CheckpointStore;
@@ -67,14 +66,6 @@ pub fn resolve(addr: &str) -> Result<SocketAddr, Error> {
         .map_err(|e| Error::Address(format!("cannot resolve {addr:?}: {e}")))?
         .next()
         .ok_or_else(|| Error::Address(format!("{addr:?} resolves to no address")))
-}
-
-/// Frame limits for a shard of `range_len` parameters under the configured codec.
-pub fn frame_limits(cfg: &Config, range_len: usize) -> FrameLimits {
-    FrameLimits::for_shard(
-        range_len as u64,
-        max_encoded_len(&cfg.compression.codec(), range_len),
-    )
 }
 
 /// Starts shard `opts.shard` of `cfg`.
@@ -132,7 +123,8 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         None => TlsFiles::load(&cfg.cluster.tls_dir, "server")?,
     };
     let range = core.range();
-    let limits = frame_limits(cfg, (range.end - range.start) as usize);
+    let limits =
+        FrameLimits::for_codec(&cfg.compression.codec(), (range.end - range.start) as usize);
     let tuning = TransportTuning::default().sized_for(&limits);
     let endpoint = server_endpoint(listen, &tls, &tuning)?;
     let local_addr = endpoint.local_addr().map_err(|source| NetError::Bind {
@@ -242,12 +234,7 @@ pub fn shard_report(cfg: &Config, stats: &ShardStats) -> RunReport {
         wire_bytes_pulled: stats.pulled_bytes,
         max_clock_lead_observed: stats.max_lead,
         max_staleness_observed: stats.staleness.max(),
-        staleness_histogram: histogram_buckets(stats),
+        staleness_histogram: stats.staleness.report_buckets(),
         ..RunReport::default()
     }
-}
-
-/// The staleness histogram in report form.
-pub fn histogram_buckets(stats: &ShardStats) -> Vec<HistogramBucket> {
-    stats.staleness.report_buckets()
 }

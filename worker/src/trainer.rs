@@ -273,7 +273,10 @@ impl Driver {
         }
         // A rejoining worker may have been evicted: continue from the shard's minimum clock if that is ahead.
         self.clock = self.clock.max(welcome.min_clock);
-        let limits = crate::trainer::frame_limits(&self.opts.config, (range.1 - range.0) as usize);
+        let limits = FrameLimits::for_codec(
+            &self.opts.config.compression.codec(),
+            (range.1 - range.0) as usize,
+        );
         self.links[k] = Some(ShardLink {
             conn,
             control,
@@ -469,14 +472,6 @@ impl Driver {
         }
         self.endpoint.wait_idle().await;
     }
-}
-
-/// Frame limits for a shard range under the configured codec (same function the server uses).
-pub fn frame_limits(cfg: &Config, range_len: usize) -> FrameLimits {
-    FrameLimits::for_shard(
-        range_len as u64,
-        tether_common::codec::max_encoded_len(&cfg.compression.codec(), range_len),
-    )
 }
 
 /// A worker whose actor is started and whose endpoint is bound, ready to [`PreparedWorker::run`].

@@ -71,6 +71,14 @@ impl FrameLimits {
         }
     }
 
+    /// Limits for a shard of `range_len` parameters whose pushes are encoded with `codec`.
+    pub fn for_codec(codec: &crate::codec::CodecConfig, range_len: usize) -> FrameLimits {
+        FrameLimits::for_shard(
+            range_len as u64,
+            crate::codec::max_encoded_len(codec, range_len),
+        )
+    }
+
     /// The limit for one kind.
     pub fn limit(&self, kind: FrameKind) -> usize {
         match kind {
