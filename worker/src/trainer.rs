@@ -403,10 +403,12 @@ impl Driver {
         Ok(())
     }
     /// Starts the pushes of this step; each runs as its own task so the next step's pull and compute overlap it.
-    async fn push(&mut self, frames: &[Vec<u8>], loss: f32) -> Result<(), (usize, NetError)> {
+    async fn push(&mut self, frames: &mut [Vec<u8>], loss: f32) -> Result<(), (usize, NetError)> {
         self.pushes.retain(|h| !h.is_finished());
-        for (k, payload) in frames.iter().enumerate() {
+        for (k, slot) in frames.iter_mut().enumerate() {
             let link = self.links[k].as_ref().ok_or((k, NetError::ControlClosed))?;
+            // The codec frame moves into the push frame and back: its buffer is reused next step, never copied.
+            let payload = std::mem::take(slot);
             let frame = PushFrame {
                 worker: self.opts.rank,
                 clock: self.clock,
@@ -415,16 +417,18 @@ impl Driver {
                 range_end: link.range.1,
                 read_version: self.versions[k],
                 loss,
-                payload: payload.clone(),
+                payload,
             };
-            let bytes = encode_push(&frame).map_err(|e| (k, NetError::from(e)))?;
+            let bytes = encode_push(&frame);
+            *slot = frame.payload;
+            let bytes = bytes.map_err(|e| (k, NetError::from(e)))?;
             // Opening the stream here (not in the task) keeps stream order equal to clock order.
             let mut stream = link
                 .conn
                 .open_uni()
                 .await
                 .map_err(|e| (k, NetError::from(e)))?;
-            self.report.wire_bytes_pushed += payload.len() as u64;
+            self.report.wire_bytes_pushed += slot.len() as u64;
             self.report.fp32_bytes_pushed += 4 * (link.range.1 - link.range.0);
             self.pushes.push(tokio::spawn(async move {
                 let header = match tether_common::protocol::FrameHeader::encode(
@@ -636,7 +640,7 @@ async fn train_loop(
         }
         let (wire0, fp0) = (d.report.wire_bytes_pushed, d.report.fp32_bytes_pushed);
         let sent = if outcome.finite {
-            d.push(&frames, outcome.loss).await
+            d.push(&mut frames, outcome.loss).await
         } else {
             warn!(rank, step, "non-finite gradient: not pushed");
             d.report.nonfinite_skipped += 1;
