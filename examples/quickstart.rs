@@ -89,12 +89,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    tether::common::logging::init("warn");
     let args = Args::parse();
     let mut cfg = Config::with_servers(loopback_servers(args.shards.max(1)));
     cfg.cluster.workers = args.workers.max(1);

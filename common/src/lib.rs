@@ -4,9 +4,11 @@
 pub mod codec;
 pub mod config;
 pub mod layout;
+pub mod logging;
 pub mod metrics;
 pub mod net;
 pub mod numeric;
 pub mod pki;
 pub mod protocol;
 pub mod report;
+pub mod testing;

@@ -13,21 +13,10 @@ use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether_common::layout::{Init, Layout, TensorSpec};
 use tether_common::protocol::Precision;
+use tether_common::testing::noise;
 use tether_server::actor::encode_values;
 use tether_server::optim::Optimizer;
 use tether_server::shard::{Push, ShardCore, ShardSpec};
-
-fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
-}
 
 fn shard_of(n: usize) -> ShardCore {
     let layout = Layout::new(vec![TensorSpec::new(

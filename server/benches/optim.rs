@@ -8,24 +8,11 @@ use std::time::Instant;
 
 use criterion::{criterion_main, Criterion, Throughput};
 use tether_common::config::{OptimizerConfig, OptimizerKind};
+use tether_common::testing::noise;
 use tether_server::checkpoint::{CheckpointStore, ShardSnapshot};
 use tether_server::optim::Optimizer;
 
 const N: usize = 16 << 20;
-
-/// Deterministic pseudo-random values of magnitude about `scale` (incompressible-ish, like trained weights;
-/// periodic data would let zstd shrink checkpoints to nothing and flatter the write time).
-fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
-}
 
 fn grad(n: usize) -> Vec<f32> {
     noise(n, 0x9e37_79b9_7f4a_7c15, 1e-2)

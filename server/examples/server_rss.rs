@@ -12,6 +12,7 @@ use std::time::Instant;
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{Config, Staleness};
 use tether_common::protocol::Precision;
+use tether_common::testing::noise;
 use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Join, Pull};
 use tether_server::node::{start_shard, ShardOptions};
 
@@ -36,18 +37,6 @@ fn report(stage: &str, params: usize) {
         hwm as f64 / 1024.0,
         hwm as f64 * 1024.0 / params as f64,
     );
-}
-
-fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
 }
 
 fn main() {

@@ -48,17 +48,10 @@ fn adam_core(spike_factor: f32) -> ShardCore {
 
 /// Deterministic gradient of magnitude about `scale`, different per (worker, clock).
 fn gradient(n: usize, worker: u32, clock: u64, scale: f32) -> Vec<f32> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64
+    let seed = 0x9e37_79b9_7f4a_7c15u64
         ^ (u64::from(worker) << 32)
         ^ clock.wrapping_mul(0x2545_f491_4f6c_dd1d);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
+    tether_common::testing::noise(n, seed, scale)
 }
 
 fn encode(scheme: Scheme, values: &[f32], seed: u64) -> Vec<u8> {
