@@ -270,8 +270,6 @@ pub fn build_report(
     wall_seconds: f64,
     final_test_accuracy: f64,
 ) -> RunReport {
-    let dims = cfg.model_dims().unwrap_or_default();
-    let dims_s: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
     let mut loss_curve: Vec<(u64, f64, f64)> = Vec::new();
     // Training loss over time: mean over workers of the loss of each worker's step k, stamped with the latest time.
     let max_steps = workers
@@ -304,15 +302,7 @@ pub fn build_report(
         })
         .unwrap_or_default();
     RunReport {
-        dataset: cfg.data.dataset.to_string(),
-        model: format!("{:?} {}", cfg.model.kind, dims_s.join("-")).to_lowercase(),
-        params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
-        workers: cfg.cluster.workers,
-        shards: cfg.cluster.servers.len() as u32,
-        staleness_bound: cfg.cluster.staleness.to_string(),
-        compression: cfg.compression.scheme.to_string(),
         steps: workers.iter().map(|w| w.steps).sum(),
-        epochs: cfg.train.epochs,
         wall_seconds,
         final_train_loss,
         final_test_accuracy,
@@ -332,6 +322,6 @@ pub fn build_report(
         loss_curve,
         accuracy_curve,
         nonfinite_skipped: workers.iter().map(|w| w.nonfinite_skipped).sum(),
-        notes: Vec::new(),
+        ..RunReport::for_config(cfg)
     }
 }

@@ -72,6 +72,30 @@ pub struct RunReport {
 }
 
 impl RunReport {
+    /// A report whose run-description fields (dataset, model, params, workers, shards, staleness bound,
+    /// compression, epochs) come from `cfg`; the measured fields start empty.
+    pub fn for_config(cfg: &crate::config::Config) -> RunReport {
+        let dims: Vec<String> = cfg
+            .model_dims()
+            .unwrap_or_default()
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        RunReport {
+            dataset: cfg.data.dataset.to_string(),
+            model: format!("{:?} {}", cfg.model.kind, dims.join("-")).to_lowercase(),
+            params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
+            workers: cfg.cluster.workers,
+            shards: cfg.cluster.servers.len() as u32,
+            staleness_bound: cfg.cluster.staleness.to_string(),
+            compression: cfg.compression.scheme.to_string(),
+            epochs: cfg.train.epochs,
+            final_train_loss: f64::NAN,
+            final_test_accuracy: f64::NAN,
+            ..RunReport::default()
+        }
+    }
+
     /// Wire bytes pushed as a fraction of fp32 (0 when nothing was pushed).
     pub fn push_ratio(&self) -> f64 {
         if self.fp32_bytes_pushed == 0 {

@@ -220,13 +220,6 @@ impl RunningShard {
 /// The shard's part of a run report.
 pub fn shard_report(cfg: &Config, stats: &ShardStats) -> RunReport {
     RunReport {
-        dataset: cfg.data.dataset.to_string(),
-        model: format!("{:?}", cfg.model_dims().unwrap_or_default()),
-        params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
-        workers: cfg.cluster.workers,
-        shards: cfg.cluster.servers.len() as u32,
-        staleness_bound: cfg.cluster.staleness.to_string(),
-        compression: cfg.compression.scheme.to_string(),
         updates_applied: stats.updates_applied,
         updates_rejected: stats.rejected_total(),
         wire_bytes_pushed: stats.wire_bytes,
@@ -235,6 +228,6 @@ pub fn shard_report(cfg: &Config, stats: &ShardStats) -> RunReport {
         max_clock_lead_observed: stats.max_lead,
         max_staleness_observed: stats.staleness.max(),
         staleness_histogram: stats.staleness.report_buckets(),
-        ..RunReport::default()
+        ..RunReport::for_config(cfg)
     }
 }

@@ -15,15 +15,7 @@ use tether_worker::backend::{kernels, Device};
 use tether_worker::model::{Mlp, Model};
 
 fn values(n: usize, seed: u64, a: f32) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
-        })
-        .collect()
+    tether_common::testing::noise(n, seed, a)
 }
 
 fn arg(args: &[String], name: &str) -> Option<String> {

@@ -770,23 +770,9 @@ pub fn load_data(
 
 /// A run report holding one worker's view (shard-side counters are in the servers' reports).
 pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::report::RunReport {
-    let dims: Vec<String> = cfg
-        .model_dims()
-        .unwrap_or_default()
-        .iter()
-        .map(|d| d.to_string())
-        .collect();
     let final_train_loss = tether_common::report::final_loss(&r.loss_curve);
     tether_common::report::RunReport {
-        dataset: cfg.data.dataset.to_string(),
-        model: format!("{:?} {}", cfg.model.kind, dims.join("-")).to_lowercase(),
-        params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
-        workers: cfg.cluster.workers,
-        shards: cfg.cluster.servers.len() as u32,
-        staleness_bound: cfg.cluster.staleness.to_string(),
-        compression: cfg.compression.scheme.to_string(),
         steps: r.steps,
-        epochs: cfg.train.epochs,
         wall_seconds: r.wall_seconds,
         final_train_loss,
         final_test_accuracy: r.accuracy_curve.last().map_or(f64::NAN, |a| a.2),
@@ -797,6 +783,6 @@ pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::repor
         loss_curve: r.loss_curve.clone(),
         accuracy_curve: r.accuracy_curve.clone(),
         nonfinite_skipped: r.nonfinite_skipped,
-        ..Default::default()
+        ..tether_common::report::RunReport::for_config(cfg)
     }
 }
