@@ -48,6 +48,7 @@ fn push_bytes(w: &Welcome, clock: u64, shard: u32, worker: u32, payload: Vec<u8>
         range_end: w.range_end,
         read_version: 0,
         loss: 1.0,
+        skip: false,
         payload,
     })
     .unwrap()

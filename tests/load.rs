@@ -77,6 +77,7 @@ fn many_concurrent_pushers_are_all_served_with_bounded_memory() {
                             range_end: w.range_end,
                             read_version: 0,
                             loss: 1.0,
+                            skip: false,
                             payload: payload.clone(),
                         };
                         let bytes = encode_push(&frame).unwrap();

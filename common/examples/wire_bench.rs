@@ -85,6 +85,7 @@ async fn run(tuning: &TransportTuning, dir: &std::path::Path, frames: usize) -> 
         range_end: RANGE.1,
         read_version: 0,
         loss: 0.5,
+        skip: false,
         payload,
     };
     let mut body = rkyv::util::AlignedVec::new();

@@ -45,6 +45,7 @@ async fn handle(conn: quinn::Connection, counters: Arc<Counters>) -> Result<(), 
         staleness: Some(2),
         min_clock: 0,
         version: 0,
+        clock: hello.clock,
     };
     control.send(&welcome.into()).await?;
     let limits = limits();
@@ -66,6 +67,7 @@ async fn handle(conn: quinn::Connection, counters: Arc<Counters>) -> Result<(), 
             version += 1;
             let reply = ParamReply {
                 shard: SHARD,
+                request: meta.clock,
                 clock: meta.clock,
                 version,
                 min_clock: 0,
@@ -134,6 +136,7 @@ fn push_frame(worker: u32, clock: u64) -> PushFrame {
         range_end: RANGE.1,
         read_version: 0,
         loss: 1.0,
+        skip: false,
         payload: vec![7; 600],
     }
 }
@@ -329,6 +332,7 @@ async fn misbehave(conn: &quinn::Connection, how: Hostile) {
             rank: 1,
             protocol_version: PROTOCOL_VERSION + 1,
             layout_hash: LAYOUT,
+            clock: 0,
         },
         Hostile::WrongLayout => Hello::new(1, LAYOUT ^ 1),
         Hostile::RankNotInCertificate => Hello::new(2, LAYOUT),

@@ -11,6 +11,7 @@ fn all_controls() -> Vec<Control> {
             rank: 3,
             protocol_version: PROTOCOL_VERSION,
             layout_hash: 0xdead_beef_0123_4567,
+            clock: 12,
         },
         Control::Welcome {
             shard: 1,
@@ -19,6 +20,7 @@ fn all_controls() -> Vec<Control> {
             staleness: Some(3),
             min_clock: 17,
             version: 99,
+            clock: 18,
         },
         Control::Welcome {
             shard: 0,
@@ -27,16 +29,34 @@ fn all_controls() -> Vec<Control> {
             staleness: None,
             min_clock: 0,
             version: 0,
+            clock: 0,
         },
         Control::Heartbeat { clock: u64::MAX },
-        Control::Clock { clock: 42 },
         Control::PullRequest {
+            request: 1,
             clock: 7,
             precision: Precision::F32,
         },
         Control::PullRequest {
+            request: u64::MAX,
             clock: 8,
             precision: Precision::Bf16,
+        },
+        Control::PullRefused {
+            request: 3,
+            code: ErrorCode::Overloaded,
+        },
+        Control::PushOutcome {
+            clock: 4,
+            outcome: Outcome::Applied,
+        },
+        Control::PushOutcome {
+            clock: 5,
+            outcome: Outcome::Duplicate,
+        },
+        Control::PushOutcome {
+            clock: 6,
+            outcome: Outcome::Refused(ErrorCode::NonFinite),
         },
         Control::Error {
             code: ErrorCode::Replay,
@@ -55,6 +75,7 @@ fn push() -> PushFrame {
         range_end: 1034,
         read_version: 55,
         loss: 0.75,
+        skip: false,
         payload: (0..600u32).map(|i| (i * 7) as u8).collect(),
     }
 }
@@ -62,6 +83,7 @@ fn push() -> PushFrame {
 fn reply() -> ParamReply {
     ParamReply {
         shard: 1,
+        request: 77,
         clock: 11,
         version: 56,
         min_clock: 9,

@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{Config, Staleness};
-use tether_common::protocol::Precision;
+use tether_common::protocol::{encode_push, Outcome, Precision, PushFrame};
 use tether_common::testing::noise;
-use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Join, Pull};
+use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Hello, Pull};
 use tether_server::node::{start_shard, ShardOptions};
 
 /// One line of /proc/self/status in kB (Linux only; 0 elsewhere).
@@ -93,21 +93,29 @@ fn main() {
             let addr = shard.actor.clone();
             let frame = frames[w as usize].clone();
             tasks.push(tokio::spawn(async move {
-                let mut clock = addr.send(Join { worker: w, clock: 0 }).await.expect("join").clock;
+                let (kick, _kicked) = tokio::sync::oneshot::channel();
+                let hello = Hello { conn: u64::from(w), worker: w, clock: 0, kick };
+                let mut clock = addr.send(hello).await.expect("hello").expect("joined").clock;
                 for _ in 0..rounds {
-                    let rx = addr.send(Pull { worker: w, clock, precision: Precision::F32 }).await.expect("pull");
+                    let pull = Pull { conn: u64::from(w), worker: w, request: clock, clock, precision: Precision::F32 };
+                    let rx = addr.send(pull).await.expect("pull").expect("pull accepted");
                     let reply = rx.await.expect("pull answered").expect("pull ok");
                     let read_version = reply.version;
                     drop(reply);
-                    let push = ApplyPush {
+                    let body = encode_push(&PushFrame {
                         worker: w,
                         clock,
                         shard: 0,
-                        range: (0, params as u64),
+                        range_start: 0,
+                        range_end: params as u64,
                         read_version,
+                        loss: 0.0,
+                        skip: false,
                         payload: frame.clone(),
-                    };
-                    addr.send(push).await.expect("push").expect("push applied");
+                    })
+                    .expect("encode push");
+                    let outcome = addr.send(ApplyPush { body }).await.expect("push").expect("push valid");
+                    assert_eq!(outcome, Outcome::Applied);
                     clock += 1;
                 }
             }));

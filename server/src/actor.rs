@@ -1,8 +1,11 @@
-//! `ShardActor`: the actix shell that owns one `ShardCore` on its own Arbiter. Its mailbox is bounded (senders wait
-//! when it is full: backpressure reaches the QUIC streams), pulls the SSP gate holds back are parked and answered when
-//! the clock table allows, silent workers are evicted on a timer, and checkpoints are snapshotted inside the actor but
-//! written on a blocking thread so training does not stop.
+//! `ShardActor`: the actix shell that owns one shard's [`ShardProtocol`] (and through it the `ShardCore`) on its own
+//! Arbiter. It turns messages from the connection sessions into protocol calls and the protocol's actions into
+//! replies: pulls are answered through oneshot channels when the protocol releases them, connections are closed
+//! through their kick channel, silent workers are evicted on a timer. Its mailbox is bounded (senders wait when it is
+//! full: backpressure reaches the QUIC streams); checkpoints are snapshotted inside the actor but written on a
+//! blocking thread so training does not stop.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,15 +14,15 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use tether_common::metrics::ServerMetrics;
-use tether_common::protocol::Precision;
+use rkyv::util::AlignedVec;
+use tether_common::protocol::{access_push, ErrorCode, Outcome, Precision, ProtocolError};
 
 use crate::checkpoint::CheckpointStore;
-use crate::shard::{reject_reason, Applied, Push, ShardCore, ShardError, ShardStats};
+use crate::protocol::{Action, ConnId, Joined, Round, ShardProtocol};
+use crate::shard::{reject_reason, Push, ShardCore, ShardError, ShardStats};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
 pub const MAILBOX: usize = 64;
-/// At most this many pulls are parked at once; beyond it a pull is refused as overloaded.
-pub const MAX_PARKED_PULLS: usize = 4096;
 
 /// Replaces the contents of `out` with `weights` as little-endian values in `precision`: the body of a pull reply.
 /// Sized once (only growth is zero-filled, so a reused buffer is written in one pass) and filled through fixed-width
@@ -42,20 +45,11 @@ pub fn encode_values(weights: &[f32], precision: Precision, out: &mut Vec<u8>) {
     }
 }
 
-/// What a worker learns when it joins a shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct JoinInfo {
-    /// The worker's clock at this shard (its own if it was live, else the current minimum clock).
-    pub clock: u64,
-    /// Current shard version.
-    pub version: u64,
-    /// Shard range.
-    pub range: (u64, u64),
-}
-
 /// Parameters returned to a pull.
 #[derive(Debug, Clone)]
 pub struct PullReply {
+    /// The request this answers.
+    pub request: u64,
     /// Shard version of the values.
     pub version: u64,
     /// Minimum clock when answered.
@@ -66,20 +60,27 @@ pub struct PullReply {
     pub values: Vec<u8>,
 }
 
-/// A worker (re)joins.
+/// A worker's hello on connection `conn` (the explicit rejoin at `clock`). `kick` is fired with a close code when
+/// the shard wants this connection closed (the worker was evicted).
 #[derive(Message)]
-#[rtype(result = "JoinInfo")]
-pub struct Join {
-    /// Worker rank.
+#[rtype(result = "Result<Joined, ShardError>")]
+pub struct Hello {
+    /// The connection.
+    pub conn: ConnId,
+    /// Worker rank (from its certificate).
     pub worker: u32,
-    /// The clock the worker believes it is at (raised to, never lowered; after a server restart the worker is ahead).
+    /// The clock the worker rejoins at.
     pub clock: u64,
+    /// Fired when the shard closes this connection.
+    pub kick: oneshot::Sender<ErrorCode>,
 }
 
 /// A worker is alive.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Heartbeat {
+    /// The connection it spoke on.
+    pub conn: ConnId,
     /// Worker rank.
     pub worker: u32,
 }
@@ -87,45 +88,40 @@ pub struct Heartbeat {
 /// A worker finished and leaves: nobody waits on it.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Leave {
+pub struct Goodbye {
+    /// The connection it spoke on.
+    pub conn: ConnId,
     /// Worker rank.
     pub worker: u32,
 }
 
-/// A gradient push (already framed and authenticated).
+/// A connection ended.
 #[derive(Message)]
-#[rtype(result = "Result<Applied, ShardError>")]
+#[rtype(result = "()")]
+pub struct Closed {
+    /// The connection.
+    pub conn: ConnId,
+}
+
+/// A push or skip marker: a validated push frame body (16-byte aligned) whose worker the session checked against
+/// the certificate.
+#[derive(Message)]
+#[rtype(result = "Result<Outcome, ProtocolError>")]
 pub struct ApplyPush {
-    /// Worker rank.
-    pub worker: u32,
-    /// Worker clock of this round.
-    pub clock: u64,
-    /// Target shard.
-    pub shard: u32,
-    /// Target range.
-    pub range: (u64, u64),
-    /// Version the gradient was computed against.
-    pub read_version: u64,
-    /// Codec frame.
-    pub payload: Vec<u8>,
+    /// The frame body, validated with `access_push` by the session (it is accessed again here, in place).
+    pub body: AlignedVec,
 }
 
-/// The worker finished round `clock` without a push.
+/// A pull request; on success the receiver resolves when the SSP gate allows (or with the refusal).
 #[derive(Message)]
-#[rtype(result = "Result<u64, ShardError>")]
-pub struct Skip {
-    /// Worker rank.
-    pub worker: u32,
-    /// The round skipped.
-    pub clock: u64,
-}
-
-/// A pull for the worker's clock `clock`; the receiver resolves when the SSP gate allows.
-#[derive(Message)]
-#[rtype(result = "oneshot::Receiver<Result<PullReply, ShardError>>")]
+#[rtype(result = "Result<oneshot::Receiver<Result<PullReply, ShardError>>, ShardError>")]
 pub struct Pull {
+    /// The connection.
+    pub conn: ConnId,
     /// Worker rank.
     pub worker: u32,
+    /// The worker's request id.
+    pub request: u64,
     /// The worker's clock.
     pub clock: u64,
     /// Value precision.
@@ -147,18 +143,12 @@ pub struct CheckpointNow;
 #[rtype(result = "(u64, Vec<f32>)")]
 pub struct GetWeights;
 
-struct ParkedPull {
-    clock: u64,
-    precision: Precision,
-    since: Instant,
-    tx: oneshot::Sender<Result<PullReply, ShardError>>,
-}
-
 /// One shard of the parameter server.
 pub struct ShardActor {
-    core: ShardCore,
+    proto: ShardProtocol,
     started: Instant,
-    parked: Vec<ParkedPull>,
+    waiting: HashMap<u64, (Instant, oneshot::Sender<Result<PullReply, ShardError>>)>,
+    kicks: HashMap<ConnId, oneshot::Sender<ErrorCode>>,
     store: Option<Arc<CheckpointStore>>,
     every_updates: u64,
     last_checkpoint_version: u64,
@@ -178,9 +168,10 @@ impl ShardActor {
     ) -> Self {
         let last = core.version();
         Self {
-            core,
+            proto: ShardProtocol::new(core),
             started: Instant::now(),
-            parked: Vec::new(),
+            waiting: HashMap::new(),
+            kicks: HashMap::new(),
             store: store.map(Arc::new),
             every_updates,
             last_checkpoint_version: last,
@@ -204,42 +195,49 @@ impl ShardActor {
         self.started.elapsed().as_millis() as u64
     }
 
-    fn answer(&mut self, clock: u64, precision: Precision) -> PullReply {
-        let mut values = Vec::new();
-        encode_values(self.core.weights(), precision, &mut values);
-        self.core.answered(clock, values.len() as u64);
-        PullReply {
-            version: self.core.version(),
-            min_clock: self.core.clocks().min_clock(),
-            clock,
-            values,
-        }
-    }
-
-    fn release_ready(&mut self) {
-        if self.parked.is_empty() {
-            return;
-        }
-        let parked = std::mem::take(&mut self.parked);
-        for p in parked {
-            if p.tx.is_closed() {
-                continue;
-            }
-            if self.core.can_answer(p.clock) {
-                if let Some(m) = &self.metrics {
-                    m.pull_wait.observe(p.since.elapsed().as_secs_f64());
+    /// Carries out what the protocol asks for: answers released pulls, refuses dropped ones, closes connections.
+    fn run_actions(&mut self) {
+        while let Some(action) = self.proto.poll_action() {
+            match action {
+                Action::Answer(p) => {
+                    let Some((since, tx)) = self.waiting.remove(&p.token) else {
+                        continue;
+                    };
+                    if tx.is_closed() {
+                        continue;
+                    }
+                    if let Some(m) = &self.metrics {
+                        m.pull_wait.observe(since.elapsed().as_secs_f64());
+                    }
+                    let mut values = Vec::new();
+                    encode_values(self.proto.core().weights(), p.precision, &mut values);
+                    self.proto.answered(p.clock, values.len() as u64);
+                    let core = self.proto.core();
+                    let _ = tx.send(Ok(PullReply {
+                        request: p.request,
+                        version: core.version(),
+                        min_clock: core.clocks().min_clock(),
+                        clock: p.clock,
+                        values,
+                    }));
                 }
-                let reply = self.answer(p.clock, p.precision);
-                let _ = p.tx.send(Ok(reply));
-            } else {
-                self.parked.push(p);
+                Action::Refuse { token, error, .. } => {
+                    if let Some((_, tx)) = self.waiting.remove(&token) {
+                        let _ = tx.send(Err(error));
+                    }
+                }
+                Action::Close { conn, code } => {
+                    if let Some(kick) = self.kicks.remove(&conn) {
+                        let _ = kick.send(code);
+                    }
+                }
             }
         }
     }
 
     fn update_live(&self) {
         if let Some(m) = &self.metrics {
-            m.workers_live.set(self.core.clocks().live() as i64);
+            m.workers_live.set(self.proto.core().clocks().live() as i64);
         }
     }
 
@@ -247,7 +245,7 @@ impl ShardActor {
         if self.every_updates == 0 || self.writing || self.store.is_none() {
             return;
         }
-        if self.core.version() >= self.last_checkpoint_version + self.every_updates {
+        if self.proto.core().version() >= self.last_checkpoint_version + self.every_updates {
             let fut = self.spawn_checkpoint();
             ctx.spawn(fut.into_actor(self).map(|_, act, _| act.writing = false));
         }
@@ -258,14 +256,14 @@ impl ShardActor {
         &mut self,
     ) -> impl std::future::Future<Output = Result<Option<u64>, String>> + 'static {
         let store = self.store.clone();
-        let snap = store.as_ref().map(|_| self.core.snapshot());
-        let version = self.core.version();
+        let snap = store.as_ref().map(|_| self.proto.core().snapshot());
+        let version = self.proto.core().version();
         let metrics = self.metrics.clone();
         if snap.is_some() {
             self.writing = true;
             self.last_checkpoint_version = version;
         }
-        let shard = self.core.shard();
+        let shard = self.proto.core().shard();
         async move {
             let (Some(store), Some(snap)) = (store, snap) else {
                 return Ok(None);
@@ -311,35 +309,39 @@ impl Actor for ShardActor {
         let tick = std::time::Duration::from_millis(self.tick_ms);
         ctx.run_interval(tick, |act, _| {
             let now = act.now_ms();
-            let evicted = act.core.evict_silent(now);
+            let evicted = act.proto.tick(now);
             if !evicted.is_empty() {
-                warn!(shard = act.core.shard(), ?evicted, "evicted silent workers");
+                warn!(shard = act.proto.core().shard(), ?evicted, "evicted silent workers");
                 act.update_live();
-                act.release_ready();
             }
+            // Requesters that went away free their slots.
+            let gone: Vec<u64> = act
+                .waiting
+                .iter()
+                .filter(|(_, (_, tx))| tx.is_closed())
+                .map(|(t, _)| *t)
+                .collect();
+            for t in gone {
+                act.waiting.remove(&t);
+                act.proto.cancel(t);
+            }
+            act.run_actions();
         });
     }
 }
 
-impl Handler<Join> for ShardActor {
-    type Result = MessageResult<Join>;
-    fn handle(&mut self, msg: Join, _: &mut Context<Self>) -> Self::Result {
+impl Handler<Hello> for ShardActor {
+    type Result = Result<Joined, ShardError>;
+    fn handle(&mut self, msg: Hello, _: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
-        let clock = self.core.join_at(msg.worker, msg.clock, now);
-        debug!(
-            shard = self.core.shard(),
-            worker = msg.worker,
-            clock,
-            "worker joined"
-        );
-        self.update_live();
-        self.release_ready();
-        let r = self.core.range();
-        MessageResult(JoinInfo {
-            clock,
-            version: self.core.version(),
-            range: (r.start, r.end),
-        })
+        let joined = self.proto.hello(msg.conn, msg.worker, msg.clock, now);
+        if joined.is_ok() {
+            self.kicks.insert(msg.conn, msg.kick);
+            debug!(shard = self.proto.core().shard(), worker = msg.worker, ?joined, "worker joined");
+            self.update_live();
+        }
+        self.run_actions();
+        joined
     }
 }
 
@@ -347,42 +349,62 @@ impl Handler<Heartbeat> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Heartbeat, _: &mut Context<Self>) {
         let now = self.now_ms();
-        self.core.heartbeat(msg.worker, now);
+        self.proto.heartbeat(msg.conn, msg.worker, now);
     }
 }
 
-impl Handler<Leave> for ShardActor {
+impl Handler<Goodbye> for ShardActor {
     type Result = ();
-    fn handle(&mut self, msg: Leave, _: &mut Context<Self>) {
-        self.core.leave(msg.worker);
+    fn handle(&mut self, msg: Goodbye, _: &mut Context<Self>) {
+        self.proto.goodbye(msg.conn, msg.worker);
         self.update_live();
-        self.release_ready();
+        self.run_actions();
+    }
+}
+
+impl Handler<Closed> for ShardActor {
+    type Result = ();
+    fn handle(&mut self, msg: Closed, _: &mut Context<Self>) {
+        self.proto.closed(msg.conn);
+        self.kicks.remove(&msg.conn);
+        self.run_actions();
     }
 }
 
 impl Handler<ApplyPush> for ShardActor {
-    type Result = Result<Applied, ShardError>;
+    type Result = Result<Outcome, ProtocolError>;
     fn handle(&mut self, msg: ApplyPush, ctx: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
-        let push = Push {
-            worker: msg.worker,
-            clock: msg.clock,
-            shard: msg.shard,
-            range: msg.range,
-            read_version: msg.read_version,
-            payload: &msg.payload,
+        let frame = access_push(&msg.body)?;
+        let meta = frame.meta();
+        let round = if meta.skip {
+            Round::Skip {
+                worker: meta.worker,
+                clock: meta.clock,
+            }
+        } else {
+            Round::Push(Push {
+                worker: meta.worker,
+                clock: meta.clock,
+                shard: meta.shard,
+                range: (meta.range_start, meta.range_end),
+                read_version: meta.read_version,
+                payload: frame.payload(),
+            })
         };
-        let res = self.core.apply(&push, now);
+        let (outcome, applied) = self.proto.round(round, now);
         if let Some(m) = &self.metrics {
-            let fp32 = 4 * (msg.range.1.saturating_sub(msg.range.0));
-            m.bytes_received
-                .get_or_create(&vec![("kind", "wire")])
-                .inc_by(msg.payload.len() as u64);
-            m.bytes_received
-                .get_or_create(&vec![("kind", "fp32")])
-                .inc_by(fp32);
-            match &res {
-                Ok(a) => {
+            if !meta.skip {
+                let fp32 = 4 * meta.range_end.saturating_sub(meta.range_start);
+                m.bytes_received
+                    .get_or_create(&vec![("kind", "wire")])
+                    .inc_by(frame.payload().len() as u64);
+                m.bytes_received
+                    .get_or_create(&vec![("kind", "fp32")])
+                    .inc_by(fp32);
+            }
+            match &applied {
+                Ok(Some(a)) => {
                     m.updates_applied.inc();
                     m.staleness.observe(a.staleness as f64);
                 }
@@ -391,75 +413,52 @@ impl Handler<ApplyPush> for ShardActor {
                         .get_or_create(&vec![("reason", reject_reason(e))])
                         .inc();
                 }
+                Ok(None) => {}
             }
         }
-        if res.is_ok() {
-            self.release_ready();
+        if let Err(e) = &applied {
+            debug!(shard = self.proto.core().shard(), worker = meta.worker, clock = meta.clock, error = %e, "push refused");
+        }
+        self.run_actions();
+        if matches!(applied, Ok(Some(_))) {
             self.maybe_checkpoint(ctx);
         }
-        res
-    }
-}
-
-impl Handler<Skip> for ShardActor {
-    type Result = Result<u64, ShardError>;
-    fn handle(&mut self, msg: Skip, _: &mut Context<Self>) -> Self::Result {
-        let now = self.now_ms();
-        let r = self.core.skip(msg.worker, msg.clock, now);
-        if r.is_ok() {
-            self.release_ready();
-        }
-        r
+        Ok(outcome)
     }
 }
 
 impl Handler<Pull> for ShardActor {
-    type Result = MessageResult<Pull>;
+    type Result = Result<oneshot::Receiver<Result<PullReply, ShardError>>, ShardError>;
     fn handle(&mut self, msg: Pull, _: &mut Context<Self>) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
         let now = self.now_ms();
-        self.core.heartbeat(msg.worker, now);
-        if self.core.can_answer(msg.clock) {
-            if let Some(m) = &self.metrics {
-                m.pull_wait.observe(0.0);
-            }
-            let reply = self.answer(msg.clock, msg.precision);
-            let _ = tx.send(Ok(reply));
-        } else {
-            if self.parked.len() >= MAX_PARKED_PULLS {
-                // Pulls whose requester went away still hold a slot until swept; sweep before refusing anyone.
-                self.parked.retain(|p| !p.tx.is_closed());
-            }
-            if self.parked.len() >= MAX_PARKED_PULLS {
-                let _ = tx.send(Err(ShardError::Overloaded));
-            } else {
-                self.parked.push(ParkedPull {
-                    clock: msg.clock,
-                    precision: msg.precision,
-                    since: Instant::now(),
-                    tx,
-                });
-            }
-        }
-        MessageResult(rx)
+        let token = self.proto.pull(
+            msg.conn,
+            msg.worker,
+            msg.request,
+            msg.clock,
+            msg.precision,
+            now,
+        )?;
+        let (tx, rx) = oneshot::channel();
+        self.waiting.insert(token, (Instant::now(), tx));
+        self.run_actions();
+        Ok(rx)
     }
 }
 
 impl Handler<GetStats> for ShardActor {
     type Result = MessageResult<GetStats>;
     fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
-        MessageResult((
-            self.core.version(),
-            self.core.stats().clone(),
-            self.core.clocks().live(),
-        ))
+        let core = self.proto.core();
+        MessageResult((core.version(), core.stats().clone(), core.clocks().live()))
     }
 }
 
 impl Handler<GetWeights> for ShardActor {
     type Result = MessageResult<GetWeights>;
     fn handle(&mut self, _: GetWeights, _: &mut Context<Self>) -> Self::Result {
-        MessageResult((self.core.version(), self.core.weights().to_vec()))
+        let core = self.proto.core();
+        MessageResult((core.version(), core.weights().to_vec()))
     }
 }
 

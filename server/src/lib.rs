@@ -7,6 +7,7 @@ pub mod clock;
 pub mod error;
 pub mod node;
 pub mod optim;
+pub mod protocol;
 pub mod session;
 pub mod shard;
 

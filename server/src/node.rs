@@ -147,6 +147,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         layout_hash,
         staleness: cfg.cluster.staleness.bound(),
         limits,
+        next_conn: Default::default(),
     });
     let ep = endpoint.clone();
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));

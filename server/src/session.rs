@@ -1,35 +1,40 @@
-//! One task per QUIC connection: authenticate the peer from its certificate, run the hello/welcome handshake, then
-//! forward control messages and gradient pushes to the `ShardActor`. Every frame is size-checked before it is read
-//! and validated before it is forwarded; a protocol violation closes only this connection with a typed code and
-//! never reaches shard state. Pulls that the SSP gate parks are answered from their own small task.
+//! One task per QUIC connection, the transport shell around the shard's protocol: authenticate the peer from its
+//! certificate, run the hello/welcome handshake (the explicit rejoin), then move bytes. Control messages go to the
+//! `ShardActor` (which runs the sans-IO [`crate::protocol::ShardProtocol`]); each push stream's frame is size-checked
+//! before it is read and validated in place before it is forwarded, and its outcome goes back on the control
+//! stream. Pulls run as bounded tasks per connection. A protocol violation closes only this connection with a typed
+//! code and never reaches shard state. No protocol rule lives here.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Addr;
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tracing::{debug, info, warn};
 
 use tether_common::net::{
     close_with, peer_identity, recv_bulk, reject, send_bulk, server_accept_hello, ControlChannel,
-    NetError,
+    ControlReceiver, ControlSender, NetError,
 };
 use tether_common::protocol::{
-    decode_push, encode_params, Control, ErrorCode, FrameKind, FrameLimits, ParamReply,
-    ProtocolError, Welcome,
+    access_push, encode_params, Control, ErrorCode, FrameKind, FrameLimits, Outcome, ParamReply,
+    Precision, ProtocolError, Welcome,
 };
 
-use crate::actor::{ApplyPush, Heartbeat, Join, Leave, Pull, ShardActor};
-use crate::shard::ShardError;
+use crate::actor::{ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ShardActor};
+use crate::protocol::ConnId;
 
 /// A peer must finish the handshake within this time.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A bulk frame must arrive completely within this time once its stream is open (slow-loris bound).
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
-/// On goodbye, wait at most this long for the worker's last pushes to be handled before it leaves the table.
-const GOODBYE_DRAIN: Duration = Duration::from_secs(10);
+/// At most this many pulls of one connection are in flight (asked, not yet answered); more are refused at once.
+pub const MAX_INFLIGHT_PULLS: usize = 4;
+/// Control messages queued for the writer of one connection before senders wait.
+const CONTROL_QUEUE: usize = 256;
 
 /// What every session of one shard shares.
-#[derive(Clone)]
 pub struct SessionContext {
     /// The shard's actor.
     pub shard_actor: Addr<ShardActor>,
@@ -43,6 +48,8 @@ pub struct SessionContext {
     pub staleness: Option<u32>,
     /// Frame size limits for this shard.
     pub limits: FrameLimits,
+    /// The next connection id.
+    pub next_conn: AtomicU64,
 }
 
 /// Serves one incoming connection until it closes.
@@ -88,144 +95,219 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext
         }
     };
     let worker = hello.rank;
-    let Ok(info) = ctx.shard_actor.send(Join { worker, clock: 0 }).await else {
-        close_with(&conn, ErrorCode::Shutdown, "shard is shutting down");
-        return;
+    let id: ConnId = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
+    let (kick_tx, kick_rx) = oneshot::channel();
+    let joined = match ctx
+        .shard_actor
+        .send(Hello {
+            conn: id,
+            worker,
+            clock: hello.clock,
+            kick: kick_tx,
+        })
+        .await
+    {
+        Ok(Ok(j)) => j,
+        Ok(Err(e)) => {
+            let e = ProtocolError::Rejected {
+                code: e.code(),
+                message: e.to_string(),
+            };
+            reject(&conn, Some(&mut control), &e).await;
+            return;
+        }
+        Err(_) => {
+            close_with(&conn, ErrorCode::Shutdown, "shard is shutting down");
+            return;
+        }
     };
     let welcome = Welcome {
         shard: ctx.shard,
         range_start: ctx.range.0,
         range_end: ctx.range.1,
         staleness: ctx.staleness,
-        min_clock: info.clock,
-        version: info.version,
+        min_clock: joined.min_clock,
+        version: joined.version,
+        clock: joined.clock,
     };
     if control.send(&welcome.into()).await.is_err() {
+        ctx.shard_actor.do_send(Closed { conn: id });
         return;
     }
-    info!(shard = ctx.shard, worker, %peer, clock = info.clock, "worker session started");
-    let (applied_tx, applied_rx) = tokio::sync::watch::channel(0u64);
-    let pushes = tokio::spawn(push_loop(conn.clone(), ctx.clone(), worker, applied_tx));
-    control_loop(&conn, &mut control, &ctx, worker, applied_rx).await;
+    info!(shard = ctx.shard, worker, %peer, clock = joined.clock, "worker session started");
+    let (sender, receiver) = control.split();
+    let (out_tx, out_rx) = mpsc::channel(CONTROL_QUEUE);
+    let writer = tokio::spawn(control_writer(sender, out_rx));
+    let pushes = tokio::spawn(push_loop(conn.clone(), ctx.clone(), worker, out_tx.clone()));
+    let session = Session {
+        conn: conn.clone(),
+        ctx: ctx.clone(),
+        id,
+        worker,
+        out: out_tx,
+        pulls: Arc::new(Semaphore::new(MAX_INFLIGHT_PULLS)),
+    };
+    tokio::select! {
+        _ = session.control_loop(receiver) => {}
+        code = kick_rx => {
+            if let Ok(code) = code {
+                info!(shard = ctx.shard, worker, ?code, "closing the connection of an evicted worker");
+                close_with(&conn, code, "evicted for silence: reconnect and rejoin");
+            }
+        }
+    }
     pushes.abort();
+    writer.abort();
+    ctx.shard_actor.do_send(Closed { conn: id });
     debug!(shard = ctx.shard, worker, "worker session ended");
 }
 
-async fn control_loop(
-    conn: &quinn::Connection,
-    control: &mut ControlChannel,
-    ctx: &Arc<SessionContext>,
-    worker: u32,
-    mut applied: tokio::sync::watch::Receiver<u64>,
-) {
-    // The clock the worker last announced in a heartbeat: on goodbye, its pushes up to there are handled first.
-    let mut announced = 0u64;
-    loop {
-        let msg = match control.recv().await {
-            Ok(m) => m,
-            Err(NetError::Protocol(p)) => {
-                reject(conn, Some(control), &p).await;
-                return;
-            }
-            Err(_) => return,
-        };
-        let sent = match msg {
-            Control::Heartbeat { clock } => {
-                announced = clock;
-                ctx.shard_actor.send(Heartbeat { worker }).await.is_ok()
-            }
-            // The worker announces its clock: after a restart or a refused round it may be ahead of our table.
-            Control::Clock { clock } => ctx.shard_actor.send(Join { worker, clock }).await.is_ok(),
-            Control::PullRequest { clock, precision } => {
-                let conn = conn.clone();
-                let ctx = ctx.clone();
-                tokio::spawn(async move { answer_pull(conn, ctx, worker, clock, precision).await });
-                true
-            }
-            Control::Goodbye => {
-                // Pushes travel on their own streams and may still be queued behind this message.
-                let drained = applied.wait_for(|c| *c >= announced);
-                let _ = tokio::time::timeout(GOODBYE_DRAIN, drained).await;
-                let _ = ctx.shard_actor.send(Leave { worker }).await;
-                info!(shard = ctx.shard, worker, "worker left");
-                return;
-            }
-            Control::Error { code, message } => {
-                warn!(shard = ctx.shard, worker, ?code, %message, "worker reported an error");
-                return;
-            }
-            other => {
-                let e = ProtocolError::UnexpectedMessage(format!(
-                    "{} after the handshake",
-                    other.name()
-                ));
-                reject(conn, Some(control), &e).await;
-                return;
-            }
-        };
-        if !sent {
-            close_with(conn, ErrorCode::Shutdown, "shard is shutting down");
+/// Writes queued control messages in order until the queue or the stream closes.
+async fn control_writer(mut sender: ControlSender, mut queue: mpsc::Receiver<Control>) {
+    while let Some(msg) = queue.recv().await {
+        if sender.send(&msg).await.is_err() {
             return;
         }
     }
 }
 
-async fn answer_pull(
+struct Session {
     conn: quinn::Connection,
     ctx: Arc<SessionContext>,
+    id: ConnId,
     worker: u32,
-    clock: u64,
-    precision: tether_common::protocol::Precision,
-) {
-    let Ok(rx) = ctx
-        .shard_actor
-        .send(Pull {
-            worker,
-            clock,
-            precision,
-        })
-        .await
-    else {
-        return;
-    };
-    // Parked until the SSP gate opens; the connection closing drops this task.
-    let reply = tokio::select! {
-        r = rx => r,
-        _ = conn.closed() => return,
-    };
-    let reply = match reply {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            close_with(&conn, e.code(), &e.to_string());
-            return;
-        }
-        Err(_) => return,
-    };
-    let frame = ParamReply {
-        shard: ctx.shard,
-        clock: reply.clock,
-        version: reply.version,
-        min_clock: reply.min_clock,
-        range_start: ctx.range.0,
-        range_end: ctx.range.1,
-        precision,
-        values: reply.values,
-    };
-    match encode_params(&frame) {
-        Ok(bytes) => {
-            if let Err(e) = send_bulk(&conn, FrameKind::Params, &bytes).await {
-                debug!(shard = ctx.shard, worker, error = %e, "pull reply not delivered");
+    out: mpsc::Sender<Control>,
+    pulls: Arc<Semaphore>,
+}
+
+impl Session {
+    async fn control_loop(&self, mut control: ControlReceiver) {
+        let (ctx, worker, id) = (&self.ctx, self.worker, self.id);
+        loop {
+            let msg = match control.recv().await {
+                Ok(m) => m,
+                Err(NetError::Protocol(p)) => {
+                    self.violation(&p).await;
+                    return;
+                }
+                Err(_) => return,
+            };
+            let alive = match msg {
+                Control::Heartbeat { .. } => ctx
+                    .shard_actor
+                    .send(Heartbeat { conn: id, worker })
+                    .await
+                    .is_ok(),
+                Control::PullRequest {
+                    request,
+                    clock,
+                    precision,
+                } => self.pull(request, clock, precision).await,
+                Control::Goodbye => {
+                    let _ = ctx.shard_actor.send(Goodbye { conn: id, worker }).await;
+                    info!(shard = ctx.shard, worker, "worker left");
+                    // Let the writer deliver what is queued (the last outcomes) before the session ends.
+                    let _ = tokio::time::timeout(Duration::from_secs(2), self.conn.closed()).await;
+                    return;
+                }
+                Control::Error { code, message } => {
+                    warn!(shard = ctx.shard, worker, ?code, %message, "worker reported an error");
+                    return;
+                }
+                other => {
+                    let e = ProtocolError::UnexpectedMessage(format!(
+                        "{} after the handshake",
+                        other.name()
+                    ));
+                    self.violation(&e).await;
+                    return;
+                }
+            };
+            if !alive {
+                close_with(&self.conn, ErrorCode::Shutdown, "shard is shutting down");
+                return;
             }
         }
-        Err(e) => warn!(shard = ctx.shard, worker, error = %e, "cannot encode pull reply"),
+    }
+
+    async fn violation(&self, e: &ProtocolError) {
+        // The message goes through the writer (which owns the stream); the close carries the same code.
+        let _ = self.out.try_send(Control::error(e));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        reject(&self.conn, None, e).await;
+    }
+
+    /// Forwards one pull request; returns false when the shard actor is gone.
+    async fn pull(&self, request: u64, clock: u64, precision: Precision) -> bool {
+        let refuse = move |code| Control::PullRefused { request, code };
+        let Ok(permit) = self.pulls.clone().try_acquire_owned() else {
+            let _ = self.out.send(refuse(ErrorCode::Overloaded)).await;
+            return true;
+        };
+        let msg = Pull {
+            conn: self.id,
+            worker: self.worker,
+            request,
+            clock,
+            precision,
+        };
+        let rx = match self.ctx.shard_actor.send(msg).await {
+            Ok(Ok(rx)) => rx,
+            Ok(Err(e)) => {
+                debug!(shard = self.ctx.shard, worker = self.worker, error = %e, "pull refused");
+                let _ = self.out.send(refuse(e.code())).await;
+                return true;
+            }
+            Err(_) => return false,
+        };
+        let (conn, ctx, out) = (self.conn.clone(), self.ctx.clone(), self.out.clone());
+        let worker = self.worker;
+        tokio::spawn(async move {
+            let _permit = permit;
+            // Parked until the SSP gate opens; the connection closing drops this task.
+            let reply = tokio::select! {
+                r = rx => r,
+                _ = conn.closed() => return,
+            };
+            let reply = match reply {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    let _ = out.send(refuse(e.code())).await;
+                    return;
+                }
+                Err(_) => return,
+            };
+            let frame = ParamReply {
+                shard: ctx.shard,
+                request: reply.request,
+                clock: reply.clock,
+                version: reply.version,
+                min_clock: reply.min_clock,
+                range_start: ctx.range.0,
+                range_end: ctx.range.1,
+                precision,
+                values: reply.values,
+            };
+            match encode_params(&frame) {
+                Ok(bytes) => {
+                    if let Err(e) = send_bulk(&conn, FrameKind::Params, &bytes).await {
+                        debug!(shard = ctx.shard, worker, error = %e, "pull reply not delivered");
+                    }
+                }
+                Err(e) => warn!(shard = ctx.shard, worker, error = %e, "cannot encode pull reply"),
+            }
+        });
+        true
     }
 }
 
+/// Reads push streams in stream order (which is the worker's clock order), forwards each frame to the shard and
+/// sends its outcome back on the control stream.
 async fn push_loop(
     conn: quinn::Connection,
     ctx: Arc<SessionContext>,
     worker: u32,
-    applied: tokio::sync::watch::Sender<u64>,
+    out: mpsc::Sender<Control>,
 ) {
     loop {
         let stream = match conn.accept_uni().await {
@@ -253,59 +335,60 @@ async fn push_loop(
                 return;
             }
         };
-        let push = match decode_push(&frame.body) {
-            Ok(p) => p,
+        // Validated in place; the shard actor reads the same buffer again, without a copy.
+        let meta = match access_push(&frame.body) {
+            Ok(p) => p.meta(),
             Err(p) => {
                 reject(&conn, None, &p).await;
                 return;
             }
         };
-        drop(frame);
-        if push.worker != worker {
+        if meta.worker != worker {
             close_with(&conn, ErrorCode::Unauthorized, "push names another worker");
             return;
         }
-        let msg = ApplyPush {
-            worker,
-            clock: push.clock,
-            shard: push.shard,
-            range: (push.range_start, push.range_end),
-            read_version: push.read_version,
-            payload: push.payload,
-        };
-        let next_clock = push.clock + 1;
-        let result = ctx.shard_actor.send(msg).await;
-        applied.send_replace(next_clock);
-        match result {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                let code = e.code();
-                match e {
-                    // Malformed or misaddressed frames are protocol violations: close this connection only.
-                    ShardError::Codec(_)
-                    | ShardError::WrongShard { .. }
-                    | ShardError::BadRange { .. } => {
-                        warn!(shard = ctx.shard, worker, error = %e, "closing connection after a bad push");
-                        close_with(&conn, code, &e.to_string());
-                        return;
-                    }
-                    // Evicted while its connection stayed up (a partition shorter than the idle timeout): closing
-                    // makes the worker reconnect, and its handshake rejoins it at a clock the table accepts.
-                    ShardError::NotMember(_) => {
-                        info!(
-                            shard = ctx.shard,
-                            worker, "push from an evicted worker: closing so that it rejoins"
-                        );
-                        close_with(&conn, code, &e.to_string());
-                        return;
-                    }
-                    // Refused but well-formed: counted by the shard, the session goes on.
-                    _ => debug!(shard = ctx.shard, worker, error = %e, "push refused"),
-                }
+        let outcome = match ctx
+            .shard_actor
+            .send(ApplyPush { body: frame.body })
+            .await
+        {
+            Ok(Ok(o)) => o,
+            Ok(Err(p)) => {
+                reject(&conn, None, &p).await;
+                return;
             }
             Err(_) => {
                 close_with(&conn, ErrorCode::Shutdown, "shard is shutting down");
                 return;
+            }
+        };
+        if out
+            .send(Control::PushOutcome {
+                clock: meta.clock,
+                outcome,
+            })
+            .await
+            .is_err()
+        {
+            return;
+        }
+        if let Outcome::Refused(code) = outcome {
+            match code {
+                // Malformed or misaddressed frames are protocol violations: close this connection only.
+                ErrorCode::BadFrame | ErrorCode::WrongShard | ErrorCode::BadRange => {
+                    warn!(shard = ctx.shard, worker, ?code, "closing connection after a bad push");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    close_with(&conn, code, "bad push");
+                    return;
+                }
+                // Not a member (evicted while its connection stayed up): closing makes it reconnect and rejoin.
+                ErrorCode::Evicted => {
+                    info!(shard = ctx.shard, worker, "push from an evicted worker: closing so that it rejoins");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    close_with(&conn, code, "evicted: reconnect and rejoin");
+                    return;
+                }
+                _ => debug!(shard = ctx.shard, worker, ?code, "push refused"),
             }
         }
     }

@@ -149,6 +149,22 @@ pub fn reject_reason(e: &ShardError) -> &'static str {
     }
 }
 
+/// The largest clock a peer may claim. Far beyond any real run (2^48 rounds), it keeps every `clock + 1` and
+/// `clock + s` on peer-supplied values inside u64.
+pub const MAX_CLOCK: u64 = 1 << 48;
+
+/// `clock + 1` for a peer-supplied clock, as a typed error instead of an overflow.
+fn next_clock(worker: u32, clock: u64) -> Result<u64, ShardError> {
+    clock
+        .checked_add(1)
+        .filter(|c| *c <= MAX_CLOCK)
+        .ok_or(ShardError::ClockFromFuture {
+            worker,
+            expected: MAX_CLOCK,
+            found: clock,
+        })
+}
+
 /// One gradient push, as the shard sees it (already framed and authenticated by the session).
 #[derive(Debug, Clone, Copy)]
 pub struct Push<'a> {
@@ -261,6 +277,8 @@ pub struct ShardCore {
     scratch: Vec<f32>,
     guard: SpikeGuard,
     stats: ShardStats,
+    /// Restored from a checkpoint: versions of the lost lineage may come back in resent pushes.
+    restored: bool,
 }
 
 /// Parameters to build a shard.
@@ -300,6 +318,7 @@ impl ShardCore {
             scratch: vec![0.0; r.len()],
             guard: SpikeGuard::new(spec.spike_factor),
             stats: ShardStats::default(),
+            restored: false,
             weights,
         }
     }
@@ -345,13 +364,21 @@ impl ShardCore {
     }
 
     /// A worker (re)joins claiming it is at `clock` (after a server restart it may be ahead of the restored table);
-    /// its clock becomes the larger of the two. Returns its clock.
-    pub fn join_at(&mut self, worker: u32, clock: u64, now_ms: u64) -> u64 {
+    /// its clock becomes the larger of the two. This explicit rejoin is the only way a clock moves without a push or
+    /// a skip. A claim past [`MAX_CLOCK`] is refused and changes nothing. Returns its clock.
+    pub fn join_at(&mut self, worker: u32, clock: u64, now_ms: u64) -> Result<u64, ShardError> {
+        if clock > MAX_CLOCK {
+            return Err(ShardError::ClockFromFuture {
+                worker,
+                expected: self.clocks.min_clock(),
+                found: clock,
+            });
+        }
         let joined = self.clocks.join(worker, now_ms);
         if clock > joined {
             self.clocks.raise(worker, clock, now_ms);
         }
-        self.clocks.clock_of(worker).unwrap_or(joined)
+        Ok(self.clocks.clock_of(worker).unwrap_or(joined))
     }
 
     /// A worker leaves cleanly (it finished): nobody waits on it any more.
@@ -373,8 +400,9 @@ impl ShardCore {
     /// The worker finished round `clock` without pushing (e.g. it refused a non-finite gradient): advance only.
     pub fn skip(&mut self, worker: u32, clock: u64, now_ms: u64) -> Result<u64, ShardError> {
         self.check_clock(worker, clock)?;
-        self.clocks.advance(worker, clock + 1, now_ms)?;
-        Ok(clock + 1)
+        let next = next_clock(worker, clock)?;
+        self.clocks.advance(worker, next, now_ms)?;
+        Ok(next)
     }
 
     fn check_clock(&self, worker: u32, clock: u64) -> Result<(), ShardError> {
@@ -409,8 +437,10 @@ impl ShardCore {
         let applied = match r {
             Ok(()) => self.commit(push, now_ms),
             Err(e @ (ShardError::NonFinite(_) | ShardError::NormSpike { .. })) => {
-                // The clock was validated before decoding, so this advance cannot fail.
-                let _ = self.clocks.advance(push.worker, push.clock + 1, now_ms);
+                // The clock was validated (and its successor checked) before decoding, so this advance cannot fail.
+                let _ = self
+                    .clocks
+                    .advance(push.worker, push.clock.saturating_add(1), now_ms);
                 Err(e)
             }
             Err(e) => Err(e),
@@ -435,7 +465,10 @@ impl ShardCore {
             });
         }
         self.check_clock(push.worker, push.clock)?;
-        if push.read_version > self.version {
+        next_clock(push.worker, push.clock)?;
+        // After a restore the version went back; a push resent byte for byte may name a version of the lost
+        // lineage. It is accepted (its staleness counts as 0); otherwise a version from the future is refused.
+        if push.read_version > self.version && !self.restored {
             return Err(ShardError::VersionFromFuture {
                 current: self.version,
                 found: push.read_version,
@@ -469,8 +502,9 @@ impl ShardCore {
 
     fn commit(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
         // Clock first: it is the last check that can fail, and it must not fail after the weights changed.
-        self.clocks.advance(push.worker, push.clock + 1, now_ms)?;
-        let staleness = self.version - push.read_version;
+        let next = next_clock(push.worker, push.clock)?;
+        self.clocks.advance(push.worker, next, now_ms)?;
+        let staleness = self.version.saturating_sub(push.read_version);
         let scale = if self.staleness_aware {
             1.0 / (staleness.max(1) as f32)
         } else {
@@ -483,7 +517,7 @@ impl ShardCore {
         Ok(Applied {
             version: self.version,
             staleness,
-            clock: push.clock + 1,
+            clock: next,
         })
     }
 
@@ -523,6 +557,7 @@ impl ShardCore {
         self.optimizer.restore(snap.opt_steps, snap.slots)?;
         self.weights = snap.weights;
         self.version = snap.version;
+        self.restored = true;
         for (w, c) in snap.clocks {
             self.clocks.restore(w, c, now_ms);
         }

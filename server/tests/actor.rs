@@ -1,6 +1,7 @@
 //! The `ShardActor` shell: a parked pull released by the push that opens the SSP gate, eviction of a silent worker
-//! within `worker_timeout` (and not before), the parked-pull cap answering `Overloaded`, and `CheckpointNow` writing a
-//! checkpoint that a fresh actor resumes from bit for bit.
+//! within `worker_timeout` (and not before, and its connection kicked), the per-worker parked-pull cap answering
+//! `Overloaded` without touching other workers, and `CheckpointNow` writing a checkpoint that a fresh actor resumes
+//! from bit for bit.
 
 use std::time::{Duration, Instant};
 
@@ -8,11 +9,13 @@ use actix::Addr;
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether_common::layout::{mlp_layout, Layout};
-use tether_common::protocol::Precision;
+use tether_common::protocol::{encode_push, ErrorCode, Outcome, Precision, PushFrame};
 use tether_server::actor::{
-    encode_values, ApplyPush, CheckpointNow, GetStats, GetWeights, Heartbeat, Join, Pull,
-    PullReply, ShardActor, MAX_PARKED_PULLS,
+    encode_values, ApplyPush, CheckpointNow, GetStats, GetWeights, Heartbeat, Hello, Pull,
+    PullReply, ShardActor,
 };
+use tether_server::protocol::MAX_PARKED_PER_WORKER;
+use tokio::sync::oneshot;
 use tether_server::checkpoint::CheckpointStore;
 use tether_server::shard::{ShardCore, ShardError, ShardSpec};
 
@@ -57,28 +60,70 @@ fn gradient(n: usize, worker: u32, clock: u64) -> Vec<u8> {
     out
 }
 
+/// Pushes round `clock` of `worker`; the shard version after it, or the outcome when it was not applied.
 async fn push(
     addr: &Addr<ShardActor>,
     worker: u32,
     clock: u64,
     read_version: u64,
-) -> Result<u64, ShardError> {
+) -> Result<u64, Outcome> {
     let n = layout().len();
-    addr.send(ApplyPush {
+    let body = encode_push(&PushFrame {
         worker,
         clock,
         shard: 0,
-        range: (0, n as u64),
+        range_start: 0,
+        range_end: n as u64,
         read_version,
+        loss: 0.0,
+        skip: false,
         payload: gradient(n, worker, clock),
+    })
+    .unwrap();
+    match addr.send(ApplyPush { body }).await.unwrap().unwrap() {
+        Outcome::Applied => Ok(addr.send(GetStats).await.unwrap().0),
+        other => Err(other),
+    }
+}
+
+/// Joins `worker` on connection `worker` (one connection per worker in these tests); returns its clock.
+async fn join(addr: &Addr<ShardActor>, worker: u32) -> u64 {
+    join_kicked(addr, worker).await.0
+}
+
+async fn join_kicked(addr: &Addr<ShardActor>, worker: u32) -> (u64, oneshot::Receiver<ErrorCode>) {
+    let (kick, kicked) = oneshot::channel();
+    let joined = addr
+        .send(Hello {
+            conn: u64::from(worker),
+            worker,
+            clock: 0,
+            kick,
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    (joined.clock, kicked)
+}
+
+type Reply = oneshot::Receiver<Result<PullReply, ShardError>>;
+
+/// Sends a pull of `worker` at `clock`; the receiver resolves when the gate opens. A refusal is an error here.
+async fn pull(
+    addr: &Addr<ShardActor>,
+    worker: u32,
+    clock: u64,
+    precision: Precision,
+) -> Result<Reply, ShardError> {
+    addr.send(Pull {
+        conn: u64::from(worker),
+        worker,
+        request: clock,
+        clock,
+        precision,
     })
     .await
     .unwrap()
-    .map(|a| a.version)
-}
-
-async fn join(addr: &Addr<ShardActor>, worker: u32) -> u64 {
-    addr.send(Join { worker, clock: 0 }).await.unwrap().clock
 }
 
 fn f32_values(reply: &PullReply) -> Vec<u32> {
@@ -99,27 +144,13 @@ async fn parked_pull_is_released_by_the_push_that_opens_the_gate() {
     assert_eq!(join(&addr, 0).await, 0);
     assert_eq!(join(&addr, 1).await, 0);
     // Round 0 is open to both.
-    let r = addr
-        .send(Pull {
-            worker: 0,
-            clock: 0,
-            precision: Precision::F32,
-        })
-        .await
-        .unwrap()
+    let r = pull(&addr, 0, 0, Precision::F32).await.unwrap()
         .await
         .unwrap()
         .unwrap();
     assert_eq!((r.version, r.clock, r.min_clock), (0, 0, 0));
     assert_eq!(push(&addr, 0, 0, 0).await, Ok(1));
-    let mut rx = addr
-        .send(Pull {
-            worker: 0,
-            clock: 1,
-            precision: Precision::F32,
-        })
-        .await
-        .unwrap();
+    let mut rx = pull(&addr, 0, 1, Precision::F32).await.unwrap();
     // BSP: worker 1 has not pushed round 0, so the pull stays parked.
     assert!(
         tokio::time::timeout(Duration::from_millis(150), &mut rx)
@@ -150,14 +181,7 @@ async fn parked_pull_is_released_by_the_push_that_opens_the_gate() {
 async fn bf16_pull_rounds_each_value() {
     let (addr, arbiter) = start(core(Staleness::Unbounded, 60_000), None, 60_000);
     join(&addr, 0).await;
-    let r = addr
-        .send(Pull {
-            worker: 0,
-            clock: 0,
-            precision: Precision::Bf16,
-        })
-        .await
-        .unwrap()
+    let r = pull(&addr, 0, 0, Precision::Bf16).await.unwrap()
         .await
         .unwrap()
         .unwrap();
@@ -181,16 +205,9 @@ async fn a_silent_worker_stops_blocking_within_the_timeout() {
     let (addr, arbiter) = start(core(Staleness::Bounded(0), TIMEOUT_MS), None, TIMEOUT_MS);
     join(&addr, 0).await;
     let silent_since = Instant::now();
-    join(&addr, 1).await;
+    let (_, kicked) = join_kicked(&addr, 1).await;
     assert_eq!(push(&addr, 0, 0, 0).await, Ok(1));
-    let mut rx = addr
-        .send(Pull {
-            worker: 0,
-            clock: 1,
-            precision: Precision::F32,
-        })
-        .await
-        .unwrap();
+    let mut rx = pull(&addr, 0, 1, Precision::F32).await.unwrap();
     // Worker 0 keeps heartbeating (as a live worker does); worker 1 says nothing.
     let deadline = silent_since + Duration::from_millis(TIMEOUT_MS + 2 * TICK_MS + 1_000);
     let reply = loop {
@@ -201,7 +218,7 @@ async fn a_silent_worker_stops_blocking_within_the_timeout() {
                     Instant::now() < deadline,
                     "pull still parked long after the timeout"
                 );
-                addr.send(Heartbeat { worker: 0 }).await.unwrap();
+                addr.send(Heartbeat { conn: 0, worker: 0 }).await.unwrap();
             }
         }
     };
@@ -219,76 +236,67 @@ async fn a_silent_worker_stops_blocking_within_the_timeout() {
     assert_eq!((reply.clock, reply.min_clock, reply.version), (1, 1, 1));
     let (_, _, live) = addr.send(GetStats).await.unwrap();
     assert_eq!(live, 1, "worker 1 was evicted, worker 0 was not");
+    assert_eq!(
+        kicked.await,
+        Ok(ErrorCode::Evicted),
+        "the evicted worker's connection is closed so that it rejoins"
+    );
     // The evicted worker's push is refused until it rejoins, and then it rejoins at the current minimum.
-    assert_eq!(push(&addr, 1, 0, 0).await, Err(ShardError::NotMember(1)));
+    assert_eq!(
+        push(&addr, 1, 0, 0).await,
+        Err(Outcome::Refused(ErrorCode::Evicted))
+    );
     assert_eq!(join(&addr, 1).await, 1);
     assert_eq!(push(&addr, 1, 1, 1).await, Ok(2));
     arbiter.stop();
 }
 
 #[actix_rt::test]
-async fn a_full_parked_pull_queue_answers_overloaded() {
+async fn the_parked_pull_cap_is_per_worker_and_refuses_overloaded() {
     let (addr, arbiter) = start(core(Staleness::Bounded(0), 60_000), None, 60_000);
     join(&addr, 0).await;
     join(&addr, 1).await;
-    let mut parked = Vec::with_capacity(MAX_PARKED_PULLS);
-    for _ in 0..MAX_PARKED_PULLS {
-        parked.push(
-            addr.send(Pull {
-                worker: 0,
-                clock: 5,
-                precision: Precision::F32,
-            })
-            .await
-            .unwrap(),
-        );
+    join(&addr, 2).await;
+    // BSP: a pull at clock 1 waits for every worker's round 0.
+    let mut parked = Vec::new();
+    for _ in 0..MAX_PARKED_PER_WORKER {
+        parked.push(pull(&addr, 0, 1, Precision::F32).await.unwrap());
     }
-    let over = addr
-        .send(Pull {
-            worker: 0,
-            clock: 5,
-            precision: Precision::F32,
-        })
-        .await
-        .unwrap();
     assert_eq!(
-        tokio::time::timeout(Duration::from_secs(5), over)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap_err(),
+        pull(&addr, 0, 1, Precision::F32).await.unwrap_err(),
         ShardError::Overloaded
     );
-    // A pull the gate allows is still answered at once: the cap only limits parking.
-    let ok = addr
-        .send(Pull {
-            worker: 0,
-            clock: 0,
-            precision: Precision::F32,
-        })
-        .await
-        .unwrap();
+    // Another worker's pulls are not affected by worker 0's flood.
+    let honest = pull(&addr, 1, 1, Precision::F32).await;
+    assert!(honest.is_ok(), "worker 1 refused: {honest:?}");
+    // A pull the gate allows is still answered at once.
+    let ok = pull(&addr, 2, 0, Precision::F32).await.unwrap();
     assert!(tokio::time::timeout(Duration::from_secs(5), ok)
         .await
         .unwrap()
         .unwrap()
         .is_ok());
-    // Requesters that went away free their slots.
-    parked.truncate(MAX_PARKED_PULLS - 10);
-    let again = addr
-        .send(Pull {
-            worker: 0,
-            clock: 5,
-            precision: Precision::F32,
-        })
-        .await
-        .unwrap();
-    assert!(
-        tokio::time::timeout(Duration::from_millis(100), again)
-            .await
-            .is_err(),
-        "parked, not refused"
-    );
+    // Clocks the protocol cannot have reached, or has passed, are refused with typed errors.
+    assert!(matches!(
+        pull(&addr, 2, 2, Precision::F32).await,
+        Err(ShardError::ClockFromFuture { .. })
+    ));
+    assert!(matches!(
+        pull(&addr, 2, u64::MAX, Precision::F32).await,
+        Err(ShardError::ClockFromFuture { .. })
+    ));
+    // Requesters that went away free their slots (swept on the actor's tick).
+    parked.clear();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match pull(&addr, 0, 1, Precision::F32).await {
+            Ok(_) => break,
+            Err(ShardError::Overloaded) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("slots not freed: {e}"),
+        }
+    }
     arbiter.stop();
 }
 

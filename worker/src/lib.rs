@@ -2,6 +2,8 @@
 
 pub mod backend;
 pub mod data;
+pub mod driver;
 pub mod model;
+pub mod session;
 pub mod step;
 pub mod trainer;

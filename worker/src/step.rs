@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use tether_common::codec::{seed_for, CodecConfig, CodecError, Encoder, ErrorFeedback};
+use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder, ErrorFeedback};
 use tether_common::numeric::sum_of_squares;
 
 use crate::model::Model;
@@ -40,6 +40,8 @@ pub struct StepEngine {
     encoder: Encoder,
     clip_norm: f32,
     faults: Vec<GradientFault>,
+    /// Decodes undelivered frames for [`StepEngine::credit_undelivered`] (sized on first use).
+    decoder: Option<(Decoder, Vec<f32>)>,
 }
 
 impl StepEngine {
@@ -64,6 +66,7 @@ impl StepEngine {
             encoder: Encoder::new(codec)?,
             clip_norm,
             faults: Vec::new(),
+            decoder: None,
         })
     }
 
@@ -121,6 +124,28 @@ impl StepEngine {
             Some(fb) => fb[k].encode(&mut self.encoder, &self.grad[r], seed, out),
             None => self.encoder.encode(&self.grad[r], seed, out),
         }
+    }
+
+    /// The residual policy for a push that shard `k` did not apply although its gradient was good (the round was
+    /// jumped over by a rejoin, or refused for a reason other than its values): the frame's decoded values go back
+    /// into shard k's residual, so the next push carries them. Without error feedback the update is dropped. A push
+    /// refused for its values (non-finite, norm spike) is not credited: that gradient is discarded.
+    pub fn credit_undelivered(&mut self, k: usize, frame: &[u8]) -> Result<(), CodecError> {
+        let Some(fb) = self.feedback.as_mut() else {
+            return Ok(());
+        };
+        let len = self.shards[k].len();
+        let max = self.shards.iter().map(|r| r.len()).max().unwrap_or(0);
+        let (decoder, out) = self
+            .decoder
+            .get_or_insert_with(|| (Decoder::new(max), vec![0.0; max]));
+        decoder.decode(frame, &mut out[..len])?;
+        fb[k].credit(&out[..len])
+    }
+
+    /// The error-feedback residual of shard `k` (empty without error feedback).
+    pub fn residual(&self, k: usize) -> &[f32] {
+        self.feedback.as_ref().map_or(&[], |fb| fb[k].residual())
     }
 
     /// Number of shards.

@@ -9,20 +9,16 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use tether_common::codec::CodecError;
 use tether_common::config::Config;
 use tether_common::metrics::WorkerMetrics;
-use tether_common::net::TransportTuning;
-use tether_common::net::{
-    client_endpoint, client_handshake, connect, recv_bulk, ControlChannel, NetError, TlsFiles,
-};
-use tether_common::protocol::{
-    access_params, encode_push, Control, FrameKind, FrameLimits, Hello, Precision, PushFrame,
-};
+use tether_common::net::{client_endpoint, NetError, TlsFiles, TransportTuning};
+use tether_common::protocol::{ErrorCode, FrameLimits, Outcome, Precision};
 
 use crate::data::{Dataset, Partition};
+use crate::driver::{Driver, DriverConfig};
 use crate::model::{self, Model};
 use crate::step::{GradientFault, StepEngine, StepOutcome};
 
@@ -101,6 +97,10 @@ pub struct WorkerReport {
     pub nonfinite_skipped: u64,
     /// Reconnections after a shard went away.
     pub reconnects: u64,
+    /// Pushes (or skip markers) a shard refused or a rejoin dropped (the residual policy applied to them).
+    pub pushes_refused: u64,
+    /// Pull replies dropped because they answered a superseded request.
+    pub stale_replies_dropped: u64,
     /// Wall time.
     pub wall_seconds: f64,
     /// The last parameters pulled.
@@ -160,6 +160,33 @@ impl Message for Compute {
 
 struct Evaluate {
     params: Vec<f32>,
+}
+
+/// A push shard `shard` did not apply although its gradient was good: the residual policy credits it back.
+struct Credit {
+    shard: usize,
+    frame: bytes::Bytes,
+}
+
+impl Message for Credit {
+    type Result = ();
+}
+
+impl Handler<Credit> for WorkerActor {
+    type Result = ();
+    fn handle(&mut self, msg: Credit, _: &mut Context<Self>) {
+        // The frame was built by this worker, so it validates; a failure here is logged, never fatal.
+        let payload = tether_common::protocol::access_push(&msg.frame).map(|f| f.payload().to_vec());
+        match payload {
+            Ok(p) if !p.is_empty() => {
+                if let Err(e) = self.engine.credit_undelivered(msg.shard, &p) {
+                    warn!(shard = msg.shard, error = %e, "cannot credit an undelivered push");
+                }
+            }
+            Ok(_) => {}
+            Err(e) => warn!(shard = msg.shard, error = %e, "cannot read an undelivered push"),
+        }
+    }
 }
 
 impl Message for Evaluate {
@@ -230,257 +257,11 @@ impl Handler<Evaluate> for WorkerActor {
     }
 }
 
-/// One connection to one shard.
-struct ShardLink {
-    conn: quinn::Connection,
-    control: ControlChannel,
-    range: (u64, u64),
-    limits: FrameLimits,
-}
-
-struct Driver {
-    opts: WorkerOptions,
-    endpoint: quinn::Endpoint,
-    links: Vec<Option<ShardLink>>,
-    ranges: Vec<(u64, u64)>,
-    layout_hash: u64,
-    clock: u64,
-    versions: Vec<u64>,
-    report: WorkerReport,
-    pushes: Vec<tokio::task::JoinHandle<()>>,
-    precision: Precision,
-}
-
-impl Driver {
-    async fn connect_shard(&mut self, k: usize) -> Result<(), NetError> {
-        let name = &self.opts.servers[k];
-        let addr = tokio::net::lookup_host(name.as_str())
-            .await
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| NetError::Resolve(name.clone()))?;
-        let conn = connect(&self.endpoint, addr, &self.opts.server_names[k]).await?;
-        let mut control = ControlChannel::open(&conn).await?;
-        let welcome =
-            client_handshake(&mut control, Hello::new(self.opts.rank, self.layout_hash)).await?;
-        let range = (welcome.range_start, welcome.range_end);
-        if range != self.ranges[k] {
-            conn.close(0u32.into(), b"unexpected range");
-            return Err(NetError::Identity(format!(
-                "shard {k} serves range {range:?}, the layout puts it at {:?}",
-                self.ranges[k]
-            )));
-        }
-        // A rejoining worker may have been evicted: continue from the shard's minimum clock if that is ahead.
-        self.clock = self.clock.max(welcome.min_clock);
-        let limits = FrameLimits::for_codec(
-            &self.opts.config.compression.codec(),
-            (range.1 - range.0) as usize,
-        );
-        self.links[k] = Some(ShardLink {
-            conn,
-            control,
-            range,
-            limits,
-        });
-        Ok(())
-    }
-
-    /// (Re)connects every missing link, retrying with exponential backoff until the deadline.
-    async fn ensure_connected(&mut self) -> Result<(), WorkerError> {
-        let deadline = Instant::now() + self.opts.reconnect_deadline;
-        let mut backoff = Duration::from_millis(100);
-        let mut reconnected = false;
-        loop {
-            let mut last_err = None;
-            for k in 0..self.links.len() {
-                if self.links[k].is_none() {
-                    if let Err(e) = self.connect_shard(k).await {
-                        debug!(rank = self.opts.rank, shard = k, error = %e, "connect failed");
-                        if e.remote_close_code().is_some() || matches!(e, NetError::Protocol(_)) {
-                            return Err(WorkerError::Net {
-                                shard: k,
-                                source: e,
-                            });
-                        }
-                        last_err = Some((k, e));
-                    } else {
-                        reconnected = true;
-                    }
-                }
-            }
-            match last_err {
-                None => break,
-                Some((k, e)) if Instant::now() + backoff > deadline => {
-                    return Err(WorkerError::Net {
-                        shard: k,
-                        source: e,
-                    })
-                }
-                Some(_) => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
-            }
-        }
-        if reconnected {
-            // Every shard learns our clock (it may restart behind us, or have moved on after evicting us).
-            let clock = self.clock;
-            for link in self.links.iter_mut().flatten() {
-                if link.control.send(&Control::Clock { clock }).await.is_err() {
-                    // The next step's pull notices the broken link and reconnects.
-                    continue;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Pulls every shard's values for the current clock into `params`; returns the largest lead seen.
-    async fn pull(&mut self, params: &mut [f32]) -> Result<(), (usize, NetError)> {
-        let clock = self.clock;
-        for (k, link) in self.links.iter_mut().enumerate() {
-            let link = link.as_mut().ok_or((k, NetError::ControlClosed))?;
-            link.control
-                .send(&Control::PullRequest {
-                    clock,
-                    precision: self.precision,
-                })
-                .await
-                .map_err(|e| (k, e))?;
-        }
-        let heartbeat = Duration::from_millis(self.opts.config.cluster.heartbeat_ms.max(10));
-        for k in 0..self.links.len() {
-            let conn = self.links[k]
-                .as_ref()
-                .ok_or((k, NetError::ControlClosed))?
-                .conn
-                .clone();
-            // While the SSP gate holds the pull, heartbeats keep this worker from being evicted as silent.
-            let accept = conn.accept_uni();
-            tokio::pin!(accept);
-            let stream = loop {
-                tokio::select! {
-                    s = &mut accept => break s.map_err(|e| (k, NetError::from(e)))?,
-                    _ = tokio::time::sleep(heartbeat) => {
-                        for (j, l) in self.links.iter_mut().enumerate() {
-                            let l = l.as_mut().ok_or((j, NetError::ControlClosed))?;
-                            l.control.send(&Control::Heartbeat { clock }).await.map_err(|e| (j, e))?;
-                        }
-                    }
-                }
-            };
-            let link = self.links[k].as_ref().ok_or((k, NetError::ControlClosed))?;
-            let frame = recv_bulk(stream, &link.limits, FrameKind::Params)
-                .await
-                .map_err(|e| (k, e))?;
-            // Validated in place: no copy of the values besides the conversion into `params`.
-            let reply = access_params(&frame.body).map_err(|e| (k, NetError::from(e)))?;
-            reply
-                .check_shape(link.range.0, link.range.1)
-                .map_err(|e| (k, NetError::from(e)))?;
-            let dst = &mut params[link.range.0 as usize..link.range.1 as usize];
-            match reply.precision() {
-                Precision::F32 => {
-                    for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(4)) {
-                        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }
-                }
-                Precision::Bf16 => {
-                    for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(2)) {
-                        *d = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
-                    }
-                }
-            }
-            let (version, min_clock) = (reply.version.to_native(), reply.min_clock.to_native());
-            self.report.wire_bytes_pulled += reply.values().len() as u64;
-            self.versions[k] = version;
-            self.report.max_clock_lead = self
-                .report
-                .max_clock_lead
-                .max(clock.saturating_sub(min_clock));
-        }
-        Ok(())
-    }
-    /// Starts the pushes of this step; each runs as its own task so the next step's pull and compute overlap it.
-    async fn push(&mut self, frames: &mut [Vec<u8>], loss: f32) -> Result<(), (usize, NetError)> {
-        self.pushes.retain(|h| !h.is_finished());
-        for (k, slot) in frames.iter_mut().enumerate() {
-            let link = self.links[k].as_ref().ok_or((k, NetError::ControlClosed))?;
-            // The codec frame moves into the push frame and back: its buffer is reused next step, never copied.
-            let payload = std::mem::take(slot);
-            let frame = PushFrame {
-                worker: self.opts.rank,
-                clock: self.clock,
-                shard: k as u32,
-                range_start: link.range.0,
-                range_end: link.range.1,
-                read_version: self.versions[k],
-                loss,
-                payload,
-            };
-            let bytes = encode_push(&frame);
-            *slot = frame.payload;
-            let bytes = bytes.map_err(|e| (k, NetError::from(e)))?;
-            // Opening the stream here (not in the task) keeps stream order equal to clock order.
-            let mut stream = link
-                .conn
-                .open_uni()
-                .await
-                .map_err(|e| (k, NetError::from(e)))?;
-            self.report.wire_bytes_pushed += slot.len() as u64;
-            self.report.fp32_bytes_pushed += 4 * (link.range.1 - link.range.0);
-            self.pushes.push(tokio::spawn(async move {
-                let header = match tether_common::protocol::FrameHeader::encode(
-                    FrameKind::Push,
-                    bytes.len(),
-                ) {
-                    Ok(h) => h,
-                    Err(_) => return,
-                };
-                if stream.write_all(&header).await.is_ok() && stream.write_all(&bytes).await.is_ok()
-                {
-                    let _ = stream.finish();
-                }
-            }));
-        }
-        Ok(())
-    }
-
-    async fn announce_skip(&mut self) -> Result<(), (usize, NetError)> {
-        let clock = self.clock + 1;
-        for (k, link) in self.links.iter_mut().enumerate() {
-            let link = link.as_mut().ok_or((k, NetError::ControlClosed))?;
-            link.control
-                .send(&Control::Clock { clock })
-                .await
-                .map_err(|e| (k, e))?;
-        }
-        Ok(())
-    }
-
-    async fn goodbye(&mut self) {
-        for h in self.pushes.drain(..) {
-            let _ = h.await;
-        }
-        let clock = self.clock;
-        for link in self.links.iter_mut().flatten() {
-            // The heartbeat tells the shard which pushes to wait for before it lets us leave.
-            let _ = link.control.send(&Control::Heartbeat { clock }).await;
-            let _ = link.control.send(&Control::Goodbye).await;
-        }
-        for link in self.links.iter().flatten() {
-            // Give the goodbye a moment to be delivered before closing.
-            let _ = tokio::time::timeout(Duration::from_millis(200), link.conn.closed()).await;
-            link.conn.close(0u32.into(), b"done");
-        }
-        self.endpoint.wait_idle().await;
-    }
-}
-
 /// A worker whose actor is started and whose endpoint is bound, ready to [`PreparedWorker::run`].
 pub struct PreparedWorker {
     driver: Driver,
+    opts: WorkerOptions,
+    report: WorkerReport,
     actor: Addr<WorkerActor>,
     arbiter: Arbiter,
     total_steps: u64,
@@ -550,27 +331,34 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
             shard: 0,
             source: e,
         })?;
-    let driver = Driver {
-        links: (0..shards).map(|_| None).collect(),
-        versions: vec![0; shards],
+    let limits = ranges
+        .iter()
+        .map(|r| FrameLimits::for_codec(&cfg.compression.codec(), (r.1 - r.0) as usize))
+        .collect();
+    let driver = Driver::new(DriverConfig {
+        rank: opts.rank,
+        endpoint,
+        servers: opts.servers.clone(),
+        server_names: opts.server_names.clone(),
         ranges,
+        limits,
         layout_hash: layout.hash(),
-        clock: 0,
-        report: WorkerReport {
-            rank: opts.rank,
-            ..WorkerReport::default()
-        },
-        pushes: Vec::new(),
         precision: if cfg.compression.pull_bf16 {
             Precision::Bf16
         } else {
             Precision::F32
         },
-        endpoint,
-        opts,
+        heartbeat: Duration::from_millis(cfg.cluster.heartbeat_ms.max(10)),
+        reconnect_deadline: opts.reconnect_deadline,
+    });
+    let report = WorkerReport {
+        rank: opts.rank,
+        ..WorkerReport::default()
     };
     Ok(PreparedWorker {
         driver,
+        opts,
+        report,
         actor: addr,
         arbiter,
         total_steps,
@@ -588,101 +376,128 @@ impl PreparedWorker {
     pub async fn run(mut self) -> Result<WorkerReport, WorkerError> {
         let result = train_loop(
             &mut self.driver,
+            &self.opts,
+            &mut self.report,
             &self.actor,
             self.total_steps,
             self.n_params,
         )
         .await;
+        if result.is_ok() {
+            // Goodbye only once every push has its outcome: then nothing of ours is still in flight.
+            let limit = self.opts.reconnect_deadline;
+            match self.driver.settle(limit).await {
+                Ok(true) => {}
+                Ok(false) => warn!(rank = self.opts.rank, "pushes still unsettled at goodbye"),
+                Err(e) => warn!(rank = self.opts.rank, error = %e, "settling failed"),
+            }
+            credit_refused(&mut self.driver, &self.actor);
+        }
         self.arbiter.stop();
         result?;
         self.driver.goodbye().await;
-        Ok(self.driver.report)
+        let stats = self.driver.session.stats();
+        self.report.pushes_refused = stats.pushes_refused;
+        self.report.stale_replies_dropped = stats.stale_replies;
+        self.report.max_clock_lead = stats.max_clock_lead;
+        self.report.reconnects = self.driver.reconnects;
+        self.report.wire_bytes_pulled = self.driver.bytes_pulled;
+        Ok(self.report)
+    }
+}
+
+/// Applies the residual policy to the pushes the shards refused since the last call: good gradients that were not
+/// applied are credited back into the residual; those refused for their values are dropped.
+fn credit_refused(d: &mut Driver, addr: &Addr<WorkerActor>) {
+    for r in d.refused.drain(..) {
+        if r.outcome != Outcome::Refused(ErrorCode::NonFinite) {
+            addr.do_send(Credit {
+                shard: r.shard,
+                frame: r.frame,
+            });
+        }
     }
 }
 
 async fn train_loop(
     d: &mut Driver,
+    opts: &WorkerOptions,
+    report: &mut WorkerReport,
     addr: &Addr<WorkerActor>,
     total_steps: u64,
     n_params: usize,
 ) -> Result<(), WorkerError> {
     let started = Instant::now();
-    let rank = d.opts.rank;
-    let eval_every = d.opts.config.train.eval_every;
-    let shards = d.links.len();
+    let rank = opts.rank;
+    let eval_every = opts.config.train.eval_every;
+    let shards = d.session.shards();
     let mut params = vec![0.0f32; n_params];
     let mut frames: Vec<Vec<u8>> = vec![Vec::new(); shards];
     let mut step = 0u64;
     let mut last_log = Instant::now();
-    d.ensure_connected().await?;
     while step < total_steps {
         let t0 = Instant::now();
-        if let Err((k, e)) = d.pull(&mut params).await {
-            warn!(rank, shard = k, error = %e, "pull failed; reconnecting");
-            d.links[k] = None;
-            d.report.reconnects += 1;
-            d.ensure_connected().await?;
-            continue;
-        }
-        let computed = addr
-            .send(Compute {
+        d.pull(&mut params).await?;
+        let computed = d
+            .while_running(addr.send(Compute {
                 step,
                 params,
                 frames,
-            })
-            .await
+            }))
+            .await?
             .map_err(|_| WorkerError::ActorGone)??;
         params = computed.params;
         frames = computed.frames;
         let outcome = computed.outcome;
-        if !d.opts.step_delay.is_zero() {
-            tokio::time::sleep(d.opts.step_delay).await;
+        if !opts.step_delay.is_zero() {
+            d.while_running(tokio::time::sleep(opts.step_delay)).await?;
         }
-        let (wire0, fp0) = (d.report.wire_bytes_pushed, d.report.fp32_bytes_pushed);
-        let sent = if outcome.finite {
-            d.push(&mut frames, outcome.loss).await
+        let wire: u64 = frames.iter().map(|f| f.len() as u64).sum();
+        let fp32: u64 = 4 * n_params as u64;
+        if outcome.finite {
+            d.session
+                .push(&mut frames, outcome.loss)
+                .map_err(|e| WorkerError::Protocol {
+                    shard: 0,
+                    reason: e.to_string(),
+                })?;
+            report.wire_bytes_pushed += wire;
+            report.fp32_bytes_pushed += fp32;
         } else {
-            warn!(rank, step, "non-finite gradient: not pushed");
-            d.report.nonfinite_skipped += 1;
-            if let Some(m) = &d.opts.metrics {
+            warn!(rank, step, "non-finite gradient: not pushed (skip marker)");
+            report.nonfinite_skipped += 1;
+            if let Some(m) = &opts.metrics {
                 m.nonfinite.inc();
             }
-            d.announce_skip().await
-        };
-        if let Err((k, e)) = sent {
-            warn!(rank, shard = k, error = %e, "push failed; reconnecting and redoing the step");
-            d.links[k] = None;
-            d.report.reconnects += 1;
-            d.ensure_connected().await?;
-            continue;
+            d.session.skip().map_err(|e| WorkerError::Protocol {
+                shard: 0,
+                reason: e.to_string(),
+            })?;
         }
-        d.clock += 1;
+        credit_refused(d, addr);
         step += 1;
         let secs = started.elapsed().as_secs_f64();
         if outcome.finite {
-            d.report
-                .loss_curve
-                .push((step, secs, f64::from(outcome.loss)));
+            report.loss_curve.push((step, secs, f64::from(outcome.loss)));
         }
         let mut accuracy = None;
-        if d.opts.test.is_some()
+        if opts.test.is_some()
             && eval_every > 0
             && step.is_multiple_of(eval_every)
             && step < total_steps
         {
-            let (acc, p) = addr
-                .send(Evaluate { params })
-                .await
+            let (acc, p) = d
+                .while_running(addr.send(Evaluate { params }))
+                .await?
                 .map_err(|_| WorkerError::ActorGone)?;
             params = p;
-            d.report
+            report
                 .accuracy_curve
                 .push((step, started.elapsed().as_secs_f64(), f64::from(acc)));
             accuracy = Some(acc);
         }
-        let wire = d.report.wire_bytes_pushed - wire0;
-        let fp32 = d.report.fp32_bytes_pushed - fp0;
-        if let Some(m) = &d.opts.metrics {
+        let (wire, fp32) = if outcome.finite { (wire, fp32) } else { (0, 0) };
+        if let Some(m) = &opts.metrics {
             m.step_seconds.observe(t0.elapsed().as_secs_f64());
             m.loss.set(f64::from(outcome.loss));
             m.steps.inc();
@@ -693,7 +508,7 @@ async fn train_loop(
                 .get_or_create(&vec![("kind", "fp32")])
                 .inc_by(fp32);
         }
-        if let Some(tx) = &d.opts.progress {
+        if let Some(tx) = &opts.progress {
             let _ = tx.send(Progress {
                 rank,
                 step,
@@ -711,35 +526,27 @@ async fn train_loop(
                 total_steps,
                 loss = outcome.loss,
                 ?accuracy,
-                clock = d.clock,
+                clock = d.session.clock(),
                 "progress"
             );
         }
     }
-    if d.opts.test.is_some() {
+    if opts.test.is_some() {
         // The final model: one more pull (it waits, as any pull, until the others are within the bound).
-        match d.pull(&mut params).await {
-            Ok(()) => {
-                let (acc, p) = addr
-                    .send(Evaluate { params })
-                    .await
-                    .map_err(|_| WorkerError::ActorGone)?;
-                params = p;
-                d.report.accuracy_curve.push((
-                    step,
-                    started.elapsed().as_secs_f64(),
-                    f64::from(acc),
-                ));
-                info!(rank, step, accuracy = acc, "final evaluation");
-            }
-            Err((k, e)) => {
-                warn!(rank, shard = k, error = %e, "final pull failed; no final evaluation")
-            }
-        }
+        d.pull(&mut params).await?;
+        let (acc, p) = d
+            .while_running(addr.send(Evaluate { params }))
+            .await?
+            .map_err(|_| WorkerError::ActorGone)?;
+        params = p;
+        report
+            .accuracy_curve
+            .push((step, started.elapsed().as_secs_f64(), f64::from(acc)));
+        info!(rank, step, accuracy = acc, "final evaluation");
     }
-    d.report.steps = step;
-    d.report.wall_seconds = started.elapsed().as_secs_f64();
-    d.report.final_params = params;
+    report.steps = step;
+    report.wall_seconds = started.elapsed().as_secs_f64();
+    report.final_params = params;
     Ok(())
 }
 

@@ -29,6 +29,21 @@ impl ErrorFeedback {
         &self.residual
     }
 
+    /// Adds `undelivered` (the decoded values of a frame that no shard applied) back into the residual, so that
+    /// what was not delivered is carried into the next push instead of being lost. Lengths must match.
+    pub fn credit(&mut self, undelivered: &[f32]) -> Result<(), CodecError> {
+        if undelivered.len() != self.residual.len() {
+            return Err(CodecError::LengthMismatch {
+                expected: self.residual.len() as u64,
+                found: undelivered.len() as u64,
+            });
+        }
+        for (r, &d) in self.residual.iter_mut().zip(undelivered) {
+            *r += d;
+        }
+        Ok(())
+    }
+
     /// Zeroes the residual (e.g. after the worker rejoins with fresh parameters).
     pub fn reset(&mut self) {
         self.residual.fill(0.0);

@@ -15,7 +15,7 @@ pub use endpoint::{client_endpoint, client_endpoint_on, connect, server_endpoint
 pub use identity::{peer_identity, PeerIdentity};
 pub use session::{
     client_handshake, close_with, recv_bulk, reject, send_bulk, server_accept_hello, BulkFrame,
-    ControlChannel,
+    ControlChannel, ControlReceiver, ControlSender,
 };
 pub use tls::TlsFiles;
 pub use tuning::TransportTuning;

@@ -92,18 +92,67 @@ impl ControlChannel {
 
     /// Receives one message; the peer ending the stream is [`NetError::ControlClosed`].
     pub async fn recv(&mut self) -> Result<Control, NetError> {
-        match read_frame(
-            &mut self.recv,
-            &self.limits,
-            &[FrameKind::Control],
-            &mut self.buf,
+        receive(&mut self.recv, &self.limits, &mut self.buf).await
+    }
+}
+
+impl ControlChannel {
+    /// Splits the channel into its sending and receiving halves, so that one task may write (outcomes, refusals,
+    /// heartbeats) while another reads.
+    pub fn split(self) -> (ControlSender, ControlReceiver) {
+        (
+            ControlSender { send: self.send },
+            ControlReceiver {
+                recv: self.recv,
+                buf: self.buf,
+                limits: self.limits,
+            },
         )
+    }
+}
+
+/// The sending half of a [`ControlChannel`].
+#[derive(Debug)]
+pub struct ControlSender {
+    send: quinn::SendStream,
+}
+
+impl ControlSender {
+    /// Sends one message.
+    pub async fn send(&mut self, msg: &Control) -> Result<(), NetError> {
+        let body = encode_control(msg)?;
+        let header = FrameHeader::encode(FrameKind::Control, body.len())?;
+        self.send.write_all(&header).await.map_err(write_error)?;
+        self.send.write_all(&body).await.map_err(write_error)
+    }
+}
+
+/// The receiving half of a [`ControlChannel`].
+#[derive(Debug)]
+pub struct ControlReceiver {
+    recv: quinn::RecvStream,
+    buf: AlignedVec,
+    limits: FrameLimits,
+}
+
+impl ControlReceiver {
+    /// Receives one message; the peer ending the stream is [`NetError::ControlClosed`].
+    pub async fn recv(&mut self) -> Result<Control, NetError> {
+        receive(&mut self.recv, &self.limits, &mut self.buf).await
+    }
+}
+
+async fn receive(
+    recv: &mut quinn::RecvStream,
+    limits: &FrameLimits,
+    buf: &mut AlignedVec,
+) -> Result<Control, NetError> {
+    match read_frame(recv, limits, &[FrameKind::Control], buf)
         .await
         .map_err(net)?
-        {
-            Some(_) => Ok(decode_control(&self.buf)?),
-            None => Err(NetError::ControlClosed),
-        }
+    {
+        Some(_) => Ok(decode_control(buf)?),
+        None => Err(NetError::ControlClosed),
     }
 }
 
@@ -192,6 +241,7 @@ pub async fn client_handshake(
             staleness,
             min_clock,
             version,
+            clock,
         } => Ok(Welcome {
             shard,
             range_start,
@@ -199,6 +249,7 @@ pub async fn client_handshake(
             staleness,
             min_clock,
             version,
+            clock,
         }),
         Control::Error { code, message } => Err(ProtocolError::Remote { code, message }.into()),
         other => Err(ProtocolError::UnexpectedMessage(format!(
@@ -222,11 +273,13 @@ pub async fn server_accept_hello(
             rank,
             protocol_version,
             layout_hash,
+            clock,
         }) => {
             let hello = Hello {
                 rank,
                 protocol_version,
                 layout_hash,
+                clock,
             };
             hello
                 .check(

@@ -28,6 +28,9 @@ pub struct PushFrame {
     pub read_version: u64,
     /// The worker's training loss for this step (reporting only).
     pub loss: f32,
+    /// A skip marker: the worker finished round `clock` without an update (`payload` is empty). It travels on the
+    /// push path so that it stays ordered with the pushes.
+    pub skip: bool,
     /// The codec frame (opaque here).
     pub payload: Vec<u8>,
 }
@@ -38,6 +41,8 @@ pub struct PushFrame {
 pub struct ParamReply {
     /// Answering shard.
     pub shard: u32,
+    /// The request this answers (`Control::PullRequest::request`).
+    pub request: u64,
     /// The clock of the pull this answers.
     pub clock: u64,
     /// Shard version of these values.
@@ -71,6 +76,8 @@ pub struct PushMeta {
     pub read_version: u64,
     /// Reported loss.
     pub loss: f32,
+    /// A skip marker.
+    pub skip: bool,
 }
 
 impl ArchivedPushFrame {
@@ -84,6 +91,7 @@ impl ArchivedPushFrame {
             range_end: self.range_end.to_native(),
             read_version: self.read_version.to_native(),
             loss: self.loss.to_native(),
+            skip: self.skip,
         }
     }
 

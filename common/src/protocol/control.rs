@@ -25,6 +25,9 @@ pub enum Control {
         protocol_version: u32,
         /// Hash of the model layout; must equal the server's.
         layout_hash: u64,
+        /// The clock the worker (re)joins at: its first push round this shard has not acknowledged. This is the
+        /// only way a worker moves its clock without a push or a skip (an explicit rejoin).
+        clock: u64,
     },
     /// Server → worker, answer to `Hello`: the shard's identity and the SSP state to join at.
     Welcome {
@@ -36,27 +39,40 @@ pub enum Control {
         range_end: u64,
         /// Staleness bound; `None` means unbounded (asynchronous).
         staleness: Option<u32>,
-        /// Minimum clock over live workers; a (re)joining worker starts here.
+        /// Minimum clock over live workers.
         min_clock: u64,
         /// Shard parameter version.
         version: u64,
-    },
-    /// Worker → server liveness signal carrying the worker's clock.
-    Heartbeat {
-        /// The worker's current clock.
+        /// The worker's clock at this shard: the round its next push or skip must carry (≥ the hello's clock).
         clock: u64,
     },
-    /// Worker → server: the worker finished push round `clock`.
-    Clock {
-        /// The completed push round.
+    /// Worker → server liveness signal, sent on a timer for the whole connection (a long step is not silence).
+    Heartbeat {
+        /// The worker's current clock (informational).
         clock: u64,
     },
     /// Worker → server: send parameters once the SSP gate for `clock` opens.
     PullRequest {
+        /// Names this request; the reply carries it back, and a reply to another request is never used.
+        request: u64,
         /// The worker's clock for this pull.
         clock: u64,
         /// Wire precision of the returned values.
         precision: Precision,
+    },
+    /// Server → worker: a pull request was refused (the reply will never come).
+    PullRefused {
+        /// The refused request.
+        request: u64,
+        /// Why.
+        code: ErrorCode,
+    },
+    /// Server → worker: what became of the push (or skip marker) of round `clock`.
+    PushOutcome {
+        /// The push round.
+        clock: u64,
+        /// Applied, already applied, or refused.
+        outcome: Outcome,
     },
     /// Either side: a protocol error; the sender closes the connection with the same code.
     Error {
@@ -84,12 +100,24 @@ impl Control {
             Control::Hello { .. } => "Hello",
             Control::Welcome { .. } => "Welcome",
             Control::Heartbeat { .. } => "Heartbeat",
-            Control::Clock { .. } => "Clock",
             Control::PullRequest { .. } => "PullRequest",
+            Control::PullRefused { .. } => "PullRefused",
+            Control::PushOutcome { .. } => "PushOutcome",
             Control::Error { .. } => "Error",
             Control::Goodbye => "Goodbye",
         }
     }
+}
+
+/// What a shard did with one push or skip marker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// Applied now (or, for a skip marker, the clock advanced).
+    Applied,
+    /// This (worker, clock) was applied before: a resend, acknowledged without applying it again.
+    Duplicate,
+    /// Refused; the update is not in the weights. For a numerically refused push the clock still advanced.
+    Refused(ErrorCode),
 }
 
 fn config() -> impl bincode::config::Config {
@@ -155,6 +183,8 @@ pub struct Hello {
     pub protocol_version: u32,
     /// The worker's layout hash.
     pub layout_hash: u64,
+    /// The clock the worker (re)joins at.
+    pub clock: u64,
 }
 
 /// The fields of `Control::Welcome`.
@@ -172,6 +202,8 @@ pub struct Welcome {
     pub min_clock: u64,
     /// Shard version.
     pub version: u64,
+    /// The worker's clock at this shard.
+    pub clock: u64,
 }
 
 impl From<Hello> for Control {
@@ -180,6 +212,7 @@ impl From<Hello> for Control {
             rank: h.rank,
             protocol_version: h.protocol_version,
             layout_hash: h.layout_hash,
+            clock: h.clock,
         }
     }
 }
@@ -193,17 +226,24 @@ impl From<Welcome> for Control {
             staleness: w.staleness,
             min_clock: w.min_clock,
             version: w.version,
+            clock: w.clock,
         }
     }
 }
 
 impl Hello {
-    /// A hello for `rank` at this build's protocol version.
+    /// A hello for a fresh `rank` (clock 0) at this build's protocol version.
     pub fn new(rank: u32, layout_hash: u64) -> Hello {
+        Hello::rejoin(rank, layout_hash, 0)
+    }
+
+    /// A hello that rejoins at `clock`.
+    pub fn rejoin(rank: u32, layout_hash: u64, clock: u64) -> Hello {
         Hello {
             rank,
             protocol_version: super::PROTOCOL_VERSION,
             layout_hash,
+            clock,
         }
     }
 

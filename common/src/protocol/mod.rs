@@ -15,7 +15,9 @@ pub use bulk::{
     encode_push, encode_push_into, ArchivedParamReply, ArchivedPushFrame, ParamReply, PushFrame,
     PushMeta,
 };
-pub use control::{decode_control, encode_control, Control, Hello, Welcome, MAX_CONTROL_BYTES};
+pub use control::{
+    decode_control, encode_control, Control, Hello, Outcome, Welcome, MAX_CONTROL_BYTES,
+};
 pub use error::{ErrorCode, ProtocolError};
 pub use framing::{
     encode_frame, read_frame, split_frame, FrameHeader, FrameKind, FrameLimits, ReadFrameError,
@@ -23,7 +25,7 @@ pub use framing::{
 };
 
 /// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";

@@ -1,0 +1,419 @@
+//! `ShardProtocol`: the server side of the Tether protocol for one shard, as a sans-IO state machine in the spirit
+//! of quinn-proto. It owns the [`ShardCore`] and every protocol rule around it: which connection speaks for which
+//! worker, the explicit rejoin at hello, heartbeats and eviction, idempotent pushes and skip markers (by worker and
+//! clock), the checks on every pull (membership, clock) with a per-worker bound on parked pulls, and leaving.
+//!
+//! It takes messages and `now_ms` and returns outcomes; pulls that can be answered and connections that must be
+//! closed come out of [`ShardProtocol::poll_action`]. No sockets, actors, timers or threads: the `ShardActor` and
+//! the per-connection session tasks only move bytes and timers. Invariants:
+//! - a pull is answered only when the SSP gate of the clock table allows it, and only for a live member at a clock
+//!   the protocol allows (`own ≤ clock ≤ own + s + 1`);
+//! - a push or skip for `(worker, clock)` changes the weights at most once; a resend of an applied one is
+//!   acknowledged as [`Outcome::Duplicate`] and changes nothing;
+//! - every peer-supplied number goes through checked arithmetic and fails with a typed [`ShardError`];
+//! - at most [`MAX_PARKED_PER_WORKER`] pulls per worker wait on the gate, so no peer can take the others' slots.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use tether_common::config::Staleness;
+use tether_common::protocol::{ErrorCode, Outcome, Precision};
+
+use crate::shard::{Applied, Push, ShardCore, ShardError, MAX_CLOCK};
+
+/// Identifies one connection (one session) to this shard; the shell assigns them, never reusing one.
+pub type ConnId = u64;
+
+/// At most this many pulls of one worker wait on the SSP gate at once (an honest worker has one per shard).
+pub const MAX_PARKED_PER_WORKER: usize = 2;
+
+/// Outcomes of recent rounds remembered per worker, to answer resends idempotently.
+const OUTCOME_WINDOW: usize = 128;
+
+/// A pull the shell must answer now with the shard's current weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadyPull {
+    /// The token [`ShardProtocol::pull`] returned.
+    pub token: u64,
+    /// The connection that asked.
+    pub conn: ConnId,
+    /// The worker.
+    pub worker: u32,
+    /// The worker's request id (travels back in the reply).
+    pub request: u64,
+    /// The pull's clock.
+    pub clock: u64,
+    /// The requested precision.
+    pub precision: Precision,
+}
+
+/// Something the shell must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Answer this pull now (then call [`ShardProtocol::answered`]).
+    Answer(ReadyPull),
+    /// Refuse this parked pull: it will never be answered (its worker left, was evicted or reconnected).
+    Refuse {
+        /// The pull's token.
+        token: u64,
+        /// The worker's request id.
+        request: u64,
+        /// Why.
+        error: ShardError,
+    },
+    /// Close this connection with this code (an evicted worker whose connection is still up reconnects and rejoins).
+    Close {
+        /// The connection.
+        conn: ConnId,
+        /// The close code.
+        code: ErrorCode,
+    },
+}
+
+/// What a worker learns when its hello is accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Joined {
+    /// The worker's clock at this shard: the round its next push or skip must carry.
+    pub clock: u64,
+    /// Minimum clock over live workers.
+    pub min_clock: u64,
+    /// Shard version.
+    pub version: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Parked {
+    token: u64,
+    conn: ConnId,
+    worker: u32,
+    request: u64,
+    clock: u64,
+    precision: Precision,
+}
+
+/// Per-worker protocol state besides its clock-table row.
+#[derive(Debug, Default, Clone)]
+struct Member {
+    /// The connection that speaks for the worker now (pulls and heartbeats on older ones are ignored).
+    conn: Option<ConnId>,
+    /// Outcomes of the most recent rounds, oldest first, for idempotent resends.
+    outcomes: VecDeque<(u64, Outcome)>,
+}
+
+impl Member {
+    fn remember(&mut self, clock: u64, outcome: Outcome) {
+        if self.outcomes.len() == OUTCOME_WINDOW {
+            self.outcomes.pop_front();
+        }
+        self.outcomes.push_back((clock, outcome));
+    }
+
+    fn outcome_of(&self, clock: u64) -> Option<Outcome> {
+        self.outcomes
+            .iter()
+            .rev()
+            .find(|(c, _)| *c == clock)
+            .map(|(_, o)| *o)
+    }
+}
+
+/// One push or skip marker as the protocol sees it.
+#[derive(Debug, Clone, Copy)]
+pub enum Round<'a> {
+    /// A gradient push.
+    Push(Push<'a>),
+    /// A skip marker: `worker` finished round `clock` without an update.
+    Skip {
+        /// The worker.
+        worker: u32,
+        /// The round.
+        clock: u64,
+    },
+}
+
+impl Round<'_> {
+    fn worker(&self) -> u32 {
+        match self {
+            Round::Push(p) => p.worker,
+            Round::Skip { worker, .. } => *worker,
+        }
+    }
+
+    fn clock(&self) -> u64 {
+        match self {
+            Round::Push(p) => p.clock,
+            Round::Skip { clock, .. } => *clock,
+        }
+    }
+}
+
+/// The server side of the protocol for one shard.
+pub struct ShardProtocol {
+    core: ShardCore,
+    members: BTreeMap<u32, Member>,
+    parked: Vec<Parked>,
+    actions: VecDeque<Action>,
+    next_token: u64,
+}
+
+impl ShardProtocol {
+    /// Wraps a shard core (fresh or restored).
+    pub fn new(core: ShardCore) -> Self {
+        Self {
+            core,
+            members: BTreeMap::new(),
+            parked: Vec::new(),
+            actions: VecDeque::new(),
+            next_token: 0,
+        }
+    }
+
+    /// The shard core (weights, version, clock table, counters).
+    pub fn core(&self) -> &ShardCore {
+        &self.core
+    }
+
+    /// Mutable access to the core, for restores and tests; protocol state is not touched.
+    pub fn core_mut(&mut self) -> &mut ShardCore {
+        &mut self.core
+    }
+
+    /// Pulls waiting on the SSP gate.
+    pub fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// The next thing the shell must do, if any.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// A worker's hello on connection `conn`: the explicit rejoin. The worker's clock becomes
+    /// `max(claimed, own row, m)`; a claim past [`MAX_CLOCK`] is refused and changes nothing. The new connection
+    /// supersedes the worker's older one: that one's parked pulls are refused.
+    pub fn hello(
+        &mut self,
+        conn: ConnId,
+        worker: u32,
+        clock: u64,
+        now_ms: u64,
+    ) -> Result<Joined, ShardError> {
+        let clock = self.core.join_at(worker, clock, now_ms)?;
+        let member = self.members.entry(worker).or_default();
+        let old = member.conn.replace(conn);
+        if let Some(old) = old.filter(|c| *c != conn) {
+            self.refuse_parked(|p| p.conn == old, ShardError::NotMember(worker));
+        }
+        self.release_ready();
+        Ok(Joined {
+            clock,
+            min_clock: self.core.clocks().min_clock(),
+            version: self.core.version(),
+        })
+    }
+
+    /// Any message from `worker` on `conn` is a sign of life; on a superseded connection it is ignored.
+    pub fn heartbeat(&mut self, conn: ConnId, worker: u32, now_ms: u64) {
+        if self.is_current(conn, worker) {
+            self.core.heartbeat(worker, now_ms);
+        }
+    }
+
+    fn is_current(&self, conn: ConnId, worker: u32) -> bool {
+        self.members.get(&worker).and_then(|m| m.conn) == Some(conn)
+    }
+
+    /// A push or skip marker. Idempotent by `(worker, clock)`: a round that was applied before is acknowledged as
+    /// [`Outcome::Duplicate`] and changes nothing; a round refused before is refused again with the same code.
+    /// Returns the outcome the worker is told, and what the shard did now: the application details, nothing (a
+    /// duplicate or skip), or the refusal in full.
+    pub fn round(
+        &mut self,
+        round: Round<'_>,
+        now_ms: u64,
+    ) -> (Outcome, Result<Option<Applied>, ShardError>) {
+        let (worker, clock) = (round.worker(), round.clock());
+        let current = self.core.clocks().clock_of(worker);
+        if let Some(own) = current {
+            if clock < own {
+                let seen = self.members.get(&worker).and_then(|m| m.outcome_of(clock));
+                let outcome = match seen {
+                    Some(Outcome::Applied) | Some(Outcome::Duplicate) => Outcome::Duplicate,
+                    Some(refused @ Outcome::Refused(_)) => refused,
+                    // Before our window: it was applied, skipped or jumped over by a rejoin. A round the worker
+                    // still holds and that we no longer know can only be one a rejoin jumped over (never applied).
+                    None => Outcome::Refused(ErrorCode::Replay),
+                };
+                let result = match outcome {
+                    Outcome::Refused(_) => Err(ShardError::Replay {
+                        worker,
+                        expected: own,
+                        found: clock,
+                    }),
+                    _ => Ok(None),
+                };
+                return (outcome, result);
+            }
+        }
+        let result = match round {
+            Round::Push(push) => self.core.apply(&push, now_ms).map(Some),
+            Round::Skip { worker, clock } => self.core.skip(worker, clock, now_ms).map(|_| None),
+        };
+        let outcome = match &result {
+            Ok(_) => Outcome::Applied,
+            Err(e) => Outcome::Refused(e.code()),
+        };
+        // Only rounds that moved the clock are remembered: those are the ones a resend may repeat.
+        let advanced = self.core.clocks().clock_of(worker) > current;
+        if advanced {
+            self.members
+                .entry(worker)
+                .or_default()
+                .remember(clock, outcome);
+            self.release_ready();
+        }
+        (outcome, result)
+    }
+
+    /// A pull request. Checks membership (a live worker speaking on its current connection) and the clock
+    /// (`own ≤ clock ≤ own + s + 1`: an honest worker pulls at most `s + 1` rounds past its last applied push),
+    /// then answers at once or parks the pull on the gate. Returns the pull's token; the answer comes out of
+    /// [`poll_action`](Self::poll_action).
+    pub fn pull(
+        &mut self,
+        conn: ConnId,
+        worker: u32,
+        request: u64,
+        clock: u64,
+        precision: Precision,
+        now_ms: u64,
+    ) -> Result<u64, ShardError> {
+        let own = self
+            .core
+            .clocks()
+            .clock_of(worker)
+            .filter(|_| self.is_current(conn, worker))
+            .ok_or(ShardError::NotMember(worker))?;
+        self.core.heartbeat(worker, now_ms);
+        if clock < own {
+            return Err(ShardError::Replay {
+                worker,
+                expected: own,
+                found: clock,
+            });
+        }
+        let ahead = match self.core.clocks().staleness() {
+            Staleness::Bounded(s) => u64::from(s) + 1,
+            Staleness::Unbounded => MAX_CLOCK,
+        };
+        if clock > own.saturating_add(ahead) || clock > MAX_CLOCK {
+            return Err(ShardError::ClockFromFuture {
+                worker,
+                expected: own,
+                found: clock,
+            });
+        }
+        let waiting = self.parked.iter().filter(|p| p.worker == worker).count();
+        if waiting >= MAX_PARKED_PER_WORKER {
+            return Err(ShardError::Overloaded);
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        self.parked.push(Parked {
+            token,
+            conn,
+            worker,
+            request,
+            clock,
+            precision,
+        });
+        self.release_ready();
+        Ok(token)
+    }
+
+    /// The shell answered a pull at `clock` with `bytes` of values; records the clock lead for the report.
+    pub fn answered(&mut self, clock: u64, bytes: u64) -> u64 {
+        self.core.answered(clock, bytes)
+    }
+
+    /// A worker said goodbye on `conn`: it leaves the clock table (nobody waits on it); its parked pulls are refused.
+    /// The worker only says goodbye once every push it made has an outcome, so nothing of it is still in flight.
+    pub fn goodbye(&mut self, conn: ConnId, worker: u32) {
+        if !self.is_current(conn, worker) {
+            return;
+        }
+        self.core.leave(worker);
+        self.members.remove(&worker);
+        self.refuse_parked(|p| p.worker == worker, ShardError::NotMember(worker));
+        self.release_ready();
+    }
+
+    /// Connection `conn` closed: its parked pulls are dropped. The worker stays in the table until it rejoins or
+    /// its silence evicts it.
+    pub fn closed(&mut self, conn: ConnId) {
+        self.parked.retain(|p| p.conn != conn);
+        for m in self.members.values_mut() {
+            if m.conn == Some(conn) {
+                m.conn = None;
+            }
+        }
+    }
+
+    /// A pull's requester went away before its answer (the shell noticed); drops it.
+    pub fn cancel(&mut self, token: u64) {
+        self.parked.retain(|p| p.token != token);
+    }
+
+    /// Evicts the workers silent for the timeout: they stop blocking the gate, their parked pulls are refused and
+    /// their connections closed (so that, if they are alive after all, they reconnect and rejoin).
+    pub fn tick(&mut self, now_ms: u64) -> Vec<u32> {
+        let evicted = self.core.evict_silent(now_ms);
+        for &w in &evicted {
+            self.refuse_parked(|p| p.worker == w, ShardError::NotMember(w));
+            if let Some(conn) = self.members.get_mut(&w).and_then(|m| m.conn.take()) {
+                self.actions.push_back(Action::Close {
+                    conn,
+                    code: ErrorCode::Evicted,
+                });
+            }
+        }
+        if !evicted.is_empty() {
+            self.release_ready();
+        }
+        evicted
+    }
+
+    fn refuse_parked(&mut self, which: impl Fn(&Parked) -> bool, error: ShardError) {
+        let mut i = 0;
+        while i < self.parked.len() {
+            if which(&self.parked[i]) {
+                let p = self.parked.swap_remove(i);
+                self.actions.push_back(Action::Refuse {
+                    token: p.token,
+                    request: p.request,
+                    error: error.clone(),
+                });
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn release_ready(&mut self) {
+        let mut i = 0;
+        while i < self.parked.len() {
+            if self.core.can_answer(self.parked[i].clock) {
+                let p = self.parked.remove(i);
+                self.actions.push_back(Action::Answer(ReadyPull {
+                    token: p.token,
+                    conn: p.conn,
+                    worker: p.worker,
+                    request: p.request,
+                    clock: p.clock,
+                    precision: p.precision,
+                }));
+            } else {
+                i += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,620 @@
+//! The worker's transport shell around [`WorkerSession`]: one QUIC connection per shard with a writer task (control
+//! messages in order, push frames on uni streams opened in clock order) and two reader tasks (control messages,
+//! pull replies), all feeding one inbox; reconnects with exponential backoff; and the event loop that drives the
+//! session's timers while the trainer waits for a pull or for the compute actor. No protocol rule lives here: every
+//! decision (which reply to use, what to resend, when to heartbeat, when to rejoin) is the session's.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rkyv::util::AlignedVec;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use tether_common::net::{
+    client_handshake, connect, recv_bulk, ControlChannel, ControlReceiver, ControlSender, NetError,
+};
+use tether_common::protocol::{
+    access_params, Control, FrameHeader, FrameKind, FrameLimits, Outcome, Precision, ProtocolError,
+    Welcome,
+};
+
+use crate::session::{Event, Transmit, WorkerSession};
+use crate::trainer::WorkerError;
+
+/// What the per-link tasks and connect attempts report to the driver.
+enum Inbound {
+    Control { shard: usize, gen: u64, msg: Control },
+    Reply { shard: usize, gen: u64, body: AlignedVec },
+    Lost { shard: usize, gen: u64, error: NetError },
+    Connected { shard: usize, attempt: u64, result: Result<Connection, NetError> },
+}
+
+struct Connection {
+    conn: quinn::Connection,
+    control: ControlChannel,
+    welcome: Welcome,
+}
+
+enum Outgoing {
+    Control(Control),
+    Push(Bytes),
+}
+
+/// The I/O of one live link.
+struct LinkIo {
+    gen: u64,
+    conn: quinn::Connection,
+    out: mpsc::UnboundedSender<Outgoing>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl LinkIo {
+    fn close(self, reason: &[u8]) {
+        self.conn.close(0u32.into(), reason);
+        for t in self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Reconnect state of one shard.
+#[derive(Default)]
+struct Outage {
+    since: Option<Instant>,
+    attempt: u64,
+    backoff: Duration,
+    connecting: bool,
+}
+
+/// A settled push the trainer must act on (the residual policy).
+#[derive(Debug, Clone)]
+pub struct Refused {
+    /// The shard.
+    pub shard: usize,
+    /// The round.
+    pub clock: u64,
+    /// Why.
+    pub outcome: Outcome,
+    /// The frame as sent.
+    pub frame: Bytes,
+}
+
+/// The network side of one worker.
+pub struct Driver {
+    /// The protocol state.
+    pub session: WorkerSession,
+    rank: u32,
+    endpoint: quinn::Endpoint,
+    servers: Vec<String>,
+    server_names: Vec<String>,
+    limits: Vec<FrameLimits>,
+    ranges: Vec<(u64, u64)>,
+    links: Vec<Option<LinkIo>>,
+    outages: Vec<Outage>,
+    inbox_tx: mpsc::UnboundedSender<Inbound>,
+    inbox: mpsc::UnboundedReceiver<Inbound>,
+    next_gen: u64,
+    epoch: Instant,
+    deadline: Duration,
+    /// Pushes refused (or dropped by a rejoin), for the residual policy; drained by the trainer.
+    pub refused: Vec<Refused>,
+    /// Reconnections after a link broke.
+    pub reconnects: u64,
+    /// Parameter bytes received in used replies.
+    pub bytes_pulled: u64,
+}
+
+/// Everything [`Driver::new`] needs.
+pub struct DriverConfig {
+    /// Worker rank.
+    pub rank: u32,
+    /// The client endpoint (mutual TLS).
+    pub endpoint: quinn::Endpoint,
+    /// Shard addresses, resolved at every connect.
+    pub servers: Vec<String>,
+    /// TLS names per shard.
+    pub server_names: Vec<String>,
+    /// Shard ranges.
+    pub ranges: Vec<(u64, u64)>,
+    /// Frame limits per shard.
+    pub limits: Vec<FrameLimits>,
+    /// Layout fingerprint.
+    pub layout_hash: u64,
+    /// Pull precision.
+    pub precision: Precision,
+    /// Heartbeat period.
+    pub heartbeat: Duration,
+    /// Give up when a shard stays unreachable this long.
+    pub reconnect_deadline: Duration,
+}
+
+impl Driver {
+    /// A driver with every link down; the first wait connects them.
+    pub fn new(cfg: DriverConfig) -> Driver {
+        let (inbox_tx, inbox) = mpsc::unbounded_channel();
+        let n = cfg.servers.len();
+        Driver {
+            session: WorkerSession::new(
+                cfg.rank,
+                cfg.layout_hash,
+                cfg.ranges.clone(),
+                cfg.precision,
+                cfg.heartbeat.as_millis() as u64,
+            ),
+            rank: cfg.rank,
+            endpoint: cfg.endpoint,
+            servers: cfg.servers,
+            server_names: cfg.server_names,
+            limits: cfg.limits,
+            ranges: cfg.ranges,
+            links: (0..n).map(|_| None).collect(),
+            outages: (0..n).map(|_| Outage::default()).collect(),
+            inbox_tx,
+            inbox,
+            next_gen: 0,
+            epoch: Instant::now(),
+            deadline: cfg.reconnect_deadline,
+            refused: Vec::new(),
+            reconnects: 0,
+            bytes_pulled: 0,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Pulls every shard's values for the current clock into `params` (SSP-gated by the shards), reconnecting as
+    /// needed. Returns when the session has a complete, current answer from every shard.
+    pub async fn pull(&mut self, params: &mut [f32]) -> Result<(), WorkerError> {
+        let now = self.now_ms();
+        self.session.start_pull(now);
+        let clock = loop {
+            if let Some(clock) = self.flush()? {
+                break clock;
+            }
+            self.step_io(Some(&mut *params)).await?;
+        };
+        debug!(rank = self.rank, clock, "pull complete");
+        Ok(())
+    }
+
+    /// Runs `fut` (a compute step, a sleep) while keeping the protocol alive: heartbeats, outcomes, reconnects.
+    pub async fn while_running<F: Future>(&mut self, fut: F) -> Result<F::Output, WorkerError> {
+        tokio::pin!(fut);
+        loop {
+            self.flush()?;
+            let timeout = self.timer();
+            tokio::select! {
+                out = &mut fut => return Ok(out),
+                msg = self.inbox.recv() => {
+                    // The driver holds a sender itself, so the inbox never closes.
+                    if let Some(msg) = msg {
+                        self.handle(msg, None)?;
+                    }
+                }
+                _ = tokio::time::sleep_until(timeout) => {
+                    let now = self.now_ms();
+                    self.session.handle_timeout(now);
+                }
+            }
+        }
+    }
+
+    /// Waits until every push has its outcome (or `limit` passes); returns whether all settled.
+    pub async fn settle(&mut self, limit: Duration) -> Result<bool, WorkerError> {
+        let end = tokio::time::Instant::now() + limit;
+        while !self.session.settled() {
+            if tokio::time::Instant::now() >= end {
+                return Ok(false);
+            }
+            let _ = tokio::time::timeout_at(end, self.step_io(None)).await;
+            self.flush()?;
+        }
+        Ok(true)
+    }
+
+    /// Says goodbye on every link, gives it a moment to be delivered, and closes.
+    pub async fn goodbye(&mut self) {
+        let now = self.now_ms();
+        self.session.goodbye(now);
+        let _ = self.flush();
+        for link in self.links.iter_mut() {
+            if let Some(io) = link.take() {
+                drop(io.out);
+                let _ = tokio::time::timeout(Duration::from_millis(500), io.conn.closed()).await;
+                io.conn.close(0u32.into(), b"done");
+                for t in io.tasks {
+                    t.abort();
+                }
+            }
+        }
+        self.endpoint.wait_idle().await;
+    }
+
+    fn timer(&self) -> tokio::time::Instant {
+        let base = tokio::time::Instant::from_std(self.epoch);
+        match self.session.poll_timeout() {
+            Some(ms) => base + Duration::from_millis(ms),
+            None => tokio::time::Instant::now() + Duration::from_secs(3600),
+        }
+    }
+
+    /// Waits for one inbound message or timer and hands it to the session.
+    async fn step_io(&mut self, params: Option<&mut [f32]>) -> Result<(), WorkerError> {
+        let timeout = self.timer();
+        tokio::select! {
+            msg = self.inbox.recv() => {
+                if let Some(msg) = msg {
+                    self.handle(msg, params)?;
+                }
+            }
+            _ = tokio::time::sleep_until(timeout) => {
+                let now = self.now_ms();
+                self.session.handle_timeout(now);
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves the session's transmits to the links and acts on its events. Returns the clock of a completed pull.
+    fn flush(&mut self) -> Result<Option<u64>, WorkerError> {
+        let mut done = None;
+        loop {
+            let mut progressed = false;
+            while let Some(t) = self.session.poll_transmit() {
+                progressed = true;
+                let (shard, out) = match t {
+                    Transmit::Control { shard, msg } => (shard, Outgoing::Control(msg)),
+                    Transmit::Push { shard, bytes, .. } => (shard, Outgoing::Push(bytes)),
+                };
+                // A link that is down drops the message; the session resends what matters after the reconnect.
+                if let Some(io) = &self.links[shard] {
+                    let _ = io.out.send(out);
+                }
+            }
+            while let Some(e) = self.session.poll_event() {
+                progressed = true;
+                match e {
+                    Event::PullDone { clock } => done = Some(clock),
+                    Event::Settled {
+                        shard,
+                        clock,
+                        outcome,
+                        frame,
+                    } => {
+                        if let Outcome::Refused(code) = outcome {
+                            warn!(rank = self.rank, shard, clock, ?code, "push refused");
+                            self.refused.push(Refused {
+                                shard,
+                                clock,
+                                outcome,
+                                frame,
+                            });
+                        }
+                    }
+                    Event::Reconnect { shard } => self.reconnect(shard)?,
+                }
+            }
+            if !progressed {
+                return Ok(done);
+            }
+        }
+    }
+
+    fn reconnect(&mut self, shard: usize) -> Result<(), WorkerError> {
+        if let Some(io) = self.links[shard].take() {
+            io.close(b"reconnect");
+            self.reconnects += 1;
+        }
+        let outage = &mut self.outages[shard];
+        if outage.connecting {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let since = *outage.since.get_or_insert(now);
+        if now.duration_since(since) > self.deadline {
+            return Err(WorkerError::Net {
+                shard,
+                source: NetError::Resolve(format!(
+                    "{} unreachable for {:?}",
+                    self.servers[shard], self.deadline
+                )),
+            });
+        }
+        let delay = outage.backoff;
+        outage.backoff = (outage.backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        outage.attempt += 1;
+        outage.connecting = true;
+        let attempt = outage.attempt;
+        let hello = self.session.hello(shard);
+        let (endpoint, name, server_name) = (
+            self.endpoint.clone(),
+            self.servers[shard].clone(),
+            self.server_names[shard].clone(),
+        );
+        let tx = self.inbox_tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let result = async {
+                let addr = tokio::net::lookup_host(name.as_str())
+                    .await
+                    .ok()
+                    .and_then(|mut a| a.next())
+                    .ok_or_else(|| NetError::Resolve(name.clone()))?;
+                let conn = connect(&endpoint, addr, &server_name).await?;
+                let mut control = ControlChannel::open(&conn).await?;
+                let welcome = client_handshake(&mut control, hello).await?;
+                Ok(Connection {
+                    conn,
+                    control,
+                    welcome,
+                })
+            }
+            .await;
+            let _ = tx.send(Inbound::Connected {
+                shard,
+                attempt,
+                result,
+            });
+        });
+        Ok(())
+    }
+
+    fn handle(&mut self, msg: Inbound, params: Option<&mut [f32]>) -> Result<(), WorkerError> {
+        let current = |links: &Vec<Option<LinkIo>>, shard: usize, gen: u64| {
+            links[shard].as_ref().is_some_and(|io| io.gen == gen)
+        };
+        match msg {
+            Inbound::Connected {
+                shard,
+                attempt,
+                result,
+            } => {
+                if self.outages[shard].attempt != attempt {
+                    return Ok(());
+                }
+                self.outages[shard].connecting = false;
+                match result {
+                    Ok(c) => self.install(shard, c)?,
+                    Err(e) => {
+                        debug!(rank = self.rank, shard, error = %e, "connect failed");
+                        if e.remote_close_code().is_some() || matches!(e, NetError::Protocol(_)) {
+                            return Err(WorkerError::Net { shard, source: e });
+                        }
+                        self.reconnect(shard)?;
+                    }
+                }
+            }
+            Inbound::Lost { shard, gen, error } => {
+                if current(&self.links, shard, gen) {
+                    warn!(rank = self.rank, shard, error = %error, "link lost; reconnecting");
+                    if let Some(io) = self.links[shard].take() {
+                        io.close(b"lost");
+                    }
+                    self.reconnects += 1;
+                    self.session.disconnected(shard);
+                }
+            }
+            Inbound::Control { shard, gen, msg } => {
+                if !current(&self.links, shard, gen) {
+                    return Ok(());
+                }
+                match msg {
+                    Control::PushOutcome { clock, outcome } => {
+                        self.session.outcome(shard, clock, outcome)
+                    }
+                    Control::PullRefused { request, code } => {
+                        self.session.pull_refused(shard, request, code)
+                    }
+                    Control::Error { code, message } => {
+                        warn!(rank = self.rank, shard, ?code, %message, "shard reported an error");
+                    }
+                    other => {
+                        warn!(rank = self.rank, shard, msg = other.name(), "unexpected message; reconnecting");
+                        if let Some(io) = self.links[shard].take() {
+                            io.close(b"unexpected message");
+                        }
+                        self.session.disconnected(shard);
+                    }
+                }
+            }
+            Inbound::Reply { shard, gen, body } => {
+                if !current(&self.links, shard, gen) {
+                    return Ok(());
+                }
+                if let Err(e) = self.use_reply(shard, &body, params) {
+                    warn!(rank = self.rank, shard, error = %e, "bad pull reply; reconnecting");
+                    if let Some(io) = self.links[shard].take() {
+                        io.close(b"bad reply");
+                    }
+                    self.session.disconnected(shard);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates a reply in place and, when the session says it answers the current request, converts its values
+    /// into `params`. A stale reply is dropped without touching the model.
+    fn use_reply(
+        &mut self,
+        shard: usize,
+        body: &AlignedVec,
+        params: Option<&mut [f32]>,
+    ) -> Result<(), ProtocolError> {
+        let range = self.ranges[shard];
+        let reply = access_params(body)?;
+        reply.check_shape(range.0, range.1)?;
+        let Some(params) = params else {
+            // Not pulling: whatever this is answers nothing we asked for now.
+            self.session.reply(shard, u64::MAX, u64::MAX, 0, 0);
+            return Ok(());
+        };
+        let used = self.session.reply(
+            shard,
+            reply.request.to_native(),
+            reply.clock.to_native(),
+            reply.version.to_native(),
+            reply.min_clock.to_native(),
+        );
+        if !used {
+            return Ok(());
+        }
+        let dst = &mut params[range.0 as usize..range.1 as usize];
+        match reply.precision() {
+            Precision::F32 => {
+                for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(4)) {
+                    *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Precision::Bf16 => {
+                for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(2)) {
+                    *d = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                }
+            }
+        }
+        self.bytes_pulled += reply.values().len() as u64;
+        Ok(())
+    }
+
+    fn install(&mut self, shard: usize, c: Connection) -> Result<(), WorkerError> {
+        let gen = self.next_gen;
+        self.next_gen += 1;
+        let now = self.now_ms();
+        if let Err(e) = self.session.connected(shard, &c.welcome, now) {
+            c.conn.close(0u32.into(), b"bad welcome");
+            return Err(WorkerError::Protocol {
+                shard,
+                reason: e.to_string(),
+            });
+        }
+        let outage = &mut self.outages[shard];
+        if outage.since.is_some() {
+            info!(rank = self.rank, shard, clock = c.welcome.clock, "reconnected");
+        }
+        *outage = Outage::default();
+        let (sender, receiver) = c.control.split();
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let tx = self.inbox_tx.clone();
+        let tasks = vec![
+            tokio::spawn(writer(shard, gen, c.conn.clone(), sender, out_rx, tx.clone())),
+            tokio::spawn(control_reader(shard, gen, receiver, tx.clone())),
+            tokio::spawn(reply_reader(
+                shard,
+                gen,
+                c.conn.clone(),
+                self.limits[shard],
+                tx,
+            )),
+        ];
+        self.links[shard] = Some(LinkIo {
+            gen,
+            conn: c.conn,
+            out: out_tx,
+            tasks,
+        });
+        Ok(())
+    }
+}
+
+/// Writes one link's control messages in order and opens one uni stream per push in clock order (the body is
+/// written by its own task so a large frame does not hold up control messages).
+async fn writer(
+    shard: usize,
+    gen: u64,
+    conn: quinn::Connection,
+    mut control: ControlSender,
+    mut queue: mpsc::UnboundedReceiver<Outgoing>,
+    inbox: mpsc::UnboundedSender<Inbound>,
+) {
+    while let Some(out) = queue.recv().await {
+        let sent = match out {
+            Outgoing::Control(msg) => control.send(&msg).await,
+            Outgoing::Push(bytes) => match conn.open_uni().await {
+                Ok(mut stream) => {
+                    let inbox = inbox.clone();
+                    tokio::spawn(async move {
+                        let header = match FrameHeader::encode(FrameKind::Push, bytes.len()) {
+                            Ok(h) => h,
+                            Err(e) => {
+                                let _ = inbox.send(Inbound::Lost {
+                                    shard,
+                                    gen,
+                                    error: e.into(),
+                                });
+                                return;
+                            }
+                        };
+                        if stream.write_all(&header).await.is_ok()
+                            && stream.write_chunk(bytes).await.is_ok()
+                        {
+                            let _ = stream.finish();
+                        }
+                    });
+                    Ok(())
+                }
+                Err(e) => Err(NetError::from(e)),
+            },
+        };
+        if let Err(error) = sent {
+            let _ = inbox.send(Inbound::Lost { shard, gen, error });
+            return;
+        }
+    }
+}
+
+async fn control_reader(
+    shard: usize,
+    gen: u64,
+    mut control: ControlReceiver,
+    inbox: mpsc::UnboundedSender<Inbound>,
+) {
+    loop {
+        match control.recv().await {
+            Ok(msg) => {
+                if inbox.send(Inbound::Control { shard, gen, msg }).is_err() {
+                    return;
+                }
+            }
+            Err(error) => {
+                let _ = inbox.send(Inbound::Lost { shard, gen, error });
+                return;
+            }
+        }
+    }
+}
+
+async fn reply_reader(
+    shard: usize,
+    gen: u64,
+    conn: quinn::Connection,
+    limits: FrameLimits,
+    inbox: mpsc::UnboundedSender<Inbound>,
+) {
+    loop {
+        let result = match conn.accept_uni().await {
+            Ok(stream) => recv_bulk(stream, &limits, FrameKind::Params).await,
+            Err(e) => Err(NetError::from(e)),
+        };
+        match result {
+            Ok(frame) => {
+                let msg = Inbound::Reply {
+                    shard,
+                    gen,
+                    body: frame.body,
+                };
+                if inbox.send(msg).is_err() {
+                    return;
+                }
+            }
+            Err(error) => {
+                let _ = inbox.send(Inbound::Lost { shard, gen, error });
+                return;
+            }
+        }
+    }
+}

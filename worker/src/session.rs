@@ -1,0 +1,528 @@
+//! `WorkerSession`: the worker side of the Tether protocol as a sans-IO state machine, in the spirit of
+//! quinn-proto. It holds the worker's clock, what each shard expects next, the pushes sent but not yet settled
+//! (kept byte for byte for resends), the pull round in progress with one request id per shard, and the heartbeat
+//! timers. It takes messages and `now_ms` and returns [`Transmit`]s (what to send where) and [`Event`]s (what the
+//! trainer must know); the driver in `driver.rs` only moves bytes and timers.
+//!
+//! Invariants:
+//! - a pull reply is used only when it answers the shard's current request of the current round, at its clock;
+//!   a reply to a superseded request (a reconnect, a refusal, a clock jump) is dropped, never read into the model;
+//! - the clock moves by a push or a skip marker on the push path, or by an explicit rejoin in a hello;
+//! - a push stays pending until its shard gives it an outcome, and is resent byte for byte on every reconnect
+//!   (shards make it idempotent by worker and clock); it is never recomputed;
+//! - heartbeats go to every connected shard on a timer that does not depend on steps, so a long step is never
+//!   silence.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use tether_common::protocol::{
+    encode_push, Control, ErrorCode, Hello, Outcome, Precision, ProtocolError, PushFrame, Welcome,
+};
+
+/// Something to send.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transmit {
+    /// A control message on the shard's control stream.
+    Control {
+        /// The shard.
+        shard: usize,
+        /// The message.
+        msg: Control,
+    },
+    /// A push frame body (or skip marker) on its own stream, in clock order.
+    Push {
+        /// The shard.
+        shard: usize,
+        /// The push round.
+        clock: u64,
+        /// The rkyv push frame body.
+        bytes: Bytes,
+    },
+}
+
+/// Something the trainer must know or do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Every shard answered the pull for `clock`.
+    PullDone {
+        /// The pull's clock.
+        clock: u64,
+    },
+    /// A push or skip marker got its outcome at one shard (or was dropped by a rejoin that jumped over it).
+    Settled {
+        /// The shard.
+        shard: usize,
+        /// The round.
+        clock: u64,
+        /// What became of it.
+        outcome: Outcome,
+        /// The frame as sent (for the residual policy on refusal).
+        frame: Bytes,
+    },
+    /// The link to this shard must be (re)established: close it if it is up, then connect with [`WorkerSession::hello`].
+    Reconnect {
+        /// The shard.
+        shard: usize,
+    },
+}
+
+/// Counters the session keeps for the worker's report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SessionStats {
+    /// Pushes (and skip markers) a shard refused, or that a rejoin dropped.
+    pub pushes_refused: u64,
+    /// Resends a shard acknowledged as already applied.
+    pub duplicates: u64,
+    /// Pull replies dropped because they answered a superseded request.
+    pub stale_replies: u64,
+    /// Pulls a shard refused.
+    pub pulls_refused: u64,
+    /// Largest clock lead a used reply reported.
+    pub max_clock_lead: u64,
+    /// Pushes resent after a reconnect.
+    pub resent: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Pending {
+    clock: u64,
+    frame: Bytes,
+}
+
+#[derive(Debug, Clone)]
+struct Link {
+    range: (u64, u64),
+    up: bool,
+    /// The round this shard expects for our next push or skip.
+    next_clock: u64,
+    /// Sent, not yet settled, oldest first.
+    pending: VecDeque<Pending>,
+    /// Shard version of the last values used from it.
+    version: u64,
+    /// When we last sent a control message (heartbeat timer).
+    last_sent_ms: u64,
+    /// Our clock moved past what this shard holds: reconnect with a rejoin once nothing is pending.
+    rejoin: bool,
+    /// The hello clock of the connection being established.
+    hello_clock: u64,
+}
+
+#[derive(Debug, Clone)]
+struct PullRound {
+    clock: u64,
+    /// The outstanding request per shard (`None`: answered, or not sent yet).
+    requests: Vec<Option<u64>>,
+    done: Vec<bool>,
+}
+
+/// The worker side of the protocol.
+#[derive(Debug)]
+pub struct WorkerSession {
+    rank: u32,
+    layout_hash: u64,
+    precision: Precision,
+    heartbeat_ms: u64,
+    clock: u64,
+    links: Vec<Link>,
+    round: Option<PullRound>,
+    next_request: u64,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<Event>,
+    stats: SessionStats,
+}
+
+impl WorkerSession {
+    /// A session for `rank` over shards covering `ranges`, pulling at `precision`, with heartbeats every
+    /// `heartbeat_ms`. Every link starts down: the driver connects each shard (see [`Event::Reconnect`]).
+    pub fn new(
+        rank: u32,
+        layout_hash: u64,
+        ranges: Vec<(u64, u64)>,
+        precision: Precision,
+        heartbeat_ms: u64,
+    ) -> Self {
+        let mut s = Self {
+            rank,
+            layout_hash,
+            precision,
+            heartbeat_ms: heartbeat_ms.max(1),
+            clock: 0,
+            links: ranges
+                .into_iter()
+                .map(|range| Link {
+                    range,
+                    up: false,
+                    next_clock: 0,
+                    pending: VecDeque::new(),
+                    version: 0,
+                    last_sent_ms: 0,
+                    rejoin: false,
+                    hello_clock: 0,
+                })
+                .collect(),
+            round: None,
+            next_request: 0,
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: SessionStats::default(),
+        };
+        for shard in 0..s.links.len() {
+            s.events.push_back(Event::Reconnect { shard });
+        }
+        s
+    }
+
+    /// The worker's clock: its next push round.
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// Number of shards.
+    pub fn shards(&self) -> usize {
+        self.links.len()
+    }
+
+    /// Counters for the report.
+    pub fn stats(&self) -> SessionStats {
+        self.stats
+    }
+
+    /// Whether every push and skip has its outcome.
+    pub fn settled(&self) -> bool {
+        self.links.iter().all(|l| l.pending.is_empty())
+    }
+
+    /// Whether a pull round is in progress.
+    pub fn pulling(&self) -> bool {
+        self.round.is_some()
+    }
+
+    /// The next message to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event for the trainer.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// The hello for (re)connecting `shard`: it rejoins at the first round this shard has not settled, so pending
+    /// pushes can be resent, or at our clock when nothing is pending.
+    pub fn hello(&mut self, shard: usize) -> Hello {
+        let link = &mut self.links[shard];
+        let clock = link.pending.front().map_or(self.clock, |p| p.clock);
+        link.hello_clock = clock;
+        Hello::rejoin(self.rank, self.layout_hash, clock)
+    }
+
+    fn synced(&self, shard: usize) -> bool {
+        let l = &self.links[shard];
+        l.up && !l.rejoin && l.next_clock == self.clock
+    }
+
+    fn send_control(&mut self, shard: usize, msg: Control, now_ms: u64) {
+        self.links[shard].last_sent_ms = now_ms;
+        self.transmits.push_back(Transmit::Control { shard, msg });
+    }
+
+    /// `shard` welcomed us. Checks the welcome against the layout, drops pending rounds a rejoin jumped over,
+    /// resends the rest, adopts a higher clock (and schedules rejoins of the shards behind it), and asks for this
+    /// round's values if a pull is in progress.
+    pub fn connected(
+        &mut self,
+        shard: usize,
+        welcome: &Welcome,
+        now_ms: u64,
+    ) -> Result<(), ProtocolError> {
+        let link = &mut self.links[shard];
+        if (welcome.range_start, welcome.range_end) != link.range {
+            return Err(ProtocolError::BadRange {
+                start: link.range.0,
+                end: link.range.1,
+                got_start: welcome.range_start,
+                got_end: welcome.range_end,
+            });
+        }
+        if welcome.clock < link.hello_clock {
+            return Err(ProtocolError::UnexpectedMessage(format!(
+                "welcome at clock {} below the hello's {}",
+                welcome.clock, link.hello_clock
+            )));
+        }
+        link.up = true;
+        link.rejoin = false;
+        link.last_sent_ms = now_ms;
+        // Rounds below the welcome clock were jumped over (we were evicted and the others moved on): never applied.
+        while link
+            .pending
+            .front()
+            .is_some_and(|p| p.clock < welcome.clock)
+        {
+            let p = link.pending.pop_front().expect("front exists: checked by is_some_and");
+            self.stats.pushes_refused += 1;
+            self.events.push_back(Event::Settled {
+                shard,
+                clock: p.clock,
+                outcome: Outcome::Refused(ErrorCode::Evicted),
+                frame: p.frame,
+            });
+        }
+        link.next_clock = link
+            .pending
+            .back()
+            .map_or(welcome.clock, |p| p.clock + 1)
+            .max(welcome.clock);
+        for p in &link.pending {
+            self.stats.resent += 1;
+            self.transmits.push_back(Transmit::Push {
+                shard,
+                clock: p.clock,
+                bytes: p.frame.clone(),
+            });
+        }
+        let next = link.next_clock;
+        if next > self.clock {
+            self.adopt(next);
+        } else if next < self.clock {
+            self.mark_rejoin(shard);
+        }
+        self.request_missing(now_ms);
+        Ok(())
+    }
+
+    /// Our clock jumps to `clock` (a shard made us rejoin ahead). Shards behind it must rejoin too, and a pull in
+    /// progress restarts at the new clock (its answers so far were for another clock).
+    fn adopt(&mut self, clock: u64) {
+        self.clock = clock;
+        for k in 0..self.links.len() {
+            if self.links[k].up && self.links[k].next_clock < clock {
+                self.mark_rejoin(k);
+            }
+        }
+        if let Some(round) = &mut self.round {
+            round.clock = clock;
+            round.requests.iter_mut().for_each(|r| *r = None);
+            round.done.iter_mut().for_each(|d| *d = false);
+        }
+    }
+
+    fn mark_rejoin(&mut self, shard: usize) {
+        let link = &mut self.links[shard];
+        link.rejoin = true;
+        if link.pending.is_empty() {
+            link.up = false;
+            self.events.push_back(Event::Reconnect { shard });
+        }
+    }
+
+    /// The link to `shard` broke (or the driver closed it): requests on it are void; reconnect.
+    pub fn disconnected(&mut self, shard: usize) {
+        let link = &mut self.links[shard];
+        let was_up = link.up;
+        link.up = false;
+        if let Some(round) = &mut self.round {
+            round.requests[shard] = None;
+        }
+        if was_up {
+            self.events.push_back(Event::Reconnect { shard });
+        }
+    }
+
+    /// Starts the pull round for the current clock (a round in progress is superseded).
+    pub fn start_pull(&mut self, now_ms: u64) {
+        let n = self.links.len();
+        self.round = Some(PullRound {
+            clock: self.clock,
+            requests: vec![None; n],
+            done: vec![false; n],
+        });
+        self.request_missing(now_ms);
+    }
+
+    fn request_missing(&mut self, now_ms: u64) {
+        let Some(round) = &self.round else {
+            return;
+        };
+        let clock = round.clock;
+        let missing: Vec<usize> = (0..self.links.len())
+            .filter(|&k| !round.done[k] && round.requests[k].is_none())
+            .collect();
+        for k in missing {
+            if !self.synced(k) {
+                continue;
+            }
+            let request = self.next_request;
+            self.next_request += 1;
+            if let Some(round) = &mut self.round {
+                round.requests[k] = Some(request);
+            }
+            let msg = Control::PullRequest {
+                request,
+                clock,
+                precision: self.precision,
+            };
+            self.send_control(k, msg, now_ms);
+        }
+    }
+
+    /// A pull reply arrived from `shard`. Returns true when it answers the shard's current request of this round
+    /// (then the caller reads its values into the model); false when it is stale and must be dropped.
+    pub fn reply(
+        &mut self,
+        shard: usize,
+        request: u64,
+        clock: u64,
+        version: u64,
+        min_clock: u64,
+    ) -> bool {
+        let Some(round) = &mut self.round else {
+            self.stats.stale_replies += 1;
+            return false;
+        };
+        if round.requests[shard] != Some(request) || round.clock != clock {
+            self.stats.stale_replies += 1;
+            return false;
+        }
+        round.requests[shard] = None;
+        round.done[shard] = true;
+        self.links[shard].version = version;
+        self.stats.max_clock_lead = self.stats.max_clock_lead.max(clock.saturating_sub(min_clock));
+        if round.done.iter().all(|d| *d) {
+            self.events.push_back(Event::PullDone { clock });
+            self.round = None;
+        }
+        true
+    }
+
+    /// `shard` refused a pull request. The current one is void: the link is reset, and the request is repeated
+    /// after the reconnect (a refusal means the shard does not see us as we think: evicted, overloaded, behind).
+    pub fn pull_refused(&mut self, shard: usize, request: u64, code: ErrorCode) {
+        let current = self
+            .round
+            .as_ref()
+            .is_some_and(|r| r.requests[shard] == Some(request));
+        if !current {
+            return;
+        }
+        self.stats.pulls_refused += 1;
+        tracing::debug!(shard, request, ?code, "pull refused");
+        self.disconnected(shard);
+    }
+
+    /// Pushes this round to every shard: `payloads[k]` is shard k's codec frame (moved into the frame and handed
+    /// back, so its buffer is reused). The clock advances; the frames stay pending until settled.
+    pub fn push(&mut self, payloads: &mut [Vec<u8>], loss: f32) -> Result<(), ProtocolError> {
+        self.round_frames(Some(payloads), loss)
+    }
+
+    /// Finishes this round without an update (a skip marker on every shard's push path). The clock advances.
+    pub fn skip(&mut self) -> Result<(), ProtocolError> {
+        self.round_frames(None, 0.0)
+    }
+
+    fn round_frames(
+        &mut self,
+        mut payloads: Option<&mut [Vec<u8>]>,
+        loss: f32,
+    ) -> Result<(), ProtocolError> {
+        let clock = self.clock;
+        let mut frames = Vec::with_capacity(self.links.len());
+        for (k, link) in self.links.iter().enumerate() {
+            let payload = payloads
+                .as_deref_mut()
+                .map(|p| std::mem::take(&mut p[k]))
+                .unwrap_or_default();
+            let frame = PushFrame {
+                worker: self.rank,
+                clock,
+                shard: k as u32,
+                range_start: link.range.0,
+                range_end: link.range.1,
+                read_version: link.version,
+                loss,
+                skip: payloads.is_none(),
+                payload,
+            };
+            let bytes = encode_push(&frame);
+            if let Some(p) = payloads.as_deref_mut() {
+                p[k] = frame.payload;
+            }
+            frames.push(Bytes::from_owner(bytes?));
+        }
+        for (k, frame) in frames.into_iter().enumerate() {
+            let link = &mut self.links[k];
+            link.pending.push_back(Pending {
+                clock,
+                frame: frame.clone(),
+            });
+            if link.up && link.next_clock == clock {
+                link.next_clock = clock + 1;
+                self.transmits.push_back(Transmit::Push {
+                    shard: k,
+                    clock,
+                    bytes: frame,
+                });
+            }
+        }
+        self.clock = clock + 1;
+        Ok(())
+    }
+
+    /// `shard` reports the outcome of round `clock`. Outcomes for rounds no longer pending (a resend's second
+    /// answer) are ignored.
+    pub fn outcome(&mut self, shard: usize, clock: u64, outcome: Outcome) {
+        let link = &mut self.links[shard];
+        let Some(i) = link.pending.iter().position(|p| p.clock == clock) else {
+            return;
+        };
+        let Some(p) = link.pending.remove(i) else {
+            return;
+        };
+        match outcome {
+            Outcome::Applied => {}
+            Outcome::Duplicate => self.stats.duplicates += 1,
+            Outcome::Refused(_) => self.stats.pushes_refused += 1,
+        }
+        self.events.push_back(Event::Settled {
+            shard,
+            clock,
+            outcome,
+            frame: p.frame,
+        });
+        if link.rejoin && link.pending.is_empty() {
+            link.up = false;
+            self.events.push_back(Event::Reconnect { shard });
+        }
+    }
+
+    /// When the next heartbeat is due (ms), if any link is up.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.links
+            .iter()
+            .filter(|l| l.up)
+            .map(|l| l.last_sent_ms.saturating_add(self.heartbeat_ms))
+            .min()
+    }
+
+    /// Timers: a heartbeat to every connected shard we have not sent anything to for a heartbeat period.
+    pub fn handle_timeout(&mut self, now_ms: u64) {
+        for k in 0..self.links.len() {
+            let l = &self.links[k];
+            if l.up && now_ms >= l.last_sent_ms.saturating_add(self.heartbeat_ms) {
+                let clock = self.clock;
+                self.send_control(k, Control::Heartbeat { clock }, now_ms);
+            }
+        }
+    }
+
+    /// Says goodbye to every connected shard (call once [`settled`](Self::settled)).
+    pub fn goodbye(&mut self, now_ms: u64) {
+        for k in 0..self.links.len() {
+            if self.links[k].up {
+                self.send_control(k, Control::Goodbye, now_ms);
+            }
+        }
+    }
+}
