@@ -55,6 +55,8 @@ pub enum Action {
     Refuse {
         /// The pull's token.
         token: u64,
+        /// The connection that asked.
+        conn: ConnId,
         /// The worker's request id.
         request: u64,
         /// Why.
@@ -232,6 +234,8 @@ impl ShardProtocol {
         now_ms: u64,
     ) -> (Outcome, Result<Option<Applied>, ShardError>) {
         let (worker, clock) = (round.worker(), round.clock());
+        // Any push is a sign of life, whatever becomes of it.
+        self.core.heartbeat(worker, now_ms);
         let current = self.core.clocks().clock_of(worker);
         if let Some(own) = current {
             if clock < own {
@@ -287,13 +291,13 @@ impl ShardProtocol {
         precision: Precision,
         now_ms: u64,
     ) -> Result<u64, ShardError> {
+        self.heartbeat(conn, worker, now_ms);
         let own = self
             .core
             .clocks()
             .clock_of(worker)
             .filter(|_| self.is_current(conn, worker))
             .ok_or(ShardError::NotMember(worker))?;
-        self.core.heartbeat(worker, now_ms);
         if clock < own {
             return Err(ShardError::Replay {
                 worker,
@@ -389,6 +393,7 @@ impl ShardProtocol {
                 let p = self.parked.swap_remove(i);
                 self.actions.push_back(Action::Refuse {
                     token: p.token,
+                    conn: p.conn,
                     request: p.request,
                     error: error.clone(),
                 });

@@ -193,6 +193,11 @@ impl WorkerSession {
         self.links.iter().all(|l| l.pending.is_empty())
     }
 
+    /// Whether every shard's link is up (a goodbye then reaches every shard).
+    pub fn connected_to_all(&self) -> bool {
+        self.links.iter().all(|l| l.up)
+    }
+
     /// Whether a pull round is in progress.
     pub fn pulling(&self) -> bool {
         self.round.is_some()
