@@ -1,6 +1,6 @@
 //! The SSP clock table of one shard: which workers are live, the clock of each (its completed push rounds), the
-//! minimum clock `m`, the staleness gate for pulls, the queue of pulls parked on that gate, and the staleness
-//! histogram the shard reports.
+//! minimum clock `m`, the staleness gate for pulls, and the staleness histogram the shard reports. Pulls waiting on
+//! the gate are parked by `protocol::ShardProtocol`, which asks [`ClockTable::can_answer`].
 //!
 //! Deterministic core: no actors, sockets, threads or clocks. Time comes in as `now_ms` arguments and the caller
 //! decides when to sweep for silent workers. Invariants:
@@ -11,7 +11,7 @@
 //!   clock lead `c − m` of an answered pull never exceeds `s`;
 //! - an evicted (silent) worker blocks nobody; it keeps its last clock so that a rejoin never moves it backwards.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -268,85 +268,6 @@ impl ClockTable {
             self.min = m;
         }
         // With nobody live the low-water mark stays where it was.
-    }
-}
-
-/// A parked pull was refused because the queue is at capacity; the pull is handed back.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("pending-pull queue full ({capacity} parked)")]
-pub struct Full<T> {
-    /// The queue's capacity.
-    pub capacity: usize,
-    /// The refused pull.
-    pub item: T,
-}
-
-/// Pulls parked on the SSP gate, bounded in number and released in arrival order.
-#[derive(Debug, Clone)]
-pub struct PendingPulls<T> {
-    capacity: usize,
-    queue: VecDeque<(u64, T)>,
-}
-
-impl<T> PendingPulls<T> {
-    /// An empty queue holding at most `capacity` pulls.
-    pub fn new(capacity: usize) -> Self {
-        Self {
-            capacity,
-            queue: VecDeque::new(),
-        }
-    }
-
-    /// Parks `item`, a pull for clock `pull_clock`; refused with [`Full`] at capacity.
-    pub fn push(&mut self, pull_clock: u64, item: T) -> Result<(), Full<T>> {
-        if self.queue.len() >= self.capacity {
-            return Err(Full {
-                capacity: self.capacity,
-                item,
-            });
-        }
-        self.queue.push_back((pull_clock, item));
-        Ok(())
-    }
-
-    /// Removes and returns, in arrival order, every parked pull the gate of `table` now allows.
-    pub fn drain_ready(&mut self, table: &ClockTable) -> Vec<T> {
-        let mut ready = Vec::new();
-        let mut kept = VecDeque::with_capacity(self.queue.len());
-        for (clock, item) in self.queue.drain(..) {
-            if table.can_answer(clock) {
-                ready.push(item);
-            } else {
-                kept.push_back((clock, item));
-            }
-        }
-        self.queue = kept;
-        ready
-    }
-
-    /// Drops parked pulls for which `keep` is false (e.g. those of a closed connection or an evicted worker).
-    pub fn retain(&mut self, mut keep: impl FnMut(u64, &T) -> bool) {
-        self.queue.retain(|(clock, item)| keep(*clock, item));
-    }
-
-    /// The parked pulls as `(pull_clock, item)`, oldest first.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, &T)> + '_ {
-        self.queue.iter().map(|(c, t)| (*c, t))
-    }
-
-    /// Number of parked pulls.
-    pub fn len(&self) -> usize {
-        self.queue.len()
-    }
-
-    /// Whether no pull is parked.
-    pub fn is_empty(&self) -> bool {
-        self.queue.is_empty()
-    }
-
-    /// The maximum number of parked pulls.
-    pub fn capacity(&self) -> usize {
-        self.capacity
     }
 }
 

@@ -1,12 +1,14 @@
 //! SSP semantics of the clock table, checked against a reference model by simulating one shard: random
-//! interleavings of pushes (applied, then `advance`), pulls (parked until the gate opens), crashes with eviction by
-//! time passing, graceful leaves and rejoins, for 1..=5 workers and s ∈ {0, 1, 3, inf}.
+//! interleavings of pushes (applied, then `advance`), pulls (held until the table's gate opens), crashes with eviction
+//! by time passing, graceful leaves and rejoins, for 1..=5 workers and s ∈ {0, 1, 3, inf}. Parking itself (bounds,
+//! release order, refusals) belongs to `ShardProtocol` and is checked by the protocol harness (`tests/protocol_sim.rs`)
+//! and `protocol.rs`'s tests; here a held pull is only the gate question `can_answer`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 use tether_common::config::Staleness;
-use tether_server::clock::{ClockError, ClockTable, Full, PendingPulls, StalenessHistogram};
+use tether_server::clock::{ClockError, ClockTable, StalenessHistogram};
 
 const TIMEOUT: u64 = 100;
 
@@ -50,7 +52,8 @@ enum Op {
 struct Sim {
     s: Option<u64>,
     table: ClockTable,
-    pending: PendingPulls<(usize, u64)>,
+    /// Held pulls as (clock, worker), in arrival order.
+    held: Vec<(u64, usize)>,
     workers: Vec<Worker>,
     /// Applied updates as (worker, round, incarnation): after a leave a worker restarts at m and may redo rounds.
     applied: BTreeSet<(usize, u64, u32)>,
@@ -82,7 +85,7 @@ impl Sim {
         Sim {
             s: staleness.bound().map(u64::from),
             table,
-            pending: PendingPulls::new(n),
+            held: Vec::new(),
             workers,
             applied: BTreeSet::new(),
             now: 0,
@@ -112,9 +115,7 @@ impl Sim {
                 if wk.state == State::Running && !wk.parked {
                     wk.parked = true;
                     let c = wk.r;
-                    self.pending
-                        .push(c, (w, c))
-                        .expect("one pull per worker fits");
+                    self.held.push((c, w));
                 }
             }
             Op::Apply(w) => {
@@ -140,7 +141,7 @@ impl Sim {
                     wk.state = State::Crashed;
                     wk.inflight.clear();
                     wk.parked = false;
-                    self.pending.retain(|_, &(pw, _)| pw != w);
+                    self.held.retain(|&(_, pw)| pw != w);
                 }
             }
             Op::Tick(dt) => {
@@ -200,7 +201,7 @@ impl Sim {
                     wk.state = State::Gone { forgotten: true };
                     wk.inflight.clear();
                     wk.parked = false;
-                    self.pending.retain(|_, &(pw, _)| pw != w);
+                    self.held.retain(|&(_, pw)| pw != w);
                 }
             }
         }
@@ -210,7 +211,11 @@ impl Sim {
 
     /// Answers every pull the gate now allows and checks the SSP guarantees at the moment of answering.
     fn drain(&mut self) {
-        for (w, c) in self.pending.drain_ready(&self.table) {
+        let (ready, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|&(c, _)| self.table.can_answer(c));
+        self.held = held;
+        for (c, w) in ready {
             assert!(self.table.can_answer(c));
             assert_eq!(self.workers[w].state, State::Running);
             let lead = self.table.lead(c);
@@ -261,7 +266,7 @@ impl Sim {
             assert_eq!(self.table.clock_of(w as u32), want, "clock of worker {w}");
         }
         // Nothing answerable is left parked; an unbounded table never parks.
-        for (c, _) in self.pending.iter() {
+        for &(c, _) in &self.held {
             assert!(!self.table.can_answer(c));
             assert!(self.s.is_some());
         }
@@ -279,7 +284,7 @@ impl Sim {
             });
             if done {
                 assert!(
-                    self.pending.is_empty(),
+                    self.held.is_empty(),
                     "pulls left parked after completion"
                 );
                 return;
@@ -296,7 +301,7 @@ impl Sim {
         }
         panic!(
             "deadlock: parked pulls never answered: {:?}",
-            self.pending.iter().collect::<Vec<_>>()
+            self.held
         );
     }
 }
@@ -443,21 +448,18 @@ fn sequential(n: usize, rounds: u64) -> u64 {
 #[test]
 fn silent_worker_stops_blocking_exactly_at_timeout() {
     let mut t = ClockTable::new(Staleness::Bounded(0), TIMEOUT);
-    let mut pending = PendingPulls::new(4);
     t.join(0, 0);
     t.join(1, 0);
     t.advance(0, 1, 10).unwrap();
-    pending.push(1, "pull w0@1").unwrap();
-    assert!(pending.drain_ready(&t).is_empty(), "w1 still at clock 0");
+    assert!(!t.can_answer(1), "w1 still at clock 0");
     t.heartbeat(0, 50);
     // Worker 1 last heard at t=0: not evicted before t=100.
     assert!(t.evict_silent(99).is_empty());
-    assert!(pending.drain_ready(&t).is_empty());
+    assert!(!t.can_answer(1));
     assert_eq!(t.evict_silent(TIMEOUT), vec![1]);
     assert_eq!(t.live(), 1);
     assert!(t.is_evicted(1));
-    assert_eq!(pending.drain_ready(&t), vec!["pull w0@1"]);
-    assert!(pending.is_empty());
+    assert!(t.can_answer(1), "the pull at clock 1 is released by the eviction");
     assert_eq!(t.advance(1, 1, 120), Err(ClockError::Evicted { worker: 1 }));
 }
 
@@ -492,13 +494,8 @@ fn evicted_worker_rejoins_at_min_clock_and_blocks_again() {
     assert_eq!(t.join(1, 300), 3);
     assert_eq!(t.live(), 2);
     assert_eq!(t.clock_of(1), Some(3));
-    let mut pending = PendingPulls::new(2);
     t.advance(0, 4, 301).unwrap();
-    pending.push(4, 0u32).unwrap();
-    assert!(
-        pending.drain_ready(&t).is_empty(),
-        "rejoined worker blocks BSP again"
-    );
+    assert!(!t.can_answer(4), "rejoined worker blocks BSP again");
     assert_eq!(
         t.advance(1, 5, 302),
         Err(ClockError::NotNext {
@@ -508,7 +505,7 @@ fn evicted_worker_rejoins_at_min_clock_and_blocks_again() {
         })
     );
     t.advance(1, 4, 302).unwrap();
-    assert_eq!(pending.drain_ready(&t), vec![0]);
+    assert!(t.can_answer(4));
 }
 
 #[test]
@@ -553,46 +550,25 @@ fn min_clock_of_empty_table_is_the_low_water_mark() {
 }
 
 #[test]
-fn unbounded_never_blocks_and_pending_is_bounded() {
+fn unbounded_never_blocks() {
     let mut t = ClockTable::new(Staleness::Unbounded, TIMEOUT);
     t.join(0, 0);
     t.join(1, 0);
     t.advance(0, 1, 0).unwrap();
     assert!(t.can_answer(u64::MAX));
     assert_eq!(t.lead(50), 50);
-    let mut p = PendingPulls::new(2);
-    p.push(1, 'a').unwrap();
-    p.push(9, 'b').unwrap();
-    assert_eq!(
-        p.push(3, 'c'),
-        Err(Full {
-            capacity: 2,
-            item: 'c'
-        })
-    );
-    assert_eq!(p.drain_ready(&t), vec!['a', 'b']);
 }
 
 #[test]
-fn drain_releases_in_arrival_order_only_what_the_gate_allows() {
+fn the_gate_opens_exactly_at_m_equal_c_minus_s() {
     let mut t = ClockTable::new(Staleness::Bounded(1), TIMEOUT);
     t.join(0, 0);
     t.join(1, 0);
-    let mut p = PendingPulls::new(8);
-    for (c, id) in [(3, 'a'), (1, 'b'), (2, 'c'), (0, 'd'), (2, 'e')] {
-        p.push(c, id).unwrap();
-    }
-    assert_eq!(p.drain_ready(&t), vec!['b', 'd']);
+    assert!(t.can_answer(0) && t.can_answer(1) && !t.can_answer(2));
     t.advance(0, 1, 1).unwrap();
-    assert!(p.drain_ready(&t).is_empty());
+    assert!(!t.can_answer(2), "worker 1 still at 0");
     t.advance(1, 1, 1).unwrap();
-    assert_eq!(p.drain_ready(&t), vec!['c', 'e']);
-    assert_eq!(
-        p.iter().map(|(c, &id)| (c, id)).collect::<Vec<_>>(),
-        vec![(3, 'a')]
-    );
-    p.retain(|_, &id| id != 'a');
-    assert!(p.is_empty());
+    assert!(t.can_answer(2) && !t.can_answer(3));
 }
 
 #[test]
