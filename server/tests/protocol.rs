@@ -1,0 +1,216 @@
+//! `ShardProtocol` rules, each against the defect it fixes: pulls check membership, connection and clock, with
+//! checked arithmetic on every peer-supplied number; parked pulls are bounded per worker; a rejoin is the only way
+//! to move a clock without a round; resends are idempotent; eviction refuses the evicted worker's pulls and closes
+//! its connection. State stays untouched on every refusal.
+
+use tether_common::codec::{CodecConfig, Encoder, Scheme};
+use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
+use tether_common::layout::{Init, Layout, TensorSpec};
+use tether_common::protocol::{ErrorCode, Outcome, Precision};
+use tether_server::protocol::{Action, Round, ShardProtocol, MAX_PARKED_PER_WORKER};
+use tether_server::shard::{Push, ShardCore, ShardError, ShardSpec, MAX_CLOCK};
+
+const N: usize = 8;
+const TIMEOUT: u64 = 1_000;
+
+fn proto(staleness: Staleness) -> ShardProtocol {
+    let layout = Layout::new(vec![TensorSpec::new("w", &[N], Init::Zeros)]);
+    let spec = ShardSpec {
+        shard: 0,
+        shards: 1,
+        seed: 1,
+        optimizer: OptimizerConfig {
+            kind: OptimizerKind::Sgd,
+            lr: 1.0,
+            ..OptimizerConfig::default()
+        },
+        staleness,
+        worker_timeout_ms: TIMEOUT,
+        spike_factor: 0.0,
+    };
+    ShardProtocol::new(ShardCore::new(&layout, &spec))
+}
+
+fn frame(worker: u32, clock: u64) -> Vec<u8> {
+    let mut g = vec![0.0f32; N];
+    g[(worker as usize + clock as usize) % N] = -1.0;
+    let mut out = Vec::new();
+    Encoder::new(CodecConfig {
+        scheme: Scheme::None,
+        ..CodecConfig::default()
+    })
+    .unwrap()
+    .encode(&g, 0, &mut out)
+    .unwrap();
+    out
+}
+
+fn push(p: &mut ShardProtocol, worker: u32, clock: u64, payload: &[u8]) -> Outcome {
+    let round = Round::Push(Push {
+        worker,
+        clock,
+        shard: 0,
+        range: (0, N as u64),
+        read_version: 0,
+        payload,
+    });
+    p.round(round, 0).0
+}
+
+fn actions(p: &mut ShardProtocol) -> Vec<Action> {
+    std::iter::from_fn(|| p.poll_action()).collect()
+}
+
+fn bits(p: &ShardProtocol) -> Vec<u32> {
+    p.core().weights().iter().map(|w| w.to_bits()).collect()
+}
+
+#[test]
+fn pulls_check_membership_connection_and_clock() {
+    let mut p = proto(Staleness::Bounded(1));
+    assert_eq!(
+        p.pull(7, 0, 1, 0, Precision::F32, 0),
+        Err(ShardError::NotMember(0)),
+        "never said hello"
+    );
+    p.hello(7, 0, 0, 0).unwrap();
+    assert_eq!(
+        p.pull(8, 0, 1, 0, Precision::F32, 0),
+        Err(ShardError::NotMember(0)),
+        "not the worker's connection"
+    );
+    // Own clock 0, s = 1: pulls for clocks 0..=2 are possible, 3 is not, u64::MAX overflows nothing.
+    for bad in [3, 1 << 40, u64::MAX] {
+        assert!(matches!(
+            p.pull(7, 0, 1, bad, Precision::F32, 0),
+            Err(ShardError::ClockFromFuture { .. })
+        ));
+    }
+    assert_eq!(p.parked(), 0, "refused pulls hold nothing");
+    assert!(p.pull(7, 0, 1, 0, Precision::F32, 0).is_ok());
+    assert!(matches!(actions(&mut p).as_slice(), [Action::Answer(a)] if a.request == 1));
+    let f = frame(0, 0);
+    assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
+    assert!(matches!(
+        p.pull(7, 0, 2, 0, Precision::F32, 0),
+        Err(ShardError::Replay { .. })
+    ));
+}
+
+#[test]
+fn parked_pulls_are_bounded_per_worker() {
+    let mut p = proto(Staleness::Bounded(0));
+    for w in 0..3 {
+        p.hello(u64::from(w), w, 0, 0).unwrap();
+    }
+    for i in 0..MAX_PARKED_PER_WORKER as u64 {
+        p.pull(0, 0, i, 1, Precision::F32, 0).unwrap();
+    }
+    assert_eq!(
+        p.pull(0, 0, 99, 1, Precision::F32, 0),
+        Err(ShardError::Overloaded)
+    );
+    // Worker 0's flood leaves worker 1 its own slots.
+    p.pull(1, 1, 0, 1, Precision::F32, 0).unwrap();
+    assert_eq!(p.parked(), MAX_PARKED_PER_WORKER + 1);
+}
+
+#[test]
+fn a_rejoin_past_max_clock_is_refused_and_changes_nothing() {
+    let mut p = proto(Staleness::Bounded(3));
+    p.hello(0, 0, 0, 0).unwrap();
+    p.hello(1, 1, 0, 0).unwrap();
+    for bad in [MAX_CLOCK + 1, u64::MAX] {
+        assert!(matches!(
+            p.hello(2, 1, bad, 0),
+            Err(ShardError::ClockFromFuture { .. })
+        ));
+    }
+    assert_eq!(p.core().clocks().clock_of(1), Some(0));
+    assert_eq!(p.core().clocks().min_clock(), 0);
+    // A push at the largest clock fails with a typed error (no overflow, in debug builds too).
+    let f = frame(0, 0);
+    assert!(matches!(
+        push(&mut p, 0, u64::MAX, &f),
+        Outcome::Refused(ErrorCode::ClockFromFuture)
+    ));
+    let skip = Round::Skip {
+        worker: 0,
+        clock: u64::MAX,
+    };
+    assert!(matches!(
+        p.round(skip, 0).0,
+        Outcome::Refused(ErrorCode::ClockFromFuture)
+    ));
+    assert_eq!(p.core().version(), 0);
+}
+
+#[test]
+fn resends_are_idempotent_by_worker_and_clock() {
+    let mut p = proto(Staleness::Bounded(1));
+    p.hello(0, 0, 0, 0).unwrap();
+    let f0 = frame(0, 0);
+    assert_eq!(push(&mut p, 0, 0, &f0), Outcome::Applied);
+    let after = bits(&p);
+    // The same round again (a resend after a reconnect, or a duplicate): acknowledged, not applied.
+    assert_eq!(push(&mut p, 0, 0, &f0), Outcome::Duplicate);
+    assert_eq!(bits(&p), after);
+    assert_eq!(p.core().version(), 1);
+    // A round skipped, then its resend: the same outcome, the clock moved once.
+    let skip = Round::Skip {
+        worker: 0,
+        clock: 1,
+    };
+    assert_eq!(p.round(skip, 0).0, Outcome::Applied);
+    assert_eq!(p.round(skip, 0).0, Outcome::Duplicate);
+    assert_eq!(p.core().clocks().clock_of(0), Some(2));
+    // A round from the future is refused, the state untouched.
+    let f5 = frame(0, 5);
+    assert_eq!(
+        push(&mut p, 0, 5, &f5),
+        Outcome::Refused(ErrorCode::ClockFromFuture)
+    );
+    assert_eq!(bits(&p), after);
+}
+
+#[test]
+fn a_rejoin_that_jumps_over_rounds_refuses_them_later() {
+    let mut p = proto(Staleness::Bounded(0));
+    p.hello(0, 0, 0, 0).unwrap();
+    // Worker 0 rejoins at clock 3 (explicit): rounds 0..3 were never applied, a late copy is refused.
+    assert_eq!(p.hello(1, 0, 3, 0).unwrap().clock, 3);
+    let f = frame(0, 1);
+    assert_eq!(push(&mut p, 0, 1, &f), Outcome::Refused(ErrorCode::Replay));
+    assert_eq!(p.core().version(), 0);
+}
+
+#[test]
+fn eviction_refuses_the_evicted_pulls_and_closes_the_connection() {
+    let mut p = proto(Staleness::Bounded(0));
+    p.hello(10, 0, 0, 0).unwrap();
+    p.hello(11, 1, 0, 0).unwrap();
+    let f = frame(0, 0);
+    assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
+    p.pull(10, 0, 5, 1, Precision::F32, 0).unwrap();
+    p.pull(11, 1, 6, 0, Precision::F32, 0).unwrap();
+    actions(&mut p); // worker 1's pull at 0 is answered at once
+    // Worker 0 heartbeats; worker 1 is silent past the timeout.
+    for now in (100..=TIMEOUT).step_by(100) {
+        p.heartbeat(10, 0, now);
+        p.tick(now);
+    }
+    let acts = actions(&mut p);
+    assert!(acts.contains(&Action::Close {
+        conn: 11,
+        code: ErrorCode::Evicted
+    }));
+    // Worker 0's pull at 1 is released by the eviction.
+    assert!(acts
+        .iter()
+        .any(|a| matches!(a, Action::Answer(r) if r.worker == 0 && r.request == 5)));
+    assert!(!p.core().clocks().is_live(1));
+    // Heartbeats on a superseded connection do not keep a worker alive.
+    p.hello(12, 0, 1, TIMEOUT).unwrap();
+    p.heartbeat(10, 0, 3 * TIMEOUT);
+    assert_eq!(p.tick(3 * TIMEOUT), vec![0]);
+}

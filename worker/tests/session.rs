@@ -1,0 +1,233 @@
+//! `WorkerSession` rules, each against the defect it fixes: replies matched to their own request (a superseded or
+//! partial pull leaves nothing stale behind), skip markers on the push path, pushes kept byte for byte until their
+//! shard settles them, refusals reported, heartbeats on a timer whatever the step, and rejoins after a clock jump.
+
+use tether_common::protocol::{access_push, Control, ErrorCode, Outcome, Precision, Welcome};
+use tether_worker::session::{Event, Transmit, WorkerSession};
+
+const RANGES: [(u64, u64); 2] = [(0, 10), (10, 20)];
+const HB: u64 = 100;
+
+fn session() -> WorkerSession {
+    WorkerSession::new(3, 0xabc, RANGES.to_vec(), Precision::F32, HB)
+}
+
+fn welcome(shard: usize, clock: u64) -> Welcome {
+    Welcome {
+        shard: shard as u32,
+        range_start: RANGES[shard].0,
+        range_end: RANGES[shard].1,
+        staleness: Some(2),
+        min_clock: clock,
+        version: 0,
+        clock,
+    }
+}
+
+fn drain(s: &mut WorkerSession) -> (Vec<Transmit>, Vec<Event>) {
+    let mut t = Vec::new();
+    while let Some(x) = s.poll_transmit() {
+        t.push(x);
+    }
+    let mut e = Vec::new();
+    while let Some(x) = s.poll_event() {
+        e.push(x);
+    }
+    (t, e)
+}
+
+/// Connects every shard at `clock` and empties the queues.
+fn connected(clock: u64) -> WorkerSession {
+    let mut s = session();
+    for k in 0..2 {
+        assert_eq!(s.hello(k).clock, 0);
+        s.connected(k, &welcome(k, clock), 0).unwrap();
+    }
+    drain(&mut s);
+    s
+}
+
+fn requests(t: &[Transmit]) -> Vec<(usize, u64, u64)> {
+    t.iter()
+        .filter_map(|x| match x {
+            Transmit::Control {
+                shard,
+                msg: Control::PullRequest { request, clock, .. },
+            } => Some((*shard, *request, *clock)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn pushes(t: &[Transmit]) -> Vec<(usize, u64, bytes::Bytes)> {
+    t.iter()
+        .filter_map(|x| match x {
+            Transmit::Push {
+                shard,
+                clock,
+                bytes,
+            } => Some((*shard, *clock, bytes.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_reply_to_a_superseded_request_is_never_used() {
+    let mut s = connected(0);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let first = requests(&t);
+    assert_eq!(first.len(), 2);
+    let (_, old0, _) = first[0];
+    // Shard 1 answers; shard 0's link breaks before it does.
+    assert!(s.reply(1, first[1].1, 0, 5, 0));
+    s.disconnected(0);
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
+    s.hello(0);
+    s.connected(0, &welcome(0, 0), 1).unwrap();
+    let (t, _) = drain(&mut s);
+    let again = requests(&t);
+    assert_eq!(again.len(), 1, "only the shard that has not answered is asked again");
+    let (k, new0, c) = again[0];
+    assert_eq!((k, c), (0, 0));
+    assert_ne!(new0, old0);
+    // The reply to the superseded request turns up late: dropped.
+    assert!(!s.reply(0, old0, 0, 4, 0));
+    assert!(s.pulling());
+    assert!(s.reply(0, new0, 0, 4, 0));
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
+    assert_eq!(s.stats().stale_replies, 1);
+}
+
+#[test]
+fn a_reply_from_an_earlier_round_is_not_read_into_the_next() {
+    // The defect: replies still queued on the other links were read by the next pull, one behind from then on.
+    let mut s = connected(0);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r0 = requests(&t);
+    assert!(s.reply(0, r0[0].1, 0, 1, 0));
+    // Round 0 is abandoned (a new pull supersedes it) before shard 1's answer arrives.
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r1 = requests(&t);
+    assert!(!s.reply(1, r0[1].1, 0, 1, 0), "answer to the old round");
+    assert!(!s.reply(0, r1[0].1, 1, 1, 0), "right request, wrong clock");
+    assert!(s.reply(0, r1[0].1, 0, 1, 0));
+    assert!(s.reply(1, r1[1].1, 0, 1, 0));
+}
+
+#[test]
+fn a_skip_is_a_marker_on_the_push_path() {
+    let mut s = connected(0);
+    s.skip().unwrap();
+    let (t, _) = drain(&mut s);
+    assert!(
+        t.iter().all(|x| matches!(x, Transmit::Push { .. })),
+        "no control message moves the clock: {t:?}"
+    );
+    let p = pushes(&t);
+    assert_eq!(p.len(), 2);
+    for (k, clock, bytes) in p {
+        let meta = access_push(&bytes).unwrap().meta();
+        assert!(meta.skip);
+        assert_eq!((meta.shard as usize, meta.clock, clock), (k, 0, 0));
+    }
+    assert_eq!(s.clock(), 1);
+}
+
+#[test]
+fn an_unsettled_push_is_resent_byte_for_byte_after_a_reconnect() {
+    let mut s = connected(0);
+    let mut frames = vec![vec![1u8, 2, 3], vec![4u8, 5]];
+    s.push(&mut frames, 0.5).unwrap();
+    assert_eq!(frames, vec![vec![1u8, 2, 3], vec![4u8, 5]], "buffers come back");
+    let (t, _) = drain(&mut s);
+    let sent = pushes(&t);
+    s.outcome(1, 0, Outcome::Applied);
+    s.disconnected(0);
+    drain(&mut s);
+    // The rejoin starts at the unsettled round, and the same bytes go out again.
+    assert_eq!(s.hello(0).clock, 0);
+    assert_eq!(s.hello(1).clock, 1, "shard 1 settled round 0");
+    s.connected(0, &welcome(0, 0), 5).unwrap();
+    let (t, _) = drain(&mut s);
+    let resent = pushes(&t);
+    assert_eq!(resent.len(), 1);
+    assert_eq!(resent[0].2, sent[0].2, "byte for byte");
+    assert!(!s.settled());
+    s.outcome(0, 0, Outcome::Duplicate);
+    assert!(s.settled());
+    assert_eq!(s.stats().duplicates, 1);
+}
+
+#[test]
+fn a_refused_push_reaches_the_trainer_and_the_report() {
+    let mut s = connected(0);
+    let mut frames = vec![vec![1u8], vec![2u8]];
+    s.push(&mut frames, 0.5).unwrap();
+    drain(&mut s);
+    s.outcome(0, 0, Outcome::Refused(ErrorCode::NonFinite));
+    s.outcome(0, 0, Outcome::Applied); // a second answer for the same round is ignored
+    let (_, e) = drain(&mut s);
+    assert!(matches!(
+        e.as_slice(),
+        [Event::Settled {
+            shard: 0,
+            clock: 0,
+            outcome: Outcome::Refused(ErrorCode::NonFinite),
+            ..
+        }]
+    ));
+    assert_eq!(s.stats().pushes_refused, 1);
+}
+
+#[test]
+fn heartbeats_run_on_a_timer_whatever_the_step_does() {
+    let mut s = connected(0);
+    // No pull, no push: the worker is computing a long step.
+    assert_eq!(s.poll_timeout(), Some(HB));
+    for i in 1..=20u64 {
+        s.handle_timeout(i * HB);
+        let (t, _) = drain(&mut s);
+        let beats = t
+            .iter()
+            .filter(|x| matches!(x, Transmit::Control { msg: Control::Heartbeat { .. }, .. }))
+            .count();
+        assert_eq!(beats, 2, "one heartbeat per shard every period (tick {i})");
+    }
+}
+
+#[test]
+fn a_clock_jump_at_one_shard_rejoins_the_others_once_settled() {
+    let mut s = connected(0);
+    let mut frames = vec![vec![1u8], vec![2u8]];
+    s.push(&mut frames, 0.5).unwrap();
+    drain(&mut s);
+    // Shard 1 lost us (evicted) and the others moved on: it welcomes us back at clock 5.
+    s.disconnected(1);
+    drain(&mut s);
+    s.hello(1);
+    s.connected(1, &welcome(1, 5), 10).unwrap();
+    let (_, e) = drain(&mut s);
+    // Round 0 at shard 1 was jumped over: dropped and reported, so the residual policy can credit it back.
+    assert!(e.iter().any(|x| matches!(
+        x,
+        Event::Settled {
+            shard: 1,
+            clock: 0,
+            outcome: Outcome::Refused(ErrorCode::Evicted),
+            ..
+        }
+    )));
+    assert_eq!(s.clock(), 5);
+    // Shard 0 still owes the outcome of round 0; only then does it rejoin at 5.
+    assert!(!e.contains(&Event::Reconnect { shard: 0 }));
+    s.outcome(0, 0, Outcome::Applied);
+    let (_, e) = drain(&mut s);
+    assert_eq!(e.last(), Some(&Event::Reconnect { shard: 0 }));
+    assert_eq!(s.hello(0).clock, 5);
+}
