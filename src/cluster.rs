@@ -322,6 +322,9 @@ pub fn build_report(
         loss_curve,
         accuracy_curve,
         nonfinite_skipped: workers.iter().map(|w| w.nonfinite_skipped).sum(),
+        pushes_refused: workers.iter().map(|w| w.pushes_refused).sum(),
+        stale_replies_dropped: workers.iter().map(|w| w.stale_replies_dropped).sum(),
+        reconnects: workers.iter().map(|w| w.reconnects).sum(),
         ..RunReport::for_config(cfg)
     }
 }

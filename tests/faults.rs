@@ -362,3 +362,112 @@ fn random_kill_loop_survives() {
         failures.join("\n---\n")
     );
 }
+
+/// Regression (protocol cores): heartbeats were sent only while a pull waited, so a step longer than the timeout
+/// got the worker evicted every step and half its pushes refused. Now a step of 3 × `worker_timeout` is no silence.
+#[test]
+fn a_step_three_times_the_timeout_finishes_with_every_push_applied() {
+    let _serial = serial();
+    let c = Cluster::new(Spec {
+        shards: 1,
+        workers: 2,
+        worker_timeout_ms: 1000,
+        epochs: 1,
+        batch: 128,
+        checkpoint_every: 0,
+        ..Spec::default()
+    });
+    let steps = c.steps_per_worker();
+    let mut servers = c.servers(&[]);
+    let mut w0 = c.worker(0, &["--report", "w0.json"]);
+    let mut w1 = c.worker(1, &["--report", "w1.json", "--step-delay-ms", "3000"]);
+    w0.wait_success(Duration::from_secs(120));
+    w1.wait_success(Duration::from_secs(120));
+    servers[0].wait_success(Duration::from_secs(30));
+    let s0 = c.report("server-0.json");
+    let refused: Vec<f64> = ["w0.json", "w1.json"]
+        .iter()
+        .map(|r| num(&c.report(r), "pushes_refused"))
+        .collect();
+    let reconnects: Vec<f64> = ["w0.json", "w1.json"]
+        .iter()
+        .map(|r| num(&c.report(r), "reconnects"))
+        .collect();
+    println!(
+        "slow step (3 s, timeout 1 s): shard applied {} of {} pushes, rejected {}, workers refused {refused:?}, \
+         reconnects {reconnects:?}, slow worker's wall {:.1} s",
+        num(&s0, "updates_applied"),
+        2 * steps,
+        num(&s0, "updates_rejected"),
+        num(&c.report("w1.json"), "wall_seconds")
+    );
+    assert_eq!(num(&s0, "updates_applied"), (2 * steps) as f64);
+    assert_eq!(num(&s0, "updates_rejected"), 0.0);
+    assert_eq!(refused, vec![0.0, 0.0]);
+    assert_eq!(reconnects, vec![0.0, 0.0]);
+    assert!(
+        !servers[0].log_text().contains("evicted silent workers"),
+        "a slow worker was evicted:\n{}",
+        servers[0].log_tail(3000)
+    );
+}
+
+/// Regression (protocol cores): when a shard died, the replies still queued on the other links were read by the
+/// next pull, one behind from then on, and the clock lead broke the bound. Shard 1 is killed with SIGKILL while the
+/// BSP gate holds pulls parked on shard 0, then resumed; every pull must still answer its own request.
+#[test]
+fn killing_a_shard_while_pulls_are_parked_on_the_other_keeps_bsp() {
+    let _serial = serial();
+    let c = Cluster::new(Spec {
+        shards: 2,
+        workers: 2,
+        staleness: "0".into(),
+        worker_timeout_ms: 1500,
+        epochs: 4,
+        batch: 128,
+        checkpoint_every: 5,
+        ..Spec::default()
+    });
+    let steps = c.steps_per_worker();
+    let mut s0 = c.server(0, &["--exit-after-workers", "2", "--report", "server-0.json"]);
+    let mut s1 = c.server(1, &["--exit-after-workers", "2", "--report", "server-1.json"]);
+    let mut w0 = c.worker(0, &["--report", "w0.json"]);
+    // The slow worker keeps the fast one's pulls parked on both shards (BSP waits for its pushes).
+    let mut w1 = c.worker(1, &["--report", "w1.json", "--step-delay-ms", "400"]);
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(w0.alive() && w1.alive(), "workers ended before the kill");
+    s1.kill9();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut s1b = c.server(
+        1,
+        &["--resume", "--exit-after-workers", "2", "--report", "server-1.json"],
+    );
+    w0.wait_success(Duration::from_secs(120));
+    w1.wait_success(Duration::from_secs(120));
+    s0.wait_success(Duration::from_secs(30));
+    s1b.wait_success(Duration::from_secs(30));
+    let r: Vec<serde_json::Value> = ["w0.json", "w1.json"].iter().map(|n| c.report(n)).collect();
+    let shard0 = c.report("server-0.json");
+    let shard1 = c.report("server-1.json");
+    println!(
+        "shard kill under BSP: leads {:?}, stale replies dropped {:?}, reconnects {:?}, refused {:?}; shard 0 applied \
+         {} of {}, shard 1 (resumed) lead {}",
+        r.iter().map(|x| num(x, "max_clock_lead_observed")).collect::<Vec<_>>(),
+        r.iter().map(|x| num(x, "stale_replies_dropped")).collect::<Vec<_>>(),
+        r.iter().map(|x| num(x, "reconnects")).collect::<Vec<_>>(),
+        r.iter().map(|x| num(x, "pushes_refused")).collect::<Vec<_>>(),
+        num(&shard0, "updates_applied"),
+        2 * steps,
+        num(&shard1, "max_clock_lead_observed"),
+    );
+    for (i, x) in r.iter().enumerate() {
+        assert_eq!(num(x, "steps"), steps as f64, "worker {i}");
+        assert_eq!(num(x, "max_clock_lead_observed"), 0.0, "worker {i} led under BSP");
+        assert_eq!(num(x, "pushes_refused"), 0.0, "worker {i}");
+    }
+    assert!(r.iter().map(|x| num(x, "reconnects")).sum::<f64>() >= 2.0);
+    // The surviving shard applied every push exactly once (resends after the reconnect were duplicates).
+    assert_eq!(num(&shard0, "updates_applied"), (2 * steps) as f64);
+    assert_eq!(num(&shard0, "max_clock_lead_observed"), 0.0);
+    assert_eq!(num(&shard1, "max_clock_lead_observed"), 0.0);
+}

@@ -282,7 +282,7 @@ fn server_survives_hostile_input_and_still_trains() {
         let valid = bad_pushes(&ep, &t, &mut rng).await;
         // Leave the table so the real workers are not held back by this rank.
         let (conn, mut control, _) = session(&ep, &t).await;
-        control.send(&Control::Goodbye).await.unwrap();
+        control.send(&Control::Goodbye { clock: 0 }).await.unwrap();
         let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
         // 4. Slow loris: connections that stall mid-handshake and mid-frame, held while the real workers train.
         let mut loris = Vec::new();
@@ -354,4 +354,95 @@ fn server_survives_hostile_input_and_still_trains() {
         hwm_after.saturating_sub(hwm_before) < 64 * 1024,
         "VmHWM grew {hwm_before} -> {hwm_after} KiB"
     );
+}
+
+/// Regression (protocol cores): pulls were answered without membership or clock checks, each spawned an unbounded
+/// task, the 4096 parked slots were shared by everyone, and `clock + 1` on a peer's value overflowed. Now a rejoin at
+/// `u64::MAX`, pulls at absurd clocks and a flood of pulls get typed errors, while honest workers keep training.
+#[test]
+fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
+    use tether::common::net::NetError;
+    use tether::common::protocol::{ErrorCode, ProtocolError};
+    let c = Cluster::new(Spec {
+        workers: 3,
+        per_worker_certs: false,
+        epochs: 10,
+        ..Spec::default()
+    });
+    let cfg = Config::load(&c.path("cluster.toml")).unwrap();
+    let layout = cfg.layout().unwrap();
+    let t = Target {
+        addr: c.servers[0],
+        layout_hash: layout.hash(),
+        shard_len: layout.shard_range(0, 2).len(),
+    };
+    let mut servers = c.servers(&[]);
+    let mut w0 = c.worker(0, &["--report", "w0.json"]);
+    let mut w1 = c.worker(1, &["--report", "w1.json"]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let tls = TlsFiles::load(&c.path("certs"), "client").unwrap();
+    let (rejoin_code, refusals, flood) = rt.block_on(async {
+        let ep = client_endpoint(&tls, &TransportTuning::default()).unwrap();
+        // A rejoin at u64::MAX: refused before anything changes, with the connection closed on a typed code.
+        let conn = connect(&ep, t.addr, "127.0.0.1").await.unwrap();
+        let mut control = ControlChannel::open(&conn).await.unwrap();
+        let answer = client_handshake(&mut control, Hello::rejoin(RANK, t.layout_hash, u64::MAX)).await;
+        let rejoin_code = match answer {
+            Err(NetError::Protocol(ProtocolError::Remote { code, .. })) => Some(code),
+            Err(e) => e.remote_close_code().and_then(ErrorCode::from_code),
+            Ok(_) => None,
+        };
+        // A member flooding pulls: at absurd clocks, then many at once.
+        let (conn, mut control, _) = session(&ep, &t).await;
+        let mut sent = 0u64;
+        for request in 0..2 {
+            let clock = [u64::MAX, u64::MAX / 2][request as usize];
+            let msg = Control::PullRequest { request, clock, precision: tether::common::protocol::Precision::F32 };
+            control.send(&msg).await.unwrap();
+            sent += 1;
+        }
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(3) && sent < 20_000 {
+            // Pulls at clock 3: allowed for rank 2 (at clock 0, s = 2), but the gate holds them while rank 2 itself
+            // keeps m at 0; two park, every other one is refused.
+            let msg = Control::PullRequest { request: sent, clock: 3, precision: tether::common::protocol::Precision::F32 };
+            if control.send(&msg).await.is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        let mut refusals: std::collections::BTreeMap<String, u64> = Default::default();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match tokio::time::timeout(Duration::from_millis(500), control.recv()).await {
+                Ok(Ok(Control::PullRefused { code, .. })) => *refusals.entry(format!("{code:?}")).or_default() += 1,
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+        assert!(conn.close_reason().is_none(), "the flood closed the connection: {:?}", conn.close_reason());
+        // Leave, so the honest workers are not held back by this rank.
+        control.send(&Control::Goodbye { clock: 0 }).await.unwrap();
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
+        (rejoin_code, refusals, sent)
+    });
+    println!("absurd clocks: rejoin at u64::MAX -> {rejoin_code:?}; {flood} pulls sent, refused {refusals:?}");
+    assert_eq!(rejoin_code, Some(ErrorCode::ClockFromFuture));
+    assert!(refusals.get("ClockFromFuture").copied().unwrap_or(0) >= 2, "{refusals:?}");
+    let overloaded = refusals.get("Overloaded").copied().unwrap_or(0);
+    assert!(overloaded + 8 >= flood - 2, "{flood} pulls, refusals {refusals:?}");
+    w0.wait_success(Duration::from_secs(120));
+    w1.wait_success(Duration::from_secs(120));
+    for s in &mut servers {
+        assert!(s.alive() || s.log_text().contains("exiting"), "{}", s.log_tail(2000));
+    }
+    let acc = support::num(&c.report("w0.json"), "final_test_accuracy");
+    println!("absurd clocks: honest workers trained to {acc:.4}");
+    assert_eq!(support::num(&c.report("w0.json"), "pushes_refused"), 0.0);
+    assert!(acc > 0.85, "accuracy {acc}");
+    drop(rt);
 }

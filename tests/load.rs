@@ -71,7 +71,7 @@ fn many_concurrent_pushers_are_all_served_with_bounded_memory() {
                             .unwrap();
                         let frame = PushFrame {
                             worker: rank,
-                            clock: w.min_clock + i,
+                            clock: w.clock + i,
                             shard: 0,
                             range_start: w.range_start,
                             range_end: w.range_end,
@@ -85,15 +85,11 @@ fn many_concurrent_pushers_are_all_served_with_bounded_memory() {
                             .await
                             .map_err(|e| e.to_string())?;
                     }
-                    // The heartbeat names the clock whose pushes the goodbye waits for.
+                    // The goodbye names the clock whose pushes the shard takes before this rank leaves.
                     control
-                        .send(&Control::Heartbeat {
-                            clock: w.min_clock + PUSHES,
+                        .send(&Control::Goodbye {
+                            clock: w.clock + PUSHES,
                         })
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    control
-                        .send(&Control::Goodbye)
                         .await
                         .map_err(|e| e.to_string())?;
                     let _ = tokio::time::timeout(Duration::from_secs(20), conn.closed()).await;

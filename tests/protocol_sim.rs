@@ -494,7 +494,11 @@ impl Sim {
                         });
                     }
                 }
-                Action::Close { conn, .. } => {
+                Action::Close { conn, code: None } => {
+                    // The orderly end after a goodbye whose rounds were all taken.
+                    self.break_conn(conn, false);
+                }
+                Action::Close { conn, code: Some(_) } => {
                     let c = &self.conns[&conn];
                     let (w, now) = (c.worker, self.now);
                     let heard = self.shards[k].last_heard.get(&w).copied().unwrap_or(0);
@@ -601,8 +605,8 @@ impl Sim {
                         });
                     }
                 }
-                Payload::Control(Control::Goodbye) => {
-                    self.shards[k].proto.as_mut().expect("up").goodbye(conn, w as u32)
+                Payload::Control(Control::Goodbye { clock }) => {
+                    self.shards[k].proto.as_mut().expect("up").goodbye(conn, w as u32, clock, now)
                 }
                 Payload::Control(other) => return Err(format!("worker sent {other:?}")),
                 Payload::Push(bytes) => {

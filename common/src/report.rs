@@ -66,6 +66,15 @@ pub struct RunReport {
     /// Extension: pushes a worker refused to send because the gradient was not finite.
     #[serde(default)]
     pub nonfinite_skipped: u64,
+    /// Extension: pushes (and skip markers) the shards refused or a rejoin dropped, as the workers learned them.
+    #[serde(default)]
+    pub pushes_refused: u64,
+    /// Extension: pull replies the workers dropped because they answered a superseded request.
+    #[serde(default)]
+    pub stale_replies_dropped: u64,
+    /// Extension: reconnections of workers to shards.
+    #[serde(default)]
+    pub reconnects: u64,
     /// Extension: free-form notes (e.g. "fashion-mnist not found, trained on digits").
     #[serde(default)]
     pub notes: Vec<String>,

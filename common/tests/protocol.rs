@@ -62,7 +62,7 @@ fn all_controls() -> Vec<Control> {
             code: ErrorCode::Replay,
             message: "clock 4 already pushed".into(),
         },
-        Control::Goodbye,
+        Control::Goodbye { clock: 9 },
     ]
 }
 
@@ -108,7 +108,7 @@ fn every_control_message_round_trips() {
 
 #[test]
 fn control_rejects_trailing_bytes_and_unknown_error_codes() {
-    let mut bytes = encode_control(&Control::Goodbye).unwrap();
+    let mut bytes = encode_control(&Control::Goodbye { clock: 1 }).unwrap();
     bytes.push(0);
     assert_eq!(
         decode_control(&bytes).unwrap_err().code(),

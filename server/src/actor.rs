@@ -71,8 +71,8 @@ pub struct Hello {
     pub worker: u32,
     /// The clock the worker rejoins at.
     pub clock: u64,
-    /// Fired when the shard closes this connection.
-    pub kick: oneshot::Sender<ErrorCode>,
+    /// Fired when the shard closes this connection (`None`: the orderly end after a goodbye).
+    pub kick: oneshot::Sender<Option<ErrorCode>>,
 }
 
 /// A worker is alive.
@@ -85,7 +85,7 @@ pub struct Heartbeat {
     pub worker: u32,
 }
 
-/// A worker finished and leaves: nobody waits on it.
+/// A worker finished and leaves (once its rounds below `clock` are taken): nobody waits on it.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Goodbye {
@@ -93,6 +93,8 @@ pub struct Goodbye {
     pub conn: ConnId,
     /// Worker rank.
     pub worker: u32,
+    /// The worker's clock at goodbye.
+    pub clock: u64,
 }
 
 /// A connection ended.
@@ -148,7 +150,7 @@ pub struct ShardActor {
     proto: ShardProtocol,
     started: Instant,
     waiting: HashMap<u64, (Instant, oneshot::Sender<Result<PullReply, ShardError>>)>,
-    kicks: HashMap<ConnId, oneshot::Sender<ErrorCode>>,
+    kicks: HashMap<ConnId, oneshot::Sender<Option<ErrorCode>>>,
     store: Option<Arc<CheckpointStore>>,
     every_updates: u64,
     last_checkpoint_version: u64,
@@ -356,7 +358,8 @@ impl Handler<Heartbeat> for ShardActor {
 impl Handler<Goodbye> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Goodbye, _: &mut Context<Self>) {
-        self.proto.goodbye(msg.conn, msg.worker);
+        let now = self.now_ms();
+        self.proto.goodbye(msg.conn, msg.worker, msg.clock, now);
         self.update_live();
         self.run_actions();
     }

@@ -26,6 +26,9 @@ pub type ConnId = u64;
 /// At most this many pulls of one worker wait on the SSP gate at once (an honest worker has one per shard).
 pub const MAX_PARKED_PER_WORKER: usize = 2;
 
+/// After a goodbye, a worker's rounds still in flight are waited for at most this long before it leaves anyway.
+pub const GOODBYE_DRAIN_MS: u64 = 10_000;
+
 /// Outcomes of recent rounds remembered per worker, to answer resends idempotently.
 const OUTCOME_WINDOW: usize = 128;
 
@@ -62,12 +65,13 @@ pub enum Action {
         /// Why.
         error: ShardError,
     },
-    /// Close this connection with this code (an evicted worker whose connection is still up reconnects and rejoins).
+    /// Close this connection: with an error code (an evicted worker whose connection is still up reconnects and
+    /// rejoins), or `None` for the orderly end after a goodbye whose rounds were all taken.
     Close {
         /// The connection.
         conn: ConnId,
-        /// The close code.
-        code: ErrorCode,
+        /// The close code (`None`: orderly).
+        code: Option<ErrorCode>,
     },
 }
 
@@ -99,6 +103,15 @@ struct Member {
     conn: Option<ConnId>,
     /// Outcomes of the most recent rounds, oldest first, for idempotent resends.
     outcomes: VecDeque<(u64, Outcome)>,
+    /// Said goodbye at this clock on this connection; leaves once its rounds below it are taken, or at the deadline.
+    leaving: Option<Leaving>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Leaving {
+    conn: ConnId,
+    clock: u64,
+    deadline_ms: u64,
 }
 
 impl Member {
@@ -274,6 +287,7 @@ impl ShardProtocol {
                 .or_default()
                 .remember(clock, outcome);
             self.release_ready();
+            self.maybe_leave(worker, now_ms);
         }
         (outcome, result)
     }
@@ -339,15 +353,42 @@ impl ShardProtocol {
         self.core.answered(clock, bytes)
     }
 
-    /// A worker said goodbye on `conn`: it leaves the clock table (nobody waits on it); its parked pulls are refused.
-    /// The worker only says goodbye once every push it made has an outcome, so nothing of it is still in flight.
-    pub fn goodbye(&mut self, conn: ConnId, worker: u32) {
+    /// A worker said goodbye on `conn` at `clock`: once the shard has taken its rounds below `clock` (they travel on
+    /// the push path, which the goodbye may overtake) or [`GOODBYE_DRAIN_MS`] passed, it leaves the clock table
+    /// (nobody waits on it), its parked pulls are refused and its connection is closed in order.
+    pub fn goodbye(&mut self, conn: ConnId, worker: u32, clock: u64, now_ms: u64) {
         if !self.is_current(conn, worker) {
+            return;
+        }
+        if let Some(m) = self.members.get_mut(&worker) {
+            m.leaving = Some(Leaving {
+                conn,
+                clock,
+                deadline_ms: now_ms.saturating_add(GOODBYE_DRAIN_MS),
+            });
+        }
+        self.maybe_leave(worker, now_ms);
+    }
+
+    fn maybe_leave(&mut self, worker: u32, now_ms: u64) {
+        let Some(leaving) = self.members.get(&worker).and_then(|m| m.leaving) else {
+            return;
+        };
+        let taken = self
+            .core
+            .clocks()
+            .clock_of(worker)
+            .is_none_or(|c| c >= leaving.clock);
+        if !taken && now_ms < leaving.deadline_ms {
             return;
         }
         self.core.leave(worker);
         self.members.remove(&worker);
         self.refuse_parked(|p| p.worker == worker, ShardError::NotMember(worker));
+        self.actions.push_back(Action::Close {
+            conn: leaving.conn,
+            code: None,
+        });
         self.release_ready();
     }
 
@@ -370,13 +411,22 @@ impl ShardProtocol {
     /// Evicts the workers silent for the timeout: they stop blocking the gate, their parked pulls are refused and
     /// their connections closed (so that, if they are alive after all, they reconnect and rejoin).
     pub fn tick(&mut self, now_ms: u64) -> Vec<u32> {
+        let draining: Vec<u32> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.leaving.is_some())
+            .map(|(w, _)| *w)
+            .collect();
+        for w in draining {
+            self.maybe_leave(w, now_ms);
+        }
         let evicted = self.core.evict_silent(now_ms);
         for &w in &evicted {
             self.refuse_parked(|p| p.worker == w, ShardError::NotMember(w));
             if let Some(conn) = self.members.get_mut(&w).and_then(|m| m.conn.take()) {
                 self.actions.push_back(Action::Close {
                     conn,
-                    code: ErrorCode::Evicted,
+                    code: Some(ErrorCode::Evicted),
                 });
             }
         }

@@ -149,11 +149,18 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext
     };
     tokio::select! {
         _ = session.control_loop(receiver) => {}
-        code = kick_rx => {
-            if let Ok(code) = code {
+        code = kick_rx => match code {
+            Ok(Some(code)) => {
                 info!(shard = ctx.shard, worker, ?code, "closing the connection of an evicted worker");
                 close_with(&conn, code, "evicted for silence: reconnect and rejoin");
             }
+            Ok(None) => {
+                info!(shard = ctx.shard, worker, "worker left");
+                // Let the writer deliver the last outcomes, then end in order.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                conn.close(0u32.into(), b"goodbye");
+            }
+            Err(_) => {}
         }
     }
     pushes.abort();
@@ -203,13 +210,17 @@ impl Session {
                     clock,
                     precision,
                 } => self.pull(request, clock, precision).await,
-                Control::Goodbye => {
-                    let _ = ctx.shard_actor.send(Goodbye { conn: id, worker }).await;
-                    info!(shard = ctx.shard, worker, "worker left");
-                    // Let the writer deliver what is queued (the last outcomes) before the session ends.
-                    let _ = tokio::time::timeout(Duration::from_secs(2), self.conn.closed()).await;
-                    return;
-                }
+                // The shard closes the connection (through the kick) once the worker's last rounds are taken; the
+                // push loop keeps running until then.
+                Control::Goodbye { clock } => ctx
+                    .shard_actor
+                    .send(Goodbye {
+                        conn: id,
+                        worker,
+                        clock,
+                    })
+                    .await
+                    .is_ok(),
                 Control::Error { code, message } => {
                     warn!(shard = ctx.shard, worker, ?code, %message, "worker reported an error");
                     return;

@@ -91,7 +91,10 @@ async fn join(addr: &Addr<ShardActor>, worker: u32) -> u64 {
     join_kicked(addr, worker).await.0
 }
 
-async fn join_kicked(addr: &Addr<ShardActor>, worker: u32) -> (u64, oneshot::Receiver<ErrorCode>) {
+async fn join_kicked(
+    addr: &Addr<ShardActor>,
+    worker: u32,
+) -> (u64, oneshot::Receiver<Option<ErrorCode>>) {
     let (kick, kicked) = oneshot::channel();
     let joined = addr
         .send(Hello {
@@ -238,7 +241,7 @@ async fn a_silent_worker_stops_blocking_within_the_timeout() {
     assert_eq!(live, 1, "worker 1 was evicted, worker 0 was not");
     assert_eq!(
         kicked.await,
-        Ok(ErrorCode::Evicted),
+        Ok(Some(ErrorCode::Evicted)),
         "the evicted worker's connection is closed so that it rejoins"
     );
     // The evicted worker's push is refused until it rejoins, and then it rejoins at the current minimum.

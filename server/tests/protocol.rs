@@ -202,7 +202,7 @@ fn eviction_refuses_the_evicted_pulls_and_closes_the_connection() {
     let acts = actions(&mut p);
     assert!(acts.contains(&Action::Close {
         conn: 11,
-        code: ErrorCode::Evicted
+        code: Some(ErrorCode::Evicted)
     }));
     // Worker 0's pull at 1 is released by the eviction.
     assert!(acts

@@ -526,7 +526,8 @@ impl WorkerSession {
     pub fn goodbye(&mut self, now_ms: u64) {
         for k in 0..self.links.len() {
             if self.links[k].up {
-                self.send_control(k, Control::Goodbye, now_ms);
+                let clock = self.clock;
+                self.send_control(k, Control::Goodbye { clock }, now_ms);
             }
         }
     }

@@ -590,6 +590,9 @@ pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::repor
         loss_curve: r.loss_curve.clone(),
         accuracy_curve: r.accuracy_curve.clone(),
         nonfinite_skipped: r.nonfinite_skipped,
+        pushes_refused: r.pushes_refused,
+        stale_replies_dropped: r.stale_replies_dropped,
+        reconnects: r.reconnects,
         ..tether_common::report::RunReport::for_config(cfg)
     }
 }

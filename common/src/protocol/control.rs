@@ -81,8 +81,13 @@ pub enum Control {
         /// Human-readable cause.
         message: String,
     },
-    /// Either side: orderly end of the session.
-    Goodbye,
+    /// Worker → server: orderly end. `clock` is the worker's clock: its rounds below it were all sent (on the push
+    /// path, which this message may overtake), so the shard lets it leave once it has taken them, or after a drain
+    /// timeout.
+    Goodbye {
+        /// The worker's clock when it said goodbye.
+        clock: u64,
+    },
 }
 
 impl Control {
@@ -104,7 +109,7 @@ impl Control {
             Control::PullRefused { .. } => "PullRefused",
             Control::PushOutcome { .. } => "PushOutcome",
             Control::Error { .. } => "Error",
-            Control::Goodbye => "Goodbye",
+            Control::Goodbye { .. } => "Goodbye",
         }
     }
 }
