@@ -8,7 +8,9 @@ use tether::common::report::RunReport;
 use tether::{loopback_servers, LocalCluster};
 
 fn fashion_installed() -> bool {
-    std::path::Path::new("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()
+    tether::common::config::default_data_dir()
+        .join("train-images-idx3-ubyte.gz")
+        .exists()
 }
 
 /// A small but real configuration: 2 shards, 3 workers, the MLP, a short schedule.

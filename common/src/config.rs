@@ -438,7 +438,19 @@ fn d_seed() -> u64 {
     42
 }
 fn d_data_path() -> PathBuf {
-    PathBuf::from("/usr/share/datasets/fashion-mnist")
+    default_data_dir()
+}
+
+/// Environment variable that overrides the default data directory (CI points it at an empty folder to run the tests
+/// as on a machine without Fashion-MNIST).
+pub const DATA_DIR_ENV: &str = "TETHER_DATA_DIR";
+
+/// The default `data.path`: `$TETHER_DATA_DIR` when set, else Debian's `/usr/share/datasets/fashion-mnist`.
+pub fn default_data_dir() -> PathBuf {
+    std::env::var_os(DATA_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/share/datasets/fashion-mnist"))
 }
 fn d_batch() -> usize {
     128
@@ -722,10 +734,7 @@ mod tests {
         assert_eq!(cfg.cluster.staleness, Staleness::Bounded(3));
         assert_eq!(cfg.cluster.tls_dir, PathBuf::from("/etc/tether/certs"));
         assert_eq!(cfg.checkpoint.dir, PathBuf::from("/etc/tether/ckpt"));
-        assert_eq!(
-            cfg.data.path,
-            PathBuf::from("/usr/share/datasets/fashion-mnist")
-        );
+        assert_eq!(cfg.data.path, default_data_dir());
         assert_eq!(cfg.compression.scheme, Scheme::Q4);
         assert_eq!(cfg.optimizer.kind, OptimizerKind::Adam);
         assert_eq!(cfg.model.hidden, vec![256, 128]);
