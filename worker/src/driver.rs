@@ -204,10 +204,11 @@ impl Driver {
         }
     }
 
-    /// Waits until every push has its outcome (or `limit` passes); returns whether all settled.
+    /// Waits until every push has its outcome and every link is up, so that the goodbye reaches every shard (or
+    /// until `limit` passes); returns whether it got there.
     pub async fn settle(&mut self, limit: Duration) -> Result<bool, WorkerError> {
         let end = tokio::time::Instant::now() + limit;
-        while !self.session.settled() {
+        while !(self.session.settled() && self.session.connected_to_all()) {
             if tokio::time::Instant::now() >= end {
                 return Ok(false);
             }
