@@ -429,8 +429,14 @@ fn killing_a_shard_while_pulls_are_parked_on_the_other_keeps_bsp() {
         ..Spec::default()
     });
     let steps = c.steps_per_worker();
-    let mut s0 = c.server(0, &["--exit-after-workers", "2", "--report", "server-0.json"]);
-    let mut s1 = c.server(1, &["--exit-after-workers", "2", "--report", "server-1.json"]);
+    let mut s0 = c.server(
+        0,
+        &["--exit-after-workers", "2", "--report", "server-0.json"],
+    );
+    let mut s1 = c.server(
+        1,
+        &["--exit-after-workers", "2", "--report", "server-1.json"],
+    );
     let mut w0 = c.worker(0, &["--report", "w0.json"]);
     // The slow worker keeps the fast one's pulls parked on both shards (BSP waits for its pushes).
     let mut w1 = c.worker(1, &["--report", "w1.json", "--step-delay-ms", "400"]);
@@ -440,7 +446,13 @@ fn killing_a_shard_while_pulls_are_parked_on_the_other_keeps_bsp() {
     std::thread::sleep(Duration::from_millis(500));
     let mut s1b = c.server(
         1,
-        &["--resume", "--exit-after-workers", "2", "--report", "server-1.json"],
+        &[
+            "--resume",
+            "--exit-after-workers",
+            "2",
+            "--report",
+            "server-1.json",
+        ],
     );
     w0.wait_success(Duration::from_secs(120));
     w1.wait_success(Duration::from_secs(120));
@@ -462,7 +474,11 @@ fn killing_a_shard_while_pulls_are_parked_on_the_other_keeps_bsp() {
     );
     for (i, x) in r.iter().enumerate() {
         assert_eq!(num(x, "steps"), steps as f64, "worker {i}");
-        assert_eq!(num(x, "max_clock_lead_observed"), 0.0, "worker {i} led under BSP");
+        assert_eq!(
+            num(x, "max_clock_lead_observed"),
+            0.0,
+            "worker {i} led under BSP"
+        );
         assert_eq!(num(x, "pushes_refused"), 0.0, "worker {i}");
     }
     assert!(r.iter().map(|x| num(x, "reconnects")).sum::<f64>() >= 2.0);

@@ -378,8 +378,14 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
     };
     // Shard 0 sees the hostile rank too (three goodbyes), shard 1 only the two honest workers.
     let mut servers = vec![
-        c.server(0, &["--exit-after-workers", "3", "--report", "server-0.json"]),
-        c.server(1, &["--exit-after-workers", "2", "--report", "server-1.json"]),
+        c.server(
+            0,
+            &["--exit-after-workers", "3", "--report", "server-0.json"],
+        ),
+        c.server(
+            1,
+            &["--exit-after-workers", "2", "--report", "server-1.json"],
+        ),
     ];
     let mut w0 = c.worker(0, &["--report", "w0.json"]);
     let mut w1 = c.worker(1, &["--report", "w1.json"]);
@@ -394,7 +400,8 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         // A rejoin at u64::MAX: refused before anything changes, with the connection closed on a typed code.
         let conn = connect(&ep, t.addr, "127.0.0.1").await.unwrap();
         let mut control = ControlChannel::open(&conn).await.unwrap();
-        let answer = client_handshake(&mut control, Hello::rejoin(RANK, t.layout_hash, u64::MAX)).await;
+        let answer =
+            client_handshake(&mut control, Hello::rejoin(RANK, t.layout_hash, u64::MAX)).await;
         let rejoin_code = match answer {
             Err(NetError::Protocol(ProtocolError::Remote { code, .. })) => Some(code),
             Err(e) => e.remote_close_code().and_then(ErrorCode::from_code),
@@ -405,7 +412,11 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         let mut sent = 0u64;
         for request in 0..2 {
             let clock = [u64::MAX, u64::MAX / 2][request as usize];
-            let msg = Control::PullRequest { request, clock, precision: tether::common::protocol::Precision::F32 };
+            let msg = Control::PullRequest {
+                request,
+                clock,
+                precision: tether::common::protocol::Precision::F32,
+            };
             control.send(&msg).await.unwrap();
             sent += 1;
         }
@@ -413,7 +424,11 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         while started.elapsed() < Duration::from_secs(3) && sent < 20_000 {
             // Pulls at clock 3: allowed for rank 2 (at clock 0, s = 2), but the gate holds them while rank 2 itself
             // keeps m at 0; two park, every other one is refused.
-            let msg = Control::PullRequest { request: sent, clock: 3, precision: tether::common::protocol::Precision::F32 };
+            let msg = Control::PullRequest {
+                request: sent,
+                clock: 3,
+                precision: tether::common::protocol::Precision::F32,
+            };
             if control.send(&msg).await.is_err() {
                 break;
             }
@@ -423,12 +438,18 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             match tokio::time::timeout(Duration::from_millis(500), control.recv()).await {
-                Ok(Ok(Control::PullRefused { code, .. })) => *refusals.entry(format!("{code:?}")).or_default() += 1,
+                Ok(Ok(Control::PullRefused { code, .. })) => {
+                    *refusals.entry(format!("{code:?}")).or_default() += 1
+                }
                 Ok(Ok(_)) => {}
                 Ok(Err(_)) | Err(_) => break,
             }
         }
-        assert!(conn.close_reason().is_none(), "the flood closed the connection: {:?}", conn.close_reason());
+        assert!(
+            conn.close_reason().is_none(),
+            "the flood closed the connection: {:?}",
+            conn.close_reason()
+        );
         // Leave, so the honest workers are not held back by this rank.
         control.send(&Control::Goodbye { clock: 0 }).await.unwrap();
         let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
@@ -436,9 +457,15 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
     });
     println!("absurd clocks: rejoin at u64::MAX -> {rejoin_code:?}; {flood} pulls sent, refused {refusals:?}");
     assert_eq!(rejoin_code, Some(ErrorCode::ClockFromFuture));
-    assert!(refusals.get("ClockFromFuture").copied().unwrap_or(0) >= 2, "{refusals:?}");
+    assert!(
+        refusals.get("ClockFromFuture").copied().unwrap_or(0) >= 2,
+        "{refusals:?}"
+    );
     let overloaded = refusals.get("Overloaded").copied().unwrap_or(0);
-    assert!(overloaded + 8 >= flood - 2, "{flood} pulls, refusals {refusals:?}");
+    assert!(
+        overloaded + 8 >= flood - 2,
+        "{flood} pulls, refusals {refusals:?}"
+    );
     w0.wait_success(Duration::from_secs(120));
     w1.wait_success(Duration::from_secs(120));
     // The shards stayed up through it all and ended cleanly after the last goodbye.

@@ -18,8 +18,8 @@
 //! `TETHER_SIM_SCHEDULES` sets how many schedules run (default 10,000), `TETHER_SIM_SEED` replays one seed; a failing
 //! run prints its seed and the whole failure.
 
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use tether::common::codec::{CodecConfig, Encoder, Scheme};
 use tether::common::config::{OptimizerConfig, OptimizerKind, Staleness};
@@ -140,15 +140,39 @@ struct Msg {
 enum Ev {
     Deliver(Msg),
     /// A connect attempt of `worker` to `shard` with this hello clock reaches the shard.
-    ConnectArrive { worker: usize, shard: usize, incarnation: u64, clock: u64 },
+    ConnectArrive {
+        worker: usize,
+        shard: usize,
+        incarnation: u64,
+        clock: u64,
+    },
     /// The welcome reaches the worker.
-    Welcomed { worker: usize, shard: usize, incarnation: u64, conn: ConnId, welcome: Welcome },
+    Welcomed {
+        worker: usize,
+        shard: usize,
+        incarnation: u64,
+        conn: ConnId,
+        welcome: Welcome,
+    },
     /// A connect attempt failed (shard down).
-    ConnectFailed { worker: usize, shard: usize, incarnation: u64 },
-    ComputeDone { worker: usize, incarnation: u64 },
-    WorkerRestart { worker: usize },
-    ShardRestart { shard: usize },
-    Unstall { conn: ConnId },
+    ConnectFailed {
+        worker: usize,
+        shard: usize,
+        incarnation: u64,
+    },
+    ComputeDone {
+        worker: usize,
+        incarnation: u64,
+    },
+    WorkerRestart {
+        worker: usize,
+    },
+    ShardRestart {
+        shard: usize,
+    },
+    Unstall {
+        conn: ConnId,
+    },
 }
 
 struct Conn {
@@ -370,8 +394,12 @@ impl Sim {
             while let Some(t) = self.workers[w].session.poll_transmit() {
                 progressed = true;
                 let (shard, lane, payload) = match t {
-                    Transmit::Control { shard, msg } => (shard, Lane::ControlUp, Payload::Control(msg)),
-                    Transmit::Push { shard, bytes, .. } => (shard, Lane::PushUp, Payload::Push(bytes)),
+                    Transmit::Control { shard, msg } => {
+                        (shard, Lane::ControlUp, Payload::Control(msg))
+                    }
+                    Transmit::Push { shard, bytes, .. } => {
+                        (shard, Lane::PushUp, Payload::Push(bytes))
+                    }
                 };
                 if let Some(conn) = self.workers[w].conns[shard] {
                     self.send(Msg {
@@ -390,17 +418,30 @@ impl Sim {
                         if self.workers[w].phase == Phase::Pulling {
                             let t = if self.rng.chance(self.faults.slow_step_per_mille) {
                                 // A step far longer than the eviction timeout: heartbeats must keep us live.
-                                self.now + self.faults.slow_step_ms + self.rng.below(self.faults.slow_step_jitter_ms + 1)
+                                self.now
+                                    + self.faults.slow_step_ms
+                                    + self.rng.below(self.faults.slow_step_jitter_ms + 1)
                             } else {
                                 self.now + 1 + self.rng.below(40)
                             };
                             self.workers[w].phase = Phase::Computing;
                             let inc = self.workers[w].incarnation;
-                            self.at(t, Ev::ComputeDone { worker: w, incarnation: inc });
+                            self.at(
+                                t,
+                                Ev::ComputeDone {
+                                    worker: w,
+                                    incarnation: inc,
+                                },
+                            );
                             self.note(format!("w{w} pull done at clock {clock}"));
                         }
                     }
-                    Event::Settled { shard, clock, outcome, frame } => {
+                    Event::Settled {
+                        shard,
+                        clock,
+                        outcome,
+                        frame,
+                    } => {
                         // An accepted update: the worker learned that its push is in (applied now or before).
                         let skip = access_push(&frame).map(|f| f.meta().skip).unwrap_or(true);
                         if !skip && matches!(outcome, Outcome::Applied | Outcome::Duplicate) {
@@ -431,9 +472,24 @@ impl Sim {
         let inc = self.workers[w].incarnation;
         let t = self.now + 1 + self.rng.below(50);
         if self.shards[shard].proto.is_some() {
-            self.at(t, Ev::ConnectArrive { worker: w, shard, incarnation: inc, clock: hello.clock });
+            self.at(
+                t,
+                Ev::ConnectArrive {
+                    worker: w,
+                    shard,
+                    incarnation: inc,
+                    clock: hello.clock,
+                },
+            );
         } else {
-            self.at(t + 100, Ev::ConnectFailed { worker: w, shard, incarnation: inc });
+            self.at(
+                t + 100,
+                Ev::ConnectFailed {
+                    worker: w,
+                    shard,
+                    incarnation: inc,
+                },
+            );
         }
     }
 
@@ -452,7 +508,10 @@ impl Sim {
         if let Some(p) = self.shards[k].proto.as_mut() {
             p.closed(conn);
         }
-        if notify_worker && self.workers[w].conns[k] == Some(conn) && self.workers[w].phase != Phase::Crashed {
+        if notify_worker
+            && self.workers[w].conns[k] == Some(conn)
+            && self.workers[w].phase != Phase::Crashed
+        {
             self.workers[w].conns[k] = None;
             self.workers[w].session.disconnected(k);
             self.drain_worker(w);
@@ -467,7 +526,10 @@ impl Sim {
             match action {
                 Action::Answer(p) => {
                     let (start, end) = self.ranges(k);
-                    let proto = self.shards[k].proto.as_mut().expect("shard is up: it produced an action");
+                    let proto = self.shards[k]
+                        .proto
+                        .as_mut()
+                        .expect("shard is up: it produced an action");
                     let values = proto.core().weights().to_vec();
                     let version = proto.core().version();
                     let min_clock = proto.core().clocks().min_clock();
@@ -479,10 +541,22 @@ impl Sim {
                         worker: p.worker as usize,
                         shard: k,
                         lane: Lane::ReplyDown,
-                        payload: Payload::Reply { request: p.request, clock: p.clock, version, min_clock, values, live },
+                        payload: Payload::Reply {
+                            request: p.request,
+                            clock: p.clock,
+                            version,
+                            min_clock,
+                            values,
+                            live,
+                        },
                     });
                 }
-                Action::Refuse { conn, request, error, .. } => {
+                Action::Refuse {
+                    conn,
+                    request,
+                    error,
+                    ..
+                } => {
                     let worker = self.conns.get(&conn).map(|c| c.worker);
                     if let Some(worker) = worker {
                         self.send(Msg {
@@ -490,7 +564,10 @@ impl Sim {
                             worker,
                             shard: k,
                             lane: Lane::ControlDown,
-                            payload: Payload::Control(Control::PullRefused { request, code: error.code() }),
+                            payload: Payload::Control(Control::PullRefused {
+                                request,
+                                code: error.code(),
+                            }),
                         });
                     }
                 }
@@ -498,7 +575,10 @@ impl Sim {
                     // The orderly end after a goodbye whose rounds were all taken.
                     self.break_conn(conn, false);
                 }
-                Action::Close { conn, code: Some(_) } => {
+                Action::Close {
+                    conn,
+                    code: Some(_),
+                } => {
                     let c = &self.conns[&conn];
                     let (w, now) = (c.worker, self.now);
                     let heard = self.shards[k].last_heard.get(&w).copied().unwrap_or(0);
@@ -517,7 +597,10 @@ impl Sim {
 
     /// The live members of shard `k` now, with the clock each last (re)joined at.
     fn live_members(&self, k: usize) -> Vec<(usize, u64)> {
-        let proto = self.shards[k].proto.as_ref().expect("shard is up while answering");
+        let proto = self.shards[k]
+            .proto
+            .as_ref()
+            .expect("shard is up while answering");
         (0..WORKERS)
             .filter(|w| proto.core().clocks().is_live(*w as u32))
             .map(|w| (w, self.shards[k].joined_at.get(&w).copied().unwrap_or(0)))
@@ -536,7 +619,9 @@ impl Sim {
     ) -> Result<(), String> {
         for (i, v) in values.iter().enumerate() {
             if *v != 0.0 && *v != 1.0 {
-                return Err(format!("shard {k}: slot {i} reads {v}: an update applied twice or corrupted"));
+                return Err(format!(
+                    "shard {k}: slot {i} reads {v}: an update applied twice or corrupted"
+                ));
             }
         }
         let mut min_progress = u64::MAX;
@@ -545,7 +630,10 @@ impl Sim {
             let mut progress = from;
             while progress < SLOTS
                 && (values[slot(w, progress)] == 1.0
-                    || self.shards[k].skipped.get(&w).is_some_and(|s| s.contains(&progress)))
+                    || self.shards[k]
+                        .skipped
+                        .get(&w)
+                        .is_some_and(|s| s.contains(&progress)))
             {
                 progress += 1;
             }
@@ -590,30 +678,49 @@ impl Sim {
             }
             let now = self.now;
             match msg.payload {
-                Payload::Control(Control::Heartbeat { .. }) => {
-                    self.shards[k].proto.as_mut().expect("up").heartbeat(conn, w as u32, now)
-                }
-                Payload::Control(Control::PullRequest { request, clock, precision }) => {
-                    let r = self.shards[k].proto.as_mut().expect("up").pull(conn, w as u32, request, clock, precision, now);
+                Payload::Control(Control::Heartbeat { .. }) => self.shards[k]
+                    .proto
+                    .as_mut()
+                    .expect("up")
+                    .heartbeat(conn, w as u32, now),
+                Payload::Control(Control::PullRequest {
+                    request,
+                    clock,
+                    precision,
+                }) => {
+                    let r = self.shards[k]
+                        .proto
+                        .as_mut()
+                        .expect("up")
+                        .pull(conn, w as u32, request, clock, precision, now);
                     if let Err(e) = r {
                         self.send(Msg {
                             conn,
                             worker: w,
                             shard: k,
                             lane: Lane::ControlDown,
-                            payload: Payload::Control(Control::PullRefused { request, code: e.code() }),
+                            payload: Payload::Control(Control::PullRefused {
+                                request,
+                                code: e.code(),
+                            }),
                         });
                     }
                 }
-                Payload::Control(Control::Goodbye { clock }) => {
-                    self.shards[k].proto.as_mut().expect("up").goodbye(conn, w as u32, clock, now)
-                }
+                Payload::Control(Control::Goodbye { clock }) => self.shards[k]
+                    .proto
+                    .as_mut()
+                    .expect("up")
+                    .goodbye(conn, w as u32, clock, now),
                 Payload::Control(other) => return Err(format!("worker sent {other:?}")),
                 Payload::Push(bytes) => {
-                    let frame = access_push(&bytes).map_err(|e| format!("worker built a bad frame: {e}"))?;
+                    let frame = access_push(&bytes)
+                        .map_err(|e| format!("worker built a bad frame: {e}"))?;
                     let meta = frame.meta();
                     let round = if meta.skip {
-                        Round::Skip { worker: meta.worker, clock: meta.clock }
+                        Round::Skip {
+                            worker: meta.worker,
+                            clock: meta.clock,
+                        }
                     } else {
                         Round::Push(Push {
                             worker: meta.worker,
@@ -632,14 +739,20 @@ impl Sim {
                         }
                         _ => {}
                     }
-                    self.note(format!("s{k} took w{w} round {} (skip {}): {outcome:?}", meta.clock, meta.skip));
+                    self.note(format!(
+                        "s{k} took w{w} round {} (skip {}): {outcome:?}",
+                        meta.clock, meta.skip
+                    ));
                     self.maybe_snapshot(k);
                     self.send(Msg {
                         conn,
                         worker: w,
                         shard: k,
                         lane: Lane::ControlDown,
-                        payload: Payload::Control(Control::PushOutcome { clock: meta.clock, outcome }),
+                        payload: Payload::Control(Control::PushOutcome {
+                            clock: meta.clock,
+                            outcome,
+                        }),
                     });
                 }
                 Payload::Reply { .. } => return Err("reply travelling up".into()),
@@ -656,8 +769,18 @@ impl Sim {
                 Payload::Control(Control::PullRefused { request, code }) => {
                     self.workers[w].session.pull_refused(k, request, code)
                 }
-                Payload::Reply { request, clock, version, min_clock, values, live } => {
-                    if self.workers[w].session.reply(k, request, clock, version, min_clock) {
+                Payload::Reply {
+                    request,
+                    clock,
+                    version,
+                    min_clock,
+                    values,
+                    live,
+                } => {
+                    if self.workers[w]
+                        .session
+                        .reply(k, request, clock, version, min_clock)
+                    {
                         self.used_replies += 1;
                         // What the worker computes on must satisfy the guarantee for the clock it pulls at.
                         let pulling_at = self.workers[w].session.clock();
@@ -699,7 +822,12 @@ impl Sim {
         }
         let _ = start;
         self.note(format!("shard {k} crashed (back to v{})", snap.version));
-        let dead: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.alive && c.shard == k).map(|(id, _)| *id).collect();
+        let dead: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.alive && c.shard == k)
+            .map(|(id, _)| *id)
+            .collect();
         for conn in dead {
             self.break_conn(conn, true);
         }
@@ -725,7 +853,11 @@ impl Sim {
         }
         self.workers[w].phase = Phase::Crashed;
         self.workers[w].incarnation += 1;
-        let conns: Vec<ConnId> = self.workers[w].conns.iter_mut().filter_map(|c| c.take()).collect();
+        let conns: Vec<ConnId> = self.workers[w]
+            .conns
+            .iter_mut()
+            .filter_map(|c| c.take())
+            .collect();
         for c in conns {
             self.break_conn(c, false);
         }
@@ -742,7 +874,13 @@ impl Sim {
             })
             .collect();
         let sw = &mut self.workers[w];
-        sw.session = WorkerSession::new(w as u32, self.layout.hash(), ranges, Precision::F32, HEARTBEAT_MS);
+        sw.session = WorkerSession::new(
+            w as u32,
+            self.layout.hash(),
+            ranges,
+            Precision::F32,
+            HEARTBEAT_MS,
+        );
         sw.phase = Phase::Pulling;
         sw.connecting = vec![false; SHARDS];
         self.note(format!("worker {w} restarted"));
@@ -767,14 +905,23 @@ impl Sim {
                     g[slot(w, clock)] = -1.0;
                 }
                 let mut out = Vec::new();
-                self.encoder.encode(&g, 0, &mut out).map_err(|e| e.to_string())?;
+                self.encoder
+                    .encode(&g, 0, &mut out)
+                    .map_err(|e| e.to_string())?;
                 frames.push(out);
             }
-            self.workers[w].session.push(&mut frames, 0.0).map_err(|e| e.to_string())?;
+            self.workers[w]
+                .session
+                .push(&mut frames, 0.0)
+                .map_err(|e| e.to_string())?;
         }
         self.workers[w].rounds += 1;
         let done = self.workers[w].session.clock() >= ROUNDS;
-        self.workers[w].phase = if done { Phase::Settling } else { Phase::Pulling };
+        self.workers[w].phase = if done {
+            Phase::Settling
+        } else {
+            Phase::Pulling
+        };
         if !done {
             self.workers[w].session.start_pull(now);
         }
@@ -785,14 +932,24 @@ impl Sim {
     fn inject_faults(&mut self) {
         let f = self.faults;
         if self.rng.chance(f.break_per_mille) {
-            let alive: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.alive).map(|(id, _)| *id).collect();
+            let alive: Vec<ConnId> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.alive)
+                .map(|(id, _)| *id)
+                .collect();
             if !alive.is_empty() {
                 let c = alive[self.rng.below(alive.len() as u64) as usize];
                 self.break_conn(c, true);
             }
         }
         if self.rng.chance(f.stall_per_mille) {
-            let alive: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.alive).map(|(id, _)| *id).collect();
+            let alive: Vec<ConnId> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.alive)
+                .map(|(id, _)| *id)
+                .collect();
             if !alive.is_empty() {
                 let c = alive[self.rng.below(alive.len() as u64) as usize];
                 let until = self.now + TIMEOUT_MS / 2 + self.rng.below(3 * TIMEOUT_MS);
@@ -828,7 +985,11 @@ impl Sim {
         for (k, s) in self.shards.iter().enumerate() {
             if let Some(p) = &s.proto {
                 let rows: Vec<(u32, u64)> = p.core().clocks().clocks().collect();
-                out += &format!("s{k}: live {rows:?} min {} parked {}; ", p.core().clocks().min_clock(), p.parked());
+                out += &format!(
+                    "s{k}: live {rows:?} min {} parked {}; ",
+                    p.core().clocks().min_clock(),
+                    p.parked()
+                );
             }
         }
         out
@@ -862,16 +1023,31 @@ impl Sim {
         }
         self.queue.pop();
         self.now = t;
-        let ev = self.events.remove(&id).expect("every queued id has its event");
+        let ev = self
+            .events
+            .remove(&id)
+            .expect("every queued id has its event");
         match ev {
             Ev::Deliver(msg) => self.deliver(msg)?,
-            Ev::ConnectArrive { worker, shard, incarnation, clock } => {
+            Ev::ConnectArrive {
+                worker,
+                shard,
+                incarnation,
+                clock,
+            } => {
                 if self.workers[worker].incarnation != incarnation {
                     return Ok(false);
                 }
                 let Some(p) = self.shards[shard].proto.as_mut() else {
                     let t = self.now + 100;
-                    self.at(t, Ev::ConnectFailed { worker, shard, incarnation });
+                    self.at(
+                        t,
+                        Ev::ConnectFailed {
+                            worker,
+                            shard,
+                            incarnation,
+                        },
+                    );
                     return Ok(false);
                 };
                 let conn = self.next_conn;
@@ -892,18 +1068,36 @@ impl Sim {
                 self.shards[shard].joined_at.insert(worker, joined.clock);
                 self.shards[shard].last_heard.insert(worker, self.now);
                 self.shards[shard].newest_conn.insert(worker, conn);
-                self.conns.insert(conn, Conn {
-                    worker,
-                    shard,
-                    alive: true,
-                    stalled_until: 0,
-                    lane_tail: BTreeMap::new(),
-                });
+                self.conns.insert(
+                    conn,
+                    Conn {
+                        worker,
+                        shard,
+                        alive: true,
+                        stalled_until: 0,
+                        lane_tail: BTreeMap::new(),
+                    },
+                );
                 self.drain_shard(shard)?;
                 let t = self.now + 1 + self.rng.below(50);
-                self.at(t, Ev::Welcomed { worker, shard, incarnation, conn, welcome });
+                self.at(
+                    t,
+                    Ev::Welcomed {
+                        worker,
+                        shard,
+                        incarnation,
+                        conn,
+                        welcome,
+                    },
+                );
             }
-            Ev::Welcomed { worker, shard, incarnation, conn, welcome } => {
+            Ev::Welcomed {
+                worker,
+                shard,
+                incarnation,
+                conn,
+                welcome,
+            } => {
                 if self.workers[worker].incarnation != incarnation {
                     return Ok(false);
                 }
@@ -918,17 +1112,29 @@ impl Sim {
                     .session
                     .connected(shard, &welcome, now)
                     .map_err(|e| format!("worker {worker} refused a welcome: {e}"))?;
-                self.note(format!("w{worker} connected to s{shard} at clock {} (conn {conn})", welcome.clock));
+                self.note(format!(
+                    "w{worker} connected to s{shard} at clock {} (conn {conn})",
+                    welcome.clock
+                ));
                 self.drain_worker(worker);
             }
-            Ev::ConnectFailed { worker, shard, incarnation } => {
+            Ev::ConnectFailed {
+                worker,
+                shard,
+                incarnation,
+            } => {
                 if self.workers[worker].incarnation == incarnation {
                     self.workers[worker].connecting[shard] = false;
                     self.start_connect(worker, shard);
                 }
             }
-            Ev::ComputeDone { worker, incarnation } => {
-                if self.workers[worker].incarnation == incarnation && self.workers[worker].phase == Phase::Computing {
+            Ev::ComputeDone {
+                worker,
+                incarnation,
+            } => {
+                if self.workers[worker].incarnation == incarnation
+                    && self.workers[worker].phase == Phase::Computing
+                {
                     self.compute_done(worker)?;
                 }
             }
@@ -963,7 +1169,11 @@ impl Sim {
         loop {
             n += 1;
             if n > EVENT_LIMIT || self.now > TIME_LIMIT_MS {
-                return Err(format!("stuck: {n} events, {} ms: {}", self.now, self.state()));
+                return Err(format!(
+                    "stuck: {n} events, {} ms: {}",
+                    self.now,
+                    self.state()
+                ));
             }
             if self.step()? {
                 break;
@@ -995,7 +1205,11 @@ impl Sim {
                 // A restarted worker's earlier incarnation may have taken that round with a skip marker: the round
                 // counts once, whichever incarnation's frame arrived first.
                 let skipped = s.skipped.get(&w).is_some_and(|r| r.contains(&c));
-                if c < SLOTS && weights[slot(w, c)] != 1.0 && !s.rolled_back.contains(&(w, c)) && !skipped {
+                if c < SLOTS
+                    && weights[slot(w, c)] != 1.0
+                    && !s.rolled_back.contains(&(w, c))
+                    && !skipped
+                {
                     return Err(format!(
                         "shard {k}: worker {w}'s round {c} was acknowledged but is not in the weights (lost update)"
                     ));
@@ -1011,14 +1225,33 @@ impl Sim {
     }
 }
 
-fn run_seed(seed: u64) -> Result<(u64, u64, u64), (String, Vec<String>, Faults)> {
+/// What one passing schedule saw.
+struct Summary {
+    replies: u64,
+    lead: u64,
+    evictions: u64,
+}
+
+/// Why one schedule failed, with its log and its fault mix.
+struct Failure {
+    error: String,
+    log: Vec<String>,
+    faults: Faults,
+}
+
+fn run_seed(seed: u64) -> Result<Summary, Box<Failure>> {
     let mut sim = Sim::new(seed);
     match sim.run() {
-        Ok(()) => {
-            let evictions = sim.shards.iter().map(|s| s.evictions).sum();
-            Ok((sim.used_replies, sim.max_lead, evictions))
-        }
-        Err(e) => Err((e, sim.log, sim.faults)),
+        Ok(()) => Ok(Summary {
+            replies: sim.used_replies,
+            lead: sim.max_lead,
+            evictions: sim.shards.iter().map(|s| s.evictions).sum(),
+        }),
+        Err(error) => Err(Box::new(Failure {
+            error,
+            log: sim.log,
+            faults: sim.faults,
+        })),
     }
 }
 
@@ -1028,7 +1261,10 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000);
-    let seeds: Vec<u64> = match std::env::var("TETHER_SIM_SEED").ok().and_then(|v| v.parse().ok()) {
+    let seeds: Vec<u64> = match std::env::var("TETHER_SIM_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         Some(seed) => vec![seed],
         None => (0..schedules).map(|i| 0x7e7e_0000 + i).collect(),
     };
@@ -1036,18 +1272,22 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
     let (mut replies, mut lead, mut evictions) = (0, 0, 0);
     for &seed in &seeds {
         match run_seed(seed) {
-            Ok((r, l, e)) => {
-                replies += r;
-                lead = lead.max(l);
-                evictions += e;
+            Ok(sum) => {
+                replies += sum.replies;
+                lead = lead.max(sum.lead);
+                evictions += sum.evictions;
             }
-            Err((e, log, faults)) => {
-                let keep: usize = std::env::var("TETHER_SIM_LOG").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+            Err(f) => {
+                let Failure { error, log, faults } = *f;
+                let keep: usize = std::env::var("TETHER_SIM_LOG")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(60);
                 let tail: Vec<&String> = log.iter().rev().take(keep).collect();
                 for l in tail.into_iter().rev() {
                     eprintln!("{l}");
                 }
-                panic!("seed {seed} failed ({faults:?}): {e}\nreplay: TETHER_SIM_SEED={seed} cargo test --test protocol_sim");
+                panic!("seed {seed} failed ({faults:?}): {error}\nreplay: TETHER_SIM_SEED={seed} cargo test --test protocol_sim");
             }
         }
     }
@@ -1080,8 +1320,16 @@ fn a_step_ten_times_the_timeout_is_not_silence() {
     assert_eq!(evictions, 0, "a slow worker was evicted");
     for (k, s) in sim.shards.iter().enumerate() {
         let p = s.proto.as_ref().unwrap();
-        assert_eq!(p.core().stats().rejected_total(), 0, "shard {k} refused pushes");
-        assert_eq!(p.core().stats().updates_applied, WORKERS as u64 * ROUNDS, "shard {k}");
+        assert_eq!(
+            p.core().stats().rejected_total(),
+            0,
+            "shard {k} refused pushes"
+        );
+        assert_eq!(
+            p.core().stats().updates_applied,
+            WORKERS as u64 * ROUNDS,
+            "shard {k}"
+        );
     }
     for w in &sim.workers {
         assert_eq!(w.session.stats().pushes_refused, 0);

@@ -13,8 +13,8 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
-use tether_common::metrics::ServerMetrics;
 use rkyv::util::AlignedVec;
+use tether_common::metrics::ServerMetrics;
 use tether_common::protocol::{access_push, ErrorCode, Outcome, Precision, ProtocolError};
 
 use crate::checkpoint::CheckpointStore;
@@ -313,7 +313,11 @@ impl Actor for ShardActor {
             let now = act.now_ms();
             let evicted = act.proto.tick(now);
             if !evicted.is_empty() {
-                warn!(shard = act.proto.core().shard(), ?evicted, "evicted silent workers");
+                warn!(
+                    shard = act.proto.core().shard(),
+                    ?evicted,
+                    "evicted silent workers"
+                );
                 act.update_live();
             }
             // Requesters that went away free their slots.
@@ -339,7 +343,12 @@ impl Handler<Hello> for ShardActor {
         let joined = self.proto.hello(msg.conn, msg.worker, msg.clock, now);
         if joined.is_ok() {
             self.kicks.insert(msg.conn, msg.kick);
-            debug!(shard = self.proto.core().shard(), worker = msg.worker, ?joined, "worker joined");
+            debug!(
+                shard = self.proto.core().shard(),
+                worker = msg.worker,
+                ?joined,
+                "worker joined"
+            );
             self.update_live();
         }
         self.run_actions();

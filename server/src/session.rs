@@ -358,11 +358,7 @@ async fn push_loop(
             close_with(&conn, ErrorCode::Unauthorized, "push names another worker");
             return;
         }
-        let outcome = match ctx
-            .shard_actor
-            .send(ApplyPush { body: frame.body })
-            .await
-        {
+        let outcome = match ctx.shard_actor.send(ApplyPush { body: frame.body }).await {
             Ok(Ok(o)) => o,
             Ok(Err(p)) => {
                 reject(&conn, None, &p).await;
@@ -387,14 +383,22 @@ async fn push_loop(
             match code {
                 // Malformed or misaddressed frames are protocol violations: close this connection only.
                 ErrorCode::BadFrame | ErrorCode::WrongShard | ErrorCode::BadRange => {
-                    warn!(shard = ctx.shard, worker, ?code, "closing connection after a bad push");
+                    warn!(
+                        shard = ctx.shard,
+                        worker,
+                        ?code,
+                        "closing connection after a bad push"
+                    );
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     close_with(&conn, code, "bad push");
                     return;
                 }
                 // Not a member (evicted while its connection stayed up): closing makes it reconnect and rejoin.
                 ErrorCode::Evicted => {
-                    info!(shard = ctx.shard, worker, "push from an evicted worker: closing so that it rejoins");
+                    info!(
+                        shard = ctx.shard,
+                        worker, "push from an evicted worker: closing so that it rejoins"
+                    );
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     close_with(&conn, code, "evicted: reconnect and rejoin");
                     return;

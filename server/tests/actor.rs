@@ -14,10 +14,10 @@ use tether_server::actor::{
     encode_values, ApplyPush, CheckpointNow, GetStats, GetWeights, Heartbeat, Hello, Pull,
     PullReply, ShardActor,
 };
-use tether_server::protocol::MAX_PARKED_PER_WORKER;
-use tokio::sync::oneshot;
 use tether_server::checkpoint::CheckpointStore;
+use tether_server::protocol::MAX_PARKED_PER_WORKER;
 use tether_server::shard::{ShardCore, ShardError, ShardSpec};
+use tokio::sync::oneshot;
 
 fn layout() -> Layout {
     mlp_layout(&[32, 16, 4])
@@ -147,7 +147,9 @@ async fn parked_pull_is_released_by_the_push_that_opens_the_gate() {
     assert_eq!(join(&addr, 0).await, 0);
     assert_eq!(join(&addr, 1).await, 0);
     // Round 0 is open to both.
-    let r = pull(&addr, 0, 0, Precision::F32).await.unwrap()
+    let r = pull(&addr, 0, 0, Precision::F32)
+        .await
+        .unwrap()
         .await
         .unwrap()
         .unwrap();
@@ -184,7 +186,9 @@ async fn parked_pull_is_released_by_the_push_that_opens_the_gate() {
 async fn bf16_pull_rounds_each_value() {
     let (addr, arbiter) = start(core(Staleness::Unbounded, 60_000), None, 60_000);
     join(&addr, 0).await;
-    let r = pull(&addr, 0, 0, Precision::Bf16).await.unwrap()
+    let r = pull(&addr, 0, 0, Precision::Bf16)
+        .await
+        .unwrap()
         .await
         .unwrap()
         .unwrap();

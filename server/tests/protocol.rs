@@ -194,7 +194,7 @@ fn eviction_refuses_the_evicted_pulls_and_closes_the_connection() {
     p.pull(10, 0, 5, 1, Precision::F32, 0).unwrap();
     p.pull(11, 1, 6, 0, Precision::F32, 0).unwrap();
     actions(&mut p); // worker 1's pull at 0 is answered at once
-    // Worker 0 heartbeats; worker 1 is silent past the timeout.
+                     // Worker 0 heartbeats; worker 1 is silent past the timeout.
     for now in (100..=TIMEOUT).step_by(100) {
         p.heartbeat(10, 0, now);
         p.tick(now);

@@ -283,10 +283,7 @@ impl Sim {
                 w.state != State::Running || (w.r >= target && !w.parked && w.inflight.is_empty())
             });
             if done {
-                assert!(
-                    self.held.is_empty(),
-                    "pulls left parked after completion"
-                );
+                assert!(self.held.is_empty(), "pulls left parked after completion");
                 return;
             }
             for w in 0..n {
@@ -299,10 +296,7 @@ impl Sim {
                 }
             }
         }
-        panic!(
-            "deadlock: parked pulls never answered: {:?}",
-            self.held
-        );
+        panic!("deadlock: parked pulls never answered: {:?}", self.held);
     }
 }
 
@@ -459,7 +453,10 @@ fn silent_worker_stops_blocking_exactly_at_timeout() {
     assert_eq!(t.evict_silent(TIMEOUT), vec![1]);
     assert_eq!(t.live(), 1);
     assert!(t.is_evicted(1));
-    assert!(t.can_answer(1), "the pull at clock 1 is released by the eviction");
+    assert!(
+        t.can_answer(1),
+        "the pull at clock 1 is released by the eviction"
+    );
     assert_eq!(t.advance(1, 1, 120), Err(ClockError::Evicted { worker: 1 }));
 }
 

@@ -26,10 +26,26 @@ use crate::trainer::WorkerError;
 
 /// What the per-link tasks and connect attempts report to the driver.
 enum Inbound {
-    Control { shard: usize, gen: u64, msg: Control },
-    Reply { shard: usize, gen: u64, body: AlignedVec },
-    Lost { shard: usize, gen: u64, error: NetError },
-    Connected { shard: usize, attempt: u64, result: Result<Connection, NetError> },
+    Control {
+        shard: usize,
+        gen: u64,
+        msg: Control,
+    },
+    Reply {
+        shard: usize,
+        gen: u64,
+        body: AlignedVec,
+    },
+    Lost {
+        shard: usize,
+        gen: u64,
+        error: NetError,
+    },
+    Connected {
+        shard: usize,
+        attempt: u64,
+        result: Result<Connection, NetError>,
+    },
 }
 
 struct Connection {
@@ -327,7 +343,8 @@ impl Driver {
             });
         }
         let delay = outage.backoff;
-        outage.backoff = (outage.backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        outage.backoff =
+            (outage.backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
         outage.attempt += 1;
         outage.connecting = true;
         let attempt = outage.attempt;
@@ -415,7 +432,12 @@ impl Driver {
                         warn!(rank = self.rank, shard, ?code, %message, "shard reported an error");
                     }
                     other => {
-                        warn!(rank = self.rank, shard, msg = other.name(), "unexpected message; reconnecting");
+                        warn!(
+                            rank = self.rank,
+                            shard,
+                            msg = other.name(),
+                            "unexpected message; reconnecting"
+                        );
                         if let Some(io) = self.links[shard].take() {
                             io.close(b"unexpected message");
                         }
@@ -495,14 +517,26 @@ impl Driver {
         }
         let outage = &mut self.outages[shard];
         if outage.since.is_some() {
-            info!(rank = self.rank, shard, clock = c.welcome.clock, "reconnected");
+            info!(
+                rank = self.rank,
+                shard,
+                clock = c.welcome.clock,
+                "reconnected"
+            );
         }
         *outage = Outage::default();
         let (sender, receiver) = c.control.split();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let tx = self.inbox_tx.clone();
         let tasks = vec![
-            tokio::spawn(writer(shard, gen, c.conn.clone(), sender, out_rx, tx.clone())),
+            tokio::spawn(writer(
+                shard,
+                gen,
+                c.conn.clone(),
+                sender,
+                out_rx,
+                tx.clone(),
+            )),
             tokio::spawn(control_reader(shard, gen, receiver, tx.clone())),
             tokio::spawn(reply_reader(
                 shard,

@@ -265,7 +265,10 @@ impl WorkerSession {
             .front()
             .is_some_and(|p| p.clock < welcome.clock)
         {
-            let p = link.pending.pop_front().expect("front exists: checked by is_some_and");
+            let p = link
+                .pending
+                .pop_front()
+                .expect("front exists: checked by is_some_and");
             self.stats.pushes_refused += 1;
             self.events.push_back(Event::Settled {
                 shard,
@@ -393,7 +396,10 @@ impl WorkerSession {
         round.requests[shard] = None;
         round.done[shard] = true;
         self.links[shard].version = version;
-        self.stats.max_clock_lead = self.stats.max_clock_lead.max(clock.saturating_sub(min_clock));
+        self.stats.max_clock_lead = self
+            .stats
+            .max_clock_lead
+            .max(clock.saturating_sub(min_clock));
         if round.done.iter().all(|d| *d) {
             self.events.push_back(Event::PullDone { clock });
             self.round = None;

@@ -176,7 +176,8 @@ impl Handler<Credit> for WorkerActor {
     type Result = ();
     fn handle(&mut self, msg: Credit, _: &mut Context<Self>) {
         // The frame was built by this worker, so it validates; a failure here is logged, never fatal.
-        let payload = tether_common::protocol::access_push(&msg.frame).map(|f| f.payload().to_vec());
+        let payload =
+            tether_common::protocol::access_push(&msg.frame).map(|f| f.payload().to_vec());
         match payload {
             Ok(p) if !p.is_empty() => {
                 if let Err(e) = self.engine.credit_undelivered(msg.shard, &p) {
@@ -478,7 +479,9 @@ async fn train_loop(
         step += 1;
         let secs = started.elapsed().as_secs_f64();
         if outcome.finite {
-            report.loss_curve.push((step, secs, f64::from(outcome.loss)));
+            report
+                .loss_curve
+                .push((step, secs, f64::from(outcome.loss)));
         }
         let mut accuracy = None;
         if opts.test.is_some()

@@ -89,7 +89,11 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     s.connected(0, &welcome(0, 0), 1).unwrap();
     let (t, _) = drain(&mut s);
     let again = requests(&t);
-    assert_eq!(again.len(), 1, "only the shard that has not answered is asked again");
+    assert_eq!(
+        again.len(),
+        1,
+        "only the shard that has not answered is asked again"
+    );
     let (k, new0, c) = again[0];
     assert_eq!((k, c), (0, 0));
     assert_ne!(new0, old0);
@@ -144,7 +148,11 @@ fn an_unsettled_push_is_resent_byte_for_byte_after_a_reconnect() {
     let mut s = connected(0);
     let mut frames = vec![vec![1u8, 2, 3], vec![4u8, 5]];
     s.push(&mut frames, 0.5).unwrap();
-    assert_eq!(frames, vec![vec![1u8, 2, 3], vec![4u8, 5]], "buffers come back");
+    assert_eq!(
+        frames,
+        vec![vec![1u8, 2, 3], vec![4u8, 5]],
+        "buffers come back"
+    );
     let (t, _) = drain(&mut s);
     let sent = pushes(&t);
     s.outcome(1, 0, Outcome::Applied);
@@ -195,7 +203,15 @@ fn heartbeats_run_on_a_timer_whatever_the_step_does() {
         let (t, _) = drain(&mut s);
         let beats = t
             .iter()
-            .filter(|x| matches!(x, Transmit::Control { msg: Control::Heartbeat { .. }, .. }))
+            .filter(|x| {
+                matches!(
+                    x,
+                    Transmit::Control {
+                        msg: Control::Heartbeat { .. },
+                        ..
+                    }
+                )
+            })
             .count();
         assert_eq!(beats, 2, "one heartbeat per shard every period (tick {i})");
     }
