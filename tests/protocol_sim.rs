@@ -26,7 +26,7 @@ use tether::common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether::common::layout::{Init, Layout, TensorSpec};
 use tether::common::protocol::{access_push, Control, Outcome, Precision, Welcome};
 use tether::server::protocol::{Action, ConnId, Round, ShardProtocol};
-use tether::server::shard::{Push, ShardCore, ShardSpec};
+use tether::server::shard::{ShardCore, ShardSpec};
 use tether::worker::session::{Event, Transmit, WorkerSession};
 
 const WORKERS: usize = 3;
@@ -716,21 +716,7 @@ impl Sim {
                     let frame = access_push(&bytes)
                         .map_err(|e| format!("worker built a bad frame: {e}"))?;
                     let meta = frame.meta();
-                    let round = if meta.skip {
-                        Round::Skip {
-                            worker: meta.worker,
-                            clock: meta.clock,
-                        }
-                    } else {
-                        Round::Push(Push {
-                            worker: meta.worker,
-                            clock: meta.clock,
-                            shard: meta.shard,
-                            range: (meta.range_start, meta.range_end),
-                            read_version: meta.read_version,
-                            payload: frame.payload(),
-                        })
-                    };
+                    let round = Round::from_frame(frame);
                     let (outcome, _) = self.shards[k].proto.as_mut().expect("up").round(round, now);
                     let key = (w, meta.clock);
                     match outcome {
@@ -929,29 +915,25 @@ impl Sim {
         Ok(())
     }
 
+    fn random_live_conn(&mut self) -> Option<ConnId> {
+        let alive: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.alive)
+            .map(|(id, _)| *id)
+            .collect();
+        (!alive.is_empty()).then(|| alive[self.rng.below(alive.len() as u64) as usize])
+    }
+
     fn inject_faults(&mut self) {
         let f = self.faults;
         if self.rng.chance(f.break_per_mille) {
-            let alive: Vec<ConnId> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| c.alive)
-                .map(|(id, _)| *id)
-                .collect();
-            if !alive.is_empty() {
-                let c = alive[self.rng.below(alive.len() as u64) as usize];
+            if let Some(c) = self.random_live_conn() {
                 self.break_conn(c, true);
             }
         }
         if self.rng.chance(f.stall_per_mille) {
-            let alive: Vec<ConnId> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| c.alive)
-                .map(|(id, _)| *id)
-                .collect();
-            if !alive.is_empty() {
-                let c = alive[self.rng.below(alive.len() as u64) as usize];
+            if let Some(c) = self.random_live_conn() {
                 let until = self.now + TIMEOUT_MS / 2 + self.rng.below(3 * TIMEOUT_MS);
                 if let Some(conn) = self.conns.get_mut(&c) {
                     conn.stalled_until = until;

@@ -19,7 +19,7 @@ use tether_common::protocol::{access_push, ErrorCode, Outcome, Precision, Protoc
 
 use crate::checkpoint::CheckpointStore;
 use crate::protocol::{Action, ConnId, Joined, Round, ShardProtocol};
-use crate::shard::{reject_reason, Push, ShardCore, ShardError, ShardStats};
+use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
 pub const MAILBOX: usize = 64;
@@ -389,21 +389,7 @@ impl Handler<ApplyPush> for ShardActor {
         let now = self.now_ms();
         let frame = access_push(&msg.body)?;
         let meta = frame.meta();
-        let round = if meta.skip {
-            Round::Skip {
-                worker: meta.worker,
-                clock: meta.clock,
-            }
-        } else {
-            Round::Push(Push {
-                worker: meta.worker,
-                clock: meta.clock,
-                shard: meta.shard,
-                range: (meta.range_start, meta.range_end),
-                read_version: meta.read_version,
-                payload: frame.payload(),
-            })
-        };
+        let round = Round::from_frame(frame);
         let (outcome, applied) = self.proto.round(round, now);
         if let Some(m) = &self.metrics {
             if !meta.skip {

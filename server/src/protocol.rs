@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use tether_common::config::Staleness;
-use tether_common::protocol::{ErrorCode, Outcome, Precision};
+use tether_common::protocol::{ArchivedPushFrame, ErrorCode, Outcome, Precision};
 
 use crate::shard::{Applied, Push, ShardCore, ShardError, MAX_CLOCK};
 
@@ -145,7 +145,27 @@ pub enum Round<'a> {
     },
 }
 
-impl Round<'_> {
+impl<'a> Round<'a> {
+    /// The round a validated push frame carries: a skip marker or a push of its payload.
+    pub fn from_frame(frame: &'a ArchivedPushFrame) -> Round<'a> {
+        let meta = frame.meta();
+        if meta.skip {
+            Round::Skip {
+                worker: meta.worker,
+                clock: meta.clock,
+            }
+        } else {
+            Round::Push(Push {
+                worker: meta.worker,
+                clock: meta.clock,
+                shard: meta.shard,
+                range: (meta.range_start, meta.range_end),
+                read_version: meta.read_version,
+                payload: frame.payload(),
+            })
+        }
+    }
+
     fn worker(&self) -> u32 {
         match self {
             Round::Push(p) => p.worker,

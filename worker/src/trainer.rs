@@ -420,6 +420,17 @@ fn credit_refused(d: &mut Driver, addr: &Addr<WorkerActor>) {
     }
 }
 
+/// Evaluates `params` on the actor (the protocol keeps running meanwhile); returns the accuracy and the buffer.
+async fn evaluate(
+    d: &mut Driver,
+    addr: &Addr<WorkerActor>,
+    params: Vec<f32>,
+) -> Result<(f32, Vec<f32>), WorkerError> {
+    d.while_running(addr.send(Evaluate { params }))
+        .await?
+        .map_err(|_| WorkerError::ActorGone)
+}
+
 async fn train_loop(
     d: &mut Driver,
     opts: &WorkerOptions,
@@ -489,10 +500,7 @@ async fn train_loop(
             && step.is_multiple_of(eval_every)
             && step < total_steps
         {
-            let (acc, p) = d
-                .while_running(addr.send(Evaluate { params }))
-                .await?
-                .map_err(|_| WorkerError::ActorGone)?;
+            let (acc, p) = evaluate(d, addr, params).await?;
             params = p;
             report
                 .accuracy_curve
@@ -537,10 +545,7 @@ async fn train_loop(
     if opts.test.is_some() {
         // The final model: one more pull (it waits, as any pull, until the others are within the bound).
         d.pull(&mut params).await?;
-        let (acc, p) = d
-            .while_running(addr.send(Evaluate { params }))
-            .await?
-            .map_err(|_| WorkerError::ActorGone)?;
+        let (acc, p) = evaluate(d, addr, params).await?;
         params = p;
         report
             .accuracy_curve
