@@ -349,7 +349,14 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         } else {
             Precision::F32
         },
-        heartbeat: Duration::from_millis(cfg.cluster.heartbeat_ms.max(10)),
+        // At least three heartbeats per eviction timeout, whatever `heartbeat_ms` says, so that one late heartbeat
+        // is never silence.
+        heartbeat: Duration::from_millis(
+            cfg.cluster
+                .heartbeat_ms
+                .min(cfg.cluster.worker_timeout_ms / 3)
+                .max(10),
+        ),
         reconnect_deadline: opts.reconnect_deadline,
     });
     let report = WorkerReport {

@@ -1,0 +1,74 @@
+//! The residual policy for pushes a shard did not apply: with error feedback, crediting an undelivered frame back
+//! restores the residual to `g + r` (nothing undelivered is lost), so the next push carries it; without error
+//! feedback it is a no-op.
+
+use tether_common::codec::{CodecConfig, Decoder, Scheme};
+use tether_worker::model::Mlp;
+use tether_worker::step::StepEngine;
+
+fn engine(error_feedback: bool) -> (StepEngine, Vec<f32>, Vec<f32>, Vec<u32>) {
+    let model = Mlp::new(8, &[6], 3);
+    let n = tether_worker::model::Model::layout(&model).len();
+    let ranges = vec![0..n / 2, n / 2..n];
+    let codec = CodecConfig {
+        scheme: Scheme::Q4,
+        ..CodecConfig::default()
+    };
+    let e = StepEngine::new(Box::new(model), 0, ranges, codec, error_feedback, 0.0).unwrap();
+    let params: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.37).sin() * 0.3).collect();
+    let x: Vec<f32> = (0..4 * 8).map(|i| ((i as f32) * 0.11).cos()).collect();
+    let y = vec![0, 1, 2, 1];
+    (e, params, x, y)
+}
+
+#[test]
+fn an_undelivered_frame_goes_back_into_the_residual() {
+    let (mut e, params, x, y) = engine(true);
+    let out = e.compute(0, &params, &x, &y);
+    assert!(out.finite);
+    let mut frame = Vec::new();
+    let r0 = e.residual(1).to_vec();
+    assert!(r0.iter().all(|v| *v == 0.0));
+    e.encode_shard(1, 0, &mut frame).unwrap();
+    let g: Vec<f32> = e.grad()[e.grad().len() / 2..].to_vec();
+    let r1 = e.residual(1).to_vec();
+    let mut decoded = vec![0.0f32; g.len()];
+    Decoder::new(g.len()).decode(&frame, &mut decoded).unwrap();
+    // The encode left r1 = g − decode(frame) behind ...
+    for i in 0..g.len() {
+        assert!(
+            (r1[i] - (g[i] - decoded[i])).abs() <= 1e-6,
+            "residual after encode at {i}"
+        );
+    }
+    // ... and the credit of the undelivered frame restores g + r0: the whole step is carried forward.
+    e.credit_undelivered(1, &frame).unwrap();
+    for i in 0..g.len() {
+        assert!(
+            (e.residual(1)[i] - (g[i] + r0[i])).abs() <= 1e-6,
+            "residual after credit at {i}"
+        );
+    }
+    // Shard 0's residual is untouched by shard 1's refusal.
+    assert!(e.residual(0).iter().all(|v| *v == 0.0));
+    // A frame of the wrong length is refused without changing anything.
+    let before = e.residual(1).to_vec();
+    let mut other = Vec::new();
+    e.encode_shard(0, 1, &mut other).unwrap();
+    let r0_after = e.residual(0).to_vec();
+    if e.residual(0).len() != e.residual(1).len() {
+        assert!(e.credit_undelivered(1, &other).is_err());
+    }
+    assert_eq!(e.residual(1), &before[..]);
+    assert_eq!(e.residual(0), &r0_after[..]);
+}
+
+#[test]
+fn without_error_feedback_a_refused_update_is_dropped() {
+    let (mut e, params, x, y) = engine(false);
+    e.compute(0, &params, &x, &y);
+    let mut frame = Vec::new();
+    e.encode_shard(0, 0, &mut frame).unwrap();
+    e.credit_undelivered(0, &frame).unwrap();
+    assert!(e.residual(0).is_empty());
+}
