@@ -41,8 +41,8 @@ pub enum ShardError {
     /// The decoded gradient holds NaN or ±Inf.
     #[error("non-finite gradient value at index {0}")]
     NonFinite(usize),
-    /// The push is for a clock the worker has not reached.
-    #[error("push for clock {found} but worker {worker} is at clock {expected}")]
+    /// A push, pull or rejoin names a clock the worker cannot have reached.
+    #[error("clock {found} from worker {worker} is ahead of what its clock {expected} allows")]
     ClockFromFuture {
         /// The worker.
         worker: u32,
@@ -51,8 +51,8 @@ pub enum ShardError {
         /// The clock in the frame.
         found: u64,
     },
-    /// The push repeats a clock already applied.
-    #[error("replayed push for clock {found} from worker {worker} (already at {expected})")]
+    /// A push or pull names a clock the worker has already passed.
+    #[error("clock {found} from worker {worker} is behind its clock {expected} (a replay)")]
     Replay {
         /// The worker.
         worker: u32,

@@ -473,8 +473,7 @@ impl Driver {
         let reply = access_params(body)?;
         reply.check_shape(range.0, range.1)?;
         let Some(params) = params else {
-            // Not pulling: whatever this is answers nothing we asked for now.
-            self.session.reply(shard, u64::MAX, u64::MAX, 0, 0);
+            self.session.stray_reply();
             return Ok(());
         };
         let used = self.session.reply(

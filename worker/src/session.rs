@@ -375,6 +375,11 @@ impl WorkerSession {
         }
     }
 
+    /// A pull reply arrived from `shard` while no pull is in progress: it answers nothing asked now; counted, dropped.
+    pub fn stray_reply(&mut self) {
+        self.stats.stale_replies += 1;
+    }
+
     /// A pull reply arrived from `shard`. Returns true when it answers the shard's current request of this round
     /// (then the caller reads its values into the model); false when it is stale and must be dropped.
     pub fn reply(
