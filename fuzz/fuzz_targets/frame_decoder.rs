@@ -50,7 +50,11 @@ fn poll_once<F: std::future::Future>(fut: F) -> F::Output {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let limits = FrameLimits { control: MAX_CONTROL_BYTES, push: 1 << 16, params: 1 << 16 };
+    let limits = FrameLimits {
+        control: MAX_CONTROL_BYTES,
+        push: 1 << 16,
+        params: 1 << 16,
+    };
 
     // A stream of frames, as the slice splitter and the async reader see it.
     let mut rest = data;
