@@ -9,19 +9,11 @@ use libfuzzer_sys::fuzz_target;
 use tether_common::codec::{CodecConfig, Decoder, Encoder, Rounding, Scheme};
 
 const MAX_LEN: usize = 4096;
-const SCHEMES: [Scheme; 6] = [
-    Scheme::None,
-    Scheme::Fp16,
-    Scheme::Bf16,
-    Scheme::Q8,
-    Scheme::Q4,
-    Scheme::Q2,
-];
 
 /// A valid frame of `n` values from `seed_bytes`, then damaged by `[pos u16][xor u8]` triples.
 fn damaged_frame(ctl: [u8; 2], n: usize, rest: &[u8]) -> Option<Vec<u8>> {
     let cfg = CodecConfig {
-        scheme: SCHEMES[usize::from(ctl[0]) % SCHEMES.len()],
+        scheme: Scheme::ALL[usize::from(ctl[0]) % Scheme::ALL.len()],
         bucket: 16 << (ctl[1] % 6),
         rounding: if ctl[1] & 0x40 != 0 {
             Rounding::Deterministic
