@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Docker smoke test of the compose demo, fully offline: builds the release binaries on the host, turns them into a
 # runtime image with docker/build-rootfs.sh (`docker import`, nothing pulled), starts docker/docker-compose.yml
-# (2 shards, 4 workers, Fashion-MNIST), waits for training progress, kills one worker and one server, restarts
+# (2 shards, 4 workers, Fashion-MNIST), checks that no running container can see the CA key (each mounts only its
+# own bundle), waits for training progress, kills one worker and one server, restarts
 # them (the server with --resume from its newest checkpoint), waits for every worker to finish, and checks the
 # exit codes and the run reports. Everything it created (containers, volumes, network, image, temp dir) is removed
 # whatever happens. Exits non-zero with the reason on any failure; prints the timing of each phase.
@@ -112,6 +113,27 @@ compose up -d >"$work/up.log" 2>&1 || { cat "$work/up.log" >&2; fail "compose up
 resolve_ids
 [ "$(exit_code certs)" = 0 ] || fail "the certs service exited $(exit_code certs)"
 phase "compose up (servers healthy)"
+
+# --- 2b. keys: every long-running container mounts its own bundle only; ca.key is in the CA volume alone --------
+# Checked on the host: `find` over the source of every mount of every running node container (volumes and bind
+# mounts alike), plus, inside each container, the key files its /certs holds.
+for s in server-0 server-1 worker-0 worker-1 worker-2 worker-3; do
+  [ "$(state "$s")" = running ] || fail "$s is not running for the key check"
+  for src in $(docker inspect -f '{{range .Mounts}}{{.Source}} {{end}}' "$(cid "$s")"); do
+    [ -r "$src" ] || fail "cannot read $s's mount $src to look for ca.key"
+    found=$(find "$src" -name ca.key 2>/dev/null | head -n 1)
+    [ -z "$found" ] || fail "$s mounts $src, which holds $found"
+  done
+  case $s in server-*) want=/certs/server.key ;; *) want=/certs/worker.key ;; esac
+  keys=$(docker exec "$(cid "$s")" bash -c 'shopt -s nullglob; echo /certs/*.key')
+  [ "$keys" = "$want" ] || fail "$s holds keys '$keys', expected only $want"
+done
+ca_volume=$(docker volume ls -q | grep -E "^${project}_pki-ca\$" | head -n 1)
+[ -n "$ca_volume" ] || fail "no CA volume for project $project"
+[ -f "$(docker volume inspect -f '{{.Mountpoint}}' "$ca_volume")/ca.key" ] ||
+  fail "the CA volume holds no ca.key (so the search above could not have found one)"
+echo "smoke: ca.key is in $ca_volume only; each of the 6 node containers holds only its own key"
+phase "key isolation"
 
 # --- 3. first progress ----------------------------------------------------------------------------------------
 progress_lines() { compose logs --no-color "$1" 2>&1 | grep -c 'progress' || true; }

@@ -57,7 +57,7 @@ PY
   ;;
 kill)
   K=${2:-0}; AT=${3:-14}
-  "$BIN/tether-server" keygen --out certs --workers 4 >/dev/null
+  "$BIN/tether-server" keygen --out certs --servers 2 --workers 4 >/dev/null
   P0=$(port); P1=$((P0 + 1))
   cat > cluster.toml <<CONF
 [cluster]

@@ -69,7 +69,7 @@ step "cluster: 2 shards, worker 0 on $dev0, worker 1 on cpu, 2 epochs"
 run=$(mktemp -d)
 dataset=digits
 [ -d /usr/share/datasets/fashion-mnist ] && dataset=fashion-mnist
-"$G/tether-server" keygen --out "$run/certs" --workers 2 >/dev/null || status=1
+"$G/tether-server" keygen --out "$run/certs" --servers 2 --workers 2 >/dev/null || status=1
 cat >"$run/cluster.toml" <<EOF
 [cluster]
 servers = ["127.0.0.1:17410", "127.0.0.1:17411"]

@@ -133,12 +133,29 @@ impl LocalCluster {
         let (train, test) = (Arc::new(train), Arc::new(test));
         let certs = self.work_dir.join("certs");
         let workers = cfg.cluster.workers;
-        tether_common::pki::generate(&certs, &["localhost".to_string()], Some(workers))?;
+        let shards_n = cfg.cluster.servers.len();
+        // A fresh authority for every run: the work directory's old certificates (if any) are replaced.
+        if certs.exists() {
+            std::fs::remove_dir_all(&certs).map_err(|source| tether_common::pki::PkiError::Io {
+                path: certs.clone(),
+                source,
+            })?;
+        }
+        tether_common::pki::generate(
+            &certs,
+            &certs.join("ca"),
+            &tether_common::pki::Plan {
+                hosts: Vec::new(),
+                servers: shards_n as u32,
+                workers,
+                shared_client: false,
+                days: tether_common::pki::DEFAULT_DAYS,
+            },
+        )?;
         cfg.cluster.tls_dir = certs.clone();
         if cfg.checkpoint.dir.is_relative() {
             cfg.checkpoint.dir = self.work_dir.join(&cfg.checkpoint.dir);
         }
-        let shards_n = cfg.cluster.servers.len();
         let mut shards: Vec<RunningShard> = Vec::with_capacity(shards_n);
         for k in 0..shards_n {
             let listen: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
@@ -162,7 +179,7 @@ impl LocalCluster {
                 config: cfg.clone(),
                 servers: cfg.cluster.servers.clone(),
                 server_names: vec!["localhost".to_string(); shards_n],
-                tls: TlsFiles::load_worker(&certs, rank)?,
+                tls: TlsFiles::for_worker(&certs, rank)?,
                 train: train.clone(),
                 test: (rank == 0 && self.eval_during_training).then(|| test.clone()),
                 progress: self.progress.clone(),

@@ -250,20 +250,20 @@ fn server_survives_hostile_input_and_still_trains() {
         .build()
         .unwrap();
     let tls_dir = c.path("certs");
-    let valid_tls = TlsFiles::load(&tls_dir, "client").unwrap();
+    let valid_tls = TlsFiles::load(&tls_dir.join("client"), "client").unwrap();
     let foreign_dir = c.path("foreign");
-    tether::common::pki::generate(&foreign_dir, &[], None).unwrap();
+    tether::common::pki::generate_dev(&foreign_dir, &[], 1, 0).unwrap();
     let foreign_tls = TlsFiles::from_paths(
-        &tls_dir.join("ca.pem"),
-        &foreign_dir.join("client.pem"),
-        &foreign_dir.join("client.key"),
+        &tls_dir.join("client/ca.pem"),
+        &foreign_dir.join("client/client.pem"),
+        &foreign_dir.join("client/client.key"),
     )
     .unwrap();
     // A server certificate of the foreign cluster is also no client identity of ours.
     let foreign_server_cert = TlsFiles::from_paths(
-        &tls_dir.join("ca.pem"),
-        &foreign_dir.join("server.pem"),
-        &foreign_dir.join("server.key"),
+        &tls_dir.join("client/ca.pem"),
+        &foreign_dir.join("server-0/server.pem"),
+        &foreign_dir.join("server-0/server.key"),
     )
     .unwrap();
     let (valid_pushes, loris) = rt.block_on(async {
@@ -394,7 +394,7 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         .enable_all()
         .build()
         .unwrap();
-    let tls = TlsFiles::load(&c.path("certs"), "client").unwrap();
+    let tls = TlsFiles::load(&c.path("certs/client"), "client").unwrap();
     let (rejoin_code, refusals, flood) = rt.block_on(async {
         let ep = client_endpoint(&tls, &TransportTuning::default()).unwrap();
         // A rejoin at u64::MAX: refused before anything changes, with the connection closed on a typed code.

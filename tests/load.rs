@@ -36,7 +36,7 @@ fn many_concurrent_pushers_are_all_served_with_bounded_memory() {
     let m = maddr.to_string();
     let mut server = c.server(0, &["--metrics", &m]);
     let (hwm_before, _) = server.memory_kib();
-    let tls = TlsFiles::load(&c.path("certs"), "client").unwrap();
+    let tls = TlsFiles::load(&c.path("certs/client"), "client").unwrap();
     let addr = c.servers[0];
     let hash = layout.hash();
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -58,10 +58,14 @@ async fn serve_raw(conn: quinn::Connection) -> u64 {
 }
 
 async fn run(tuning: &TransportTuning, dir: &std::path::Path, frames: usize) -> (f64, f64, u64) {
-    let server_tls = TlsFiles::load(dir, "server").unwrap();
+    let server_tls = TlsFiles::for_server(dir, 0).unwrap();
     let server = server_endpoint("127.0.0.1:0".parse().unwrap(), &server_tls, tuning).unwrap();
     let addr: SocketAddr = server.local_addr().unwrap();
-    let client = client_endpoint(&TlsFiles::load(dir, "client").unwrap(), tuning).unwrap();
+    let client = client_endpoint(
+        &TlsFiles::load(&dir.join("client"), "client").unwrap(),
+        tuning,
+    )
+    .unwrap();
 
     // Push goodput.
     let accept = tokio::spawn({
@@ -140,7 +144,7 @@ fn main() {
         .and_then(|a| a.parse().ok())
         .unwrap_or(3);
     let dir = tempfile::tempdir().unwrap();
-    pki::generate(dir.path(), &[], None).unwrap();
+    pki::generate_dev(dir.path(), &[], 1, 0).unwrap();
 
     let quinn_defaults = TransportTuning {
         stream_receive_window: 1_250_000,

@@ -131,9 +131,24 @@ pub struct ClusterConfig {
     /// Workers send a heartbeat this often when otherwise idle (default 500).
     #[serde(default = "d_heartbeat_ms")]
     pub heartbeat_ms: u64,
-    /// Directory with ca.pem, server.pem/key, client.pem/key (default "certs").
+    /// Directory of the node's TLS bundle (default "certs"): keygen's output folder holding `server-K/` and
+    /// `worker-R/` bundles, or one node's own bundle mounted alone.
     #[serde(default = "d_tls_dir")]
     pub tls_dir: PathBuf,
+    /// Serials of revoked node certificates (hex, as keygen prints them and `ca/issued.txt` lists them): refused
+    /// at the TLS handshake, by shards and workers alike (default none).
+    #[serde(default)]
+    pub revoked: Vec<String>,
+}
+
+impl ClusterConfig {
+    /// The revoked serials as bytes (validated by [`Config::validate`]; an unparsable entry is skipped here).
+    pub fn revoked_serials(&self) -> Vec<Vec<u8>> {
+        self.revoked
+            .iter()
+            .filter_map(|s| crate::pki::parse_serial(s))
+            .collect()
+    }
 }
 
 /// Built-in model families.
@@ -412,6 +427,7 @@ impl ClusterConfig {
             worker_timeout_ms: d_worker_timeout_ms(),
             heartbeat_ms: d_heartbeat_ms(),
             tls_dir: d_tls_dir(),
+            revoked: Vec::new(),
         }
     }
 }
@@ -638,6 +654,17 @@ impl Config {
         }
         if self.cluster.worker_timeout_ms == 0 {
             return bad("cluster.worker_timeout_ms", "must be positive");
+        }
+        if let Some(s) = self
+            .cluster
+            .revoked
+            .iter()
+            .find(|s| crate::pki::parse_serial(s).is_none())
+        {
+            return bad(
+                "cluster.revoked",
+                &format!("{s:?} is not a certificate serial (hex, at most 20 bytes)"),
+            );
         }
         if self.train.batch == 0 {
             return bad("train.batch", "must be at least 1");

@@ -88,7 +88,10 @@ async fn handle(conn: quinn::Connection, counters: Arc<Counters>) -> Result<(), 
 }
 
 async fn start_server(dir: &Path) -> (SocketAddr, quinn::Endpoint, Arc<Counters>) {
-    let tls = TlsFiles::load(dir, "server").unwrap();
+    start_server_with(TlsFiles::for_server(dir, SHARD).unwrap()).await
+}
+
+async fn start_server_with(tls: TlsFiles) -> (SocketAddr, quinn::Endpoint, Arc<Counters>) {
     let endpoint = server_endpoint(
         "127.0.0.1:0".parse().unwrap(),
         &tls,
@@ -112,14 +115,21 @@ async fn start_server(dir: &Path) -> (SocketAddr, quinn::Endpoint, Arc<Counters>
     (addr, endpoint, counters)
 }
 
+/// Keygen output: CA in `ca/`, bundles `server-0/`, `server-1/`, `worker-0..2/` and the shared `client/`.
 fn certs() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    pki::generate(dir.path(), &["tether.test".to_string()], Some(3)).unwrap();
+    pki::generate_dev(dir.path(), &["tether.test".to_string()], 2, 3).unwrap();
     dir
 }
 
-async fn client(dir: &Path, stem: &str, addr: SocketAddr) -> quinn::Connection {
-    let tls = TlsFiles::load(dir, stem).unwrap();
+/// The identity in bundle `dir/name` (`worker-R`, `server-K`, `client`).
+fn bundle(dir: &Path, name: &str) -> TlsFiles {
+    let stem = name.split('-').next().unwrap();
+    TlsFiles::load(&dir.join(name), stem).unwrap()
+}
+
+async fn client(dir: &Path, name: &str, addr: SocketAddr) -> quinn::Connection {
+    let tls = bundle(dir, name);
     let endpoint = client_endpoint(&tls, &TransportTuning::default()).unwrap();
     tokio::time::timeout(WAIT, connect(&endpoint, addr, "127.0.0.1"))
         .await
@@ -151,30 +161,91 @@ async fn close_code(conn: &quinn::Connection) -> u64 {
     }
 }
 
-#[tokio::test]
-async fn keygen_writes_files_with_private_keys() {
-    use std::os::unix::fs::PermissionsExt;
-    let dir = certs();
-    for f in [
-        "ca.pem",
-        "ca.key",
-        "server.pem",
-        "server.key",
-        "client.pem",
-        "client.key",
-        "worker-2.pem",
-        "worker-2.key",
-    ] {
-        let meta = std::fs::metadata(dir.path().join(f)).unwrap();
-        if f.ends_with(".key") {
-            assert_eq!(meta.permissions().mode() & 0o777, 0o600, "{f}");
+/// Every file under `dir`, relative to it.
+fn files_under(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap().display().to_string());
+            }
         }
     }
-    assert!(!dir.path().join("worker-3.pem").exists());
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn keygen_separates_the_authority_from_per_node_bundles() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = certs();
+    let files = files_under(dir.path());
+    // The CA key exists once, in the CA folder; each bundle holds the CA certificate and its own pair only.
+    let keys: Vec<&String> = files.iter().filter(|f| f.ends_with("ca.key")).collect();
+    assert_eq!(keys, vec!["ca/ca.key"], "{files:?}");
+    for (bundle_name, stem) in [
+        ("server-0", "server"),
+        ("server-1", "server"),
+        ("worker-0", "worker"),
+        ("worker-2", "worker"),
+        ("client", "client"),
+    ] {
+        let mut inside: Vec<String> = std::fs::read_dir(dir.path().join(bundle_name))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        inside.sort();
+        assert_eq!(
+            inside,
+            vec![
+                "ca.pem".to_string(),
+                format!("{stem}.key"),
+                format!("{stem}.pem")
+            ],
+            "{bundle_name}"
+        );
+        let key =
+            std::fs::metadata(dir.path().join(bundle_name).join(format!("{stem}.key"))).unwrap();
+        assert_eq!(key.permissions().mode() & 0o777, 0o600, "{bundle_name}");
+    }
+    let ca_key = std::fs::metadata(dir.path().join("ca/ca.key")).unwrap();
+    assert_eq!(ca_key.permissions().mode() & 0o777, 0o600);
+    assert!(!dir.path().join("worker-3").exists());
+    // issued.txt lists every serial with its name.
+    let log = std::fs::read_to_string(dir.path().join("ca/issued.txt")).unwrap();
+    assert_eq!(log.lines().count(), 6, "{log}");
+    assert!(
+        log.lines().any(|l| l.contains(" tether-server-1 ")),
+        "{log}"
+    );
+    // A second keygen into the same CA folder is refused rather than replacing the authority.
+    let again = pki::generate_dev(dir.path(), &[], 1, 1).unwrap_err();
+    assert!(
+        matches!(again, pki::PkiError::AuthorityExists(_)),
+        "{again}"
+    );
+
+    // Nodes load their own bundle, from keygen's folder or mounted alone, and refuse another node's.
+    assert!(TlsFiles::for_server(dir.path(), 1).is_ok());
+    assert!(TlsFiles::for_server(&dir.path().join("server-1"), 1).is_ok());
+    let err = TlsFiles::for_server(&dir.path().join("server-0"), 1).unwrap_err();
+    assert!(err.to_string().contains("shard 0"), "{err}");
+    assert!(TlsFiles::for_worker(&dir.path().join("worker-2"), 2).is_ok());
+    let err = TlsFiles::for_worker(&dir.path().join("worker-2"), 1).unwrap_err();
+    assert!(err.to_string().contains("rank 1"), "{err}");
+    std::fs::copy(dir.path().join("client/ca.pem"), dir.path().join("ca.pem")).unwrap();
     let err = TlsFiles::load(dir.path(), "worker-9").unwrap_err();
     assert!(err.to_string().contains("worker-9.pem"), "{err}");
     std::fs::write(dir.path().join("bad.pem"), "not pem").unwrap();
-    std::fs::copy(dir.path().join("client.key"), dir.path().join("bad.key")).unwrap();
+    std::fs::copy(
+        dir.path().join("client/client.key"),
+        dir.path().join("bad.key"),
+    )
+    .unwrap();
     let err = TlsFiles::load(dir.path(), "bad").unwrap_err();
     assert!(
         matches!(&err, NetError::Certificate { path, .. } if path.ends_with("bad.pem")),
@@ -201,7 +272,7 @@ async fn identities_come_from_certificates_and_server_name_is_checked() {
     assert_eq!(PeerIdentity::from_common_name("tether-server"), None);
 
     // A name that is not in the server's SANs is refused by the client.
-    let tls = TlsFiles::load(dir.path(), "client").unwrap();
+    let tls = bundle(dir.path(), "client");
     let endpoint = client_endpoint(&tls, &TransportTuning::default()).unwrap();
     let res = tokio::time::timeout(WAIT, connect(&endpoint, addr, "elsewhere.example"))
         .await
@@ -234,8 +305,8 @@ async fn foreign_and_missing_client_certificates_are_refused() {
     let (addr, _server, counters) = start_server(dir.path()).await;
 
     // Certificate from another CA (the client still trusts the real CA, so only the server can refuse).
-    let mut foreign = TlsFiles::load(other.path(), "client").unwrap();
-    foreign.ca = TlsFiles::load(dir.path(), "client").unwrap().ca;
+    let mut foreign = bundle(other.path(), "client");
+    foreign.ca = bundle(dir.path(), "client").ca;
     let endpoint = client_endpoint(&foreign, &TransportTuning::default()).unwrap();
     expect_refused(
         tokio::time::timeout(WAIT, connect(&endpoint, addr, "127.0.0.1"))
@@ -245,7 +316,7 @@ async fn foreign_and_missing_client_certificates_are_refused() {
     .await;
 
     // No certificate at all.
-    let ca = TlsFiles::load(dir.path(), "client").unwrap().ca;
+    let ca = bundle(dir.path(), "client").ca;
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca).unwrap();
     let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -449,4 +520,169 @@ async fn hostile_connections_are_closed_alone_with_their_code() {
         "the good connection was closed"
     );
     assert_eq!(counters.established.load(Ordering::Relaxed), 9);
+}
+
+/// A certificate for `node` from the CA in `dir/ca`, valid over `validity`, as a bundle in a fresh folder.
+fn issued_bundle(
+    dir: &Path,
+    node: &pki::Node,
+    validity: pki::Validity,
+) -> (tempfile::TempDir, TlsFiles) {
+    let out = tempfile::tempdir().unwrap();
+    let ca = pki::Authority::load(&dir.join("ca")).unwrap();
+    ca.issue(node, &validity)
+        .unwrap()
+        .write_bundle(out.path(), ca.ca_pem())
+        .unwrap();
+    let tls = bundle(out.path(), &node.bundle_name());
+    (out, tls)
+}
+
+fn expired() -> pki::Validity {
+    let now = std::time::SystemTime::now();
+    pki::Validity {
+        not_before: now - Duration::from_secs(2 * 86_400),
+        not_after: now - Duration::from_secs(86_400),
+    }
+}
+
+#[tokio::test]
+async fn a_shard_certificate_is_refused_when_presented_as_another_shard() {
+    let dir = certs();
+    let (addr, _server, counters) = start_server(dir.path()).await;
+    let tls = bundle(dir.path(), "worker-0");
+    let endpoint = client_endpoint(&tls, &TransportTuning::default()).unwrap();
+    // Shard 0's (valid, CA-signed) certificate answering where the worker dialled shard 1.
+    let err = tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 1))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(&err, NetError::Identity(m) if m.contains("shard 1") && m.contains("shard 0")),
+        "{err}"
+    );
+    let conn = tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 0))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(peer_shard(&conn).unwrap(), 0);
+    // The refused dial sent nothing: the server never saw a stream from it.
+    assert_eq!(counters.bulk_streams.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test]
+async fn expired_and_revoked_client_certificates_are_refused_before_any_frame() {
+    let dir = certs();
+    let worker0 = bundle(dir.path(), "worker-0");
+    let revoked_serial = certificate_serial(&worker0.cert[0]).unwrap();
+    let server_tls = TlsFiles::for_server(dir.path(), SHARD)
+        .unwrap()
+        .with_revoked(std::slice::from_ref(&revoked_serial));
+    let (addr, _server, counters) = start_server_with(server_tls).await;
+
+    // Expired: signed by the right CA, for a rank nobody else holds.
+    let (_keep, old) = issued_bundle(dir.path(), &pki::Node::Worker { rank: 1 }, expired());
+    let endpoint = client_endpoint(&old, &TransportTuning::default()).unwrap();
+    expect_refused(
+        tokio::time::timeout(WAIT, connect(&endpoint, addr, "127.0.0.1"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    // Revoked: a valid certificate whose serial is on the deny list.
+    let endpoint = client_endpoint(&worker0, &TransportTuning::default()).unwrap();
+    expect_refused(
+        tokio::time::timeout(WAIT, connect(&endpoint, addr, "127.0.0.1"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        counters.established.load(Ordering::Relaxed),
+        0,
+        "a refused certificate got a connection"
+    );
+    assert_eq!(counters.bulk_streams.load(Ordering::Relaxed), 0);
+
+    // Everyone else still gets in.
+    let conn = client(dir.path(), "worker-1", addr).await;
+    let mut control = ControlChannel::open(&conn).await.unwrap();
+    tokio::time::timeout(WAIT, client_handshake(&mut control, Hello::new(1, LAYOUT)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(counters.established.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test]
+async fn workers_refuse_expired_and_revoked_shard_certificates() {
+    let dir = certs();
+    let tls = bundle(dir.path(), "worker-0");
+    let (_keep, old) = issued_bundle(
+        dir.path(),
+        &pki::Node::Server {
+            shard: 0,
+            hosts: Vec::new(),
+        },
+        expired(),
+    );
+    let (old_addr, _old_server, old_counters) = start_server_with(old).await;
+    let endpoint = client_endpoint(&tls, &TransportTuning::default()).unwrap();
+    let res = tokio::time::timeout(WAIT, connect_shard(&endpoint, old_addr, "127.0.0.1", 0))
+        .await
+        .unwrap();
+    assert!(res.is_err(), "an expired shard certificate was accepted");
+
+    let (addr, _server, _) = start_server(dir.path()).await;
+    let shard0 = TlsFiles::for_server(dir.path(), 0).unwrap();
+    let serial = certificate_serial(&shard0.cert[0]).unwrap();
+    let wary = tls.clone().with_revoked(&[serial]);
+    let endpoint = client_endpoint(&wary, &TransportTuning::default()).unwrap();
+    let res = tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 0))
+        .await
+        .unwrap();
+    assert!(res.is_err(), "a revoked shard certificate was accepted");
+    assert_eq!(old_counters.bulk_streams.load(Ordering::Relaxed), 0);
+    // Without the deny list the same shard is fine.
+    let endpoint = client_endpoint(&tls, &TransportTuning::default()).unwrap();
+    assert!(
+        tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 0))
+            .await
+            .unwrap()
+            .is_ok()
+    );
+}
+
+#[tokio::test]
+async fn a_node_issued_later_from_the_kept_authority_is_accepted() {
+    let dir = certs();
+    let (addr, _server, _) = start_server(dir.path()).await;
+    let out = tempfile::tempdir().unwrap();
+    let issued = pki::issue(
+        &dir.path().join("ca"),
+        out.path(),
+        &pki::Node::Worker { rank: 7 },
+        &pki::Validity::days(3),
+    )
+    .unwrap();
+    let tls = TlsFiles::for_worker(out.path(), 7).unwrap();
+    assert_eq!(
+        pki::format_serial(&certificate_serial(&tls.cert[0]).unwrap()),
+        issued.serial
+    );
+    let endpoint = client_endpoint(&tls, &TransportTuning::default()).unwrap();
+    let conn = tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 0))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut control = ControlChannel::open(&conn).await.unwrap();
+    tokio::time::timeout(WAIT, client_handshake(&mut control, Hello::new(7, LAYOUT)))
+        .await
+        .unwrap()
+        .unwrap();
+    let log = std::fs::read_to_string(dir.path().join("ca/issued.txt")).unwrap();
+    assert!(
+        log.contains(&format!("{} tether-worker-7 ", issued.serial)),
+        "{log}"
+    );
 }

@@ -44,7 +44,8 @@ fn main() {
     let rounds: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(50);
     let workers: u32 = args.next().and_then(|a| a.parse().ok()).unwrap_or(4);
     let dir = tempfile::tempdir().expect("temporary directory");
-    tether_common::pki::generate(&dir.path().join("certs"), &[], None).expect("certificates");
+    tether_common::pki::generate_dev(&dir.path().join("certs"), &[], 1, workers)
+        .expect("certificates");
 
     let mut cfg = Config::with_servers(vec!["127.0.0.1:0".into()]);
     // 4096 · 4092 + 4092 + 4092 · 4 + 4 = 16,781,296 parameters, all on one shard.

@@ -52,18 +52,156 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Write a cluster CA, a server certificate and client certificate(s) to DIR.
+    /// Write a cluster CA to its own folder and one bundle per node (`server-K/`, `worker-R/`: the CA certificate
+    /// plus that node's own certificate and key) to DIR. Deploy each node with only its bundle; keep the CA folder
+    /// off the cluster.
+    #[command(args_conflicts_with_subcommands = true)]
     Keygen {
-        /// Output directory.
+        #[command(subcommand)]
+        command: Option<KeygenCommand>,
+        /// Output directory for the node bundles.
         #[arg(long)]
-        out: PathBuf,
-        /// Host names / IPs the server certificate is valid for (comma-separated; localhost and 127.0.0.1 always).
+        out: Option<PathBuf>,
+        /// Where the CA (ca.pem, ca.key, issued.txt) goes (default OUT/ca).
+        #[arg(long)]
+        ca_dir: Option<PathBuf>,
+        /// Shard host names / IPs: one per shard (shard K gets the K-th), or one for all (comma-separated;
+        /// localhost and 127.0.0.1 always).
         #[arg(long, value_delimiter = ',')]
         hosts: Vec<String>,
-        /// Also write per-worker certificates worker-R.pem for R in 0..N (binding each worker to its rank).
+        /// Shards to write bundles for (default: the number of hosts, at least 1).
         #[arg(long)]
-        workers: Option<u32>,
+        servers: Option<u32>,
+        /// Workers to write bundles for (worker-R, bound to rank R).
+        #[arg(long, default_value_t = 0)]
+        workers: u32,
+        /// Validity of every certificate, in days.
+        #[arg(long, default_value_t = tether_common::pki::DEFAULT_DAYS)]
+        days: u32,
+        /// Also write `client/`, one certificate that may claim ANY rank. Development only: whoever holds it can
+        /// push as every worker.
+        #[arg(long)]
+        dev_shared_client: bool,
+        /// Give the written files to UID:GID (when keygen runs as root for nodes that do not).
+        #[arg(long)]
+        owner: Option<String>,
     },
+}
+
+#[derive(Subcommand, Debug)]
+enum KeygenCommand {
+    /// Issue one more node's bundle from an existing CA (elastic scaling): `--worker R`, or `--server K --host H`.
+    Issue {
+        /// The CA folder (ca.pem, ca.key).
+        #[arg(long)]
+        ca: PathBuf,
+        /// Output directory; the bundle goes to OUT/worker-R or OUT/server-K.
+        #[arg(long)]
+        out: PathBuf,
+        /// Issue worker rank R's bundle.
+        #[arg(long, conflicts_with = "server", required_unless_present = "server")]
+        worker: Option<u32>,
+        /// Issue shard K's bundle.
+        #[arg(long)]
+        server: Option<u32>,
+        /// The shard's host names / IPs (comma-separated; localhost and 127.0.0.1 always).
+        #[arg(long, value_delimiter = ',', requires = "server")]
+        host: Vec<String>,
+        /// Validity in days.
+        #[arg(long, default_value_t = tether_common::pki::DEFAULT_DAYS)]
+        days: u32,
+        /// Give the written files to UID:GID.
+        #[arg(long)]
+        owner: Option<String>,
+    },
+}
+
+fn parse_owner(owner: &str) -> Result<(u32, u32)> {
+    let (u, g) = owner.split_once(':').context("--owner takes UID:GID")?;
+    Ok((
+        u.parse().context("--owner: UID is not a number")?,
+        g.parse().context("--owner: GID is not a number")?,
+    ))
+}
+
+fn print_issued(issued: &[tether_common::pki::Issued]) {
+    for i in issued {
+        println!("  {:<20} serial {}", i.node.bundle_name(), i.serial);
+    }
+}
+
+fn keygen(command: &Command) -> Result<()> {
+    use tether_common::pki::{self, Node, Plan, Validity};
+    let Command::Keygen {
+        command,
+        out,
+        ca_dir,
+        hosts,
+        servers,
+        workers,
+        days,
+        dev_shared_client,
+        owner,
+    } = command;
+    if let Some(KeygenCommand::Issue {
+        ca,
+        out,
+        worker,
+        server,
+        host,
+        days,
+        owner,
+    }) = command
+    {
+        let node = match (worker, server) {
+            (Some(rank), _) => Node::Worker { rank: *rank },
+            (None, Some(shard)) => Node::Server {
+                shard: *shard,
+                hosts: host.clone(),
+            },
+            (None, None) => anyhow::bail!("give --worker R or --server K"),
+        };
+        if *days == 0 {
+            anyhow::bail!("--days must be at least 1");
+        }
+        let issued = pki::issue(ca, out, &node, &Validity::days(*days))
+            .with_context(|| format!("keygen issue from {}", ca.display()))?;
+        if let Some(owner) = owner {
+            let (uid, gid) = parse_owner(owner)?;
+            pki::chown_tree(&out.join(node.bundle_name()), uid, gid)?;
+        }
+        println!("issued into {}:", out.display());
+        print_issued(std::slice::from_ref(&issued));
+        return Ok(());
+    }
+    let out = out.as_ref().context("keygen needs --out DIR")?;
+    let ca_dir = ca_dir.clone().unwrap_or_else(|| out.join("ca"));
+    let plan = Plan {
+        hosts: hosts.clone(),
+        servers: servers.unwrap_or(hosts.len().max(1) as u32),
+        workers: *workers,
+        shared_client: *dev_shared_client,
+        days: *days,
+    };
+    let issued = pki::generate(out, &ca_dir, &plan)
+        .with_context(|| format!("keygen into {}", out.display()))?;
+    if let Some(owner) = owner {
+        let (uid, gid) = parse_owner(owner)?;
+        for i in &issued {
+            pki::chown_tree(&out.join(i.node.bundle_name()), uid, gid)?;
+        }
+        pki::chown_tree(&ca_dir, uid, gid)?;
+    }
+    println!(
+        "wrote the cluster CA to {} (keep it off the cluster) and node bundles to {}:",
+        ca_dir.display(),
+        out.display()
+    );
+    print_issued(&issued);
+    if *dev_shared_client {
+        eprintln!("warning: client/ may claim any rank; use it for development only");
+    }
+    Ok(())
 }
 
 fn main() {
@@ -76,16 +214,8 @@ fn main() {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    if let Some(Command::Keygen {
-        out,
-        hosts,
-        workers,
-    }) = &cli.command
-    {
-        tether_common::pki::generate(out, hosts, *workers)
-            .with_context(|| format!("keygen into {}", out.display()))?;
-        println!("wrote cluster certificates to {}", out.display());
-        return Ok(());
+    if let Some(command) = &cli.command {
+        return keygen(command);
     }
     let config_path = cli
         .config

@@ -120,8 +120,9 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     }
     let tls = match opts.tls {
         Some(t) => t,
-        None => TlsFiles::load(&cfg.cluster.tls_dir, "server")?,
-    };
+        None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,
+    }
+    .with_revoked(&cfg.cluster.revoked_serials());
     let range = core.range();
     let limits =
         FrameLimits::for_codec(&cfg.compression.codec(), (range.end - range.start) as usize);

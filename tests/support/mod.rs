@@ -136,12 +136,21 @@ impl Proc {
 
     /// Waits up to `limit` for the process to exit; panics (with its log tail) when it does not or fails.
     pub fn wait_success(&mut self, limit: Duration) {
+        self.wait_exit(limit, true)
+    }
+
+    /// Waits up to `limit` for the process to exit with a failure; panics when it does not or succeeds.
+    pub fn wait_failure(&mut self, limit: Duration) {
+        self.wait_exit(limit, false)
+    }
+
+    fn wait_exit(&mut self, limit: Duration, success: bool) {
         let deadline = Instant::now() + limit;
         let c = self.child.as_mut().expect("process already reaped");
         loop {
             if let Some(status) = c.try_wait().unwrap() {
                 assert!(
-                    status.success(),
+                    status.success() == success,
                     "{} exited with {status}; log tail:\n{}",
                     self.name,
                     self.log_tail(3000)
@@ -220,7 +229,7 @@ pub struct Spec {
     pub checkpoint_every: u64,
     /// Evaluation interval in steps (0 = only the final evaluation).
     pub eval_every: u64,
-    /// Per-worker certificates from keygen (else only the shared client certificate).
+    /// Per-worker bundles from keygen (else only the shared development client bundle, `--dev-shared-client`).
     pub per_worker_certs: bool,
     /// `train.clip_norm` (None: the default).
     pub clip_norm: Option<f32>,
@@ -265,9 +274,12 @@ impl Cluster {
         let mut keygen = Command::new(&bins().server);
         keygen
             .args(["keygen", "--out"])
-            .arg(dir.path().join("certs"));
+            .arg(dir.path().join("certs"))
+            .args(["--servers", &spec.shards.to_string()]);
         if spec.per_worker_certs {
             keygen.args(["--workers", &spec.workers.to_string()]);
+        } else {
+            keygen.arg("--dev-shared-client");
         }
         let out = keygen.output().unwrap();
         assert!(

@@ -14,7 +14,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use tether_common::net::{
-    client_handshake, connect, recv_bulk, ControlChannel, ControlReceiver, ControlSender, NetError,
+    client_handshake, connect_shard, recv_bulk, ControlChannel, ControlReceiver, ControlSender,
+    NetError,
 };
 use tether_common::protocol::{
     access_params, Control, FrameHeader, FrameKind, FrameLimits, Outcome, Precision, ProtocolError,
@@ -363,7 +364,7 @@ impl Driver {
                     .ok()
                     .and_then(|mut a| a.next())
                     .ok_or_else(|| NetError::Resolve(name.clone()))?;
-                let conn = connect(&endpoint, addr, &server_name).await?;
+                let conn = connect_shard(&endpoint, addr, &server_name, shard as u32).await?;
                 let mut control = ControlChannel::open(&conn).await?;
                 let welcome = client_handshake(&mut control, hello).await?;
                 Ok(Connection {

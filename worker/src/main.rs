@@ -120,7 +120,8 @@ fn run() -> Result<()> {
                 .to_string(),
         );
     }
-    let tls = TlsFiles::load_worker(&cfg.cluster.tls_dir, cli.rank)?;
+    let tls = TlsFiles::for_worker(&cfg.cluster.tls_dir, cli.rank)?
+        .with_revoked(&cfg.cluster.revoked_serials());
     let evaluate = cli.eval.unwrap_or(cli.rank == 0);
     let runtime = || {
         tokio::runtime::Builder::new_multi_thread()

@@ -82,6 +82,34 @@ pub async fn connect(
     Ok(endpoint.connect(addr, server_name)?.await?)
 }
 
+/// Connects to shard `shard` at `addr` and checks that its certificate, besides naming `server_name`, is shard
+/// `shard`'s own (`tether-server-K`): a shard's key cannot pose as another shard. On a mismatch the connection is
+/// closed before anything is sent on it.
+pub async fn connect_shard(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: &str,
+    shard: u32,
+) -> Result<quinn::Connection, NetError> {
+    let conn = connect(endpoint, addr, server_name).await?;
+    match super::identity::peer_shard(&conn) {
+        Ok(named) if named == shard => Ok(conn),
+        Ok(named) => {
+            let why = format!("dialled shard {shard} at {addr}, which proved to be shard {named}");
+            super::close_with(&conn, crate::protocol::ErrorCode::Unauthorized, &why);
+            Err(NetError::Identity(why))
+        }
+        Err(e) => {
+            super::close_with(
+                &conn,
+                crate::protocol::ErrorCode::Unauthorized,
+                &e.to_string(),
+            );
+            Err(e)
+        }
+    }
+}
+
 /// An endpoint on `bind` whose advertised UDP payload size lets the peer's path-MTU discovery reach the tuned
 /// size, with the tuned socket buffers. Must be called inside a tokio runtime.
 fn endpoint(

@@ -11,8 +11,8 @@ mod session;
 mod tls;
 mod tuning;
 
-pub use endpoint::{client_endpoint, client_endpoint_on, connect, server_endpoint};
-pub use identity::{peer_identity, PeerIdentity};
+pub use endpoint::{client_endpoint, client_endpoint_on, connect, connect_shard, server_endpoint};
+pub use identity::{certificate_serial, peer_identity, peer_shard, server_shard, PeerIdentity};
 pub use session::{
     client_handshake, close_with, recv_bulk, reject, send_bulk, server_accept_hello, BulkFrame,
     ControlChannel, ControlReceiver, ControlSender,

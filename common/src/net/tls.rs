@@ -1,10 +1,15 @@
-//! TLS material and rustls configurations (ring provider, TLS 1.3, ALPN `tether/1`, mutual authentication).
+//! TLS material and rustls configurations (ring provider, TLS 1.3, ALPN `tether/1`, mutual authentication): a
+//! node's bundle (see [`crate::pki`]), and the verifiers, which add the cluster's deny list of revoked serials to
+//! webpki's chain, validity-period and usage checks on both sides.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
 use super::NetError;
 use crate::protocol::ALPN;
@@ -18,6 +23,8 @@ pub struct TlsFiles {
     pub cert: Vec<CertificateDer<'static>>,
     /// This endpoint's private key.
     pub key: PrivateKeyDer<'static>,
+    /// Serials (big-endian, no leading zeros) whose certificates are refused at the handshake.
+    pub revoked: Arc<[Vec<u8>]>,
 }
 
 impl Clone for TlsFiles {
@@ -26,6 +33,7 @@ impl Clone for TlsFiles {
             ca: self.ca.clone(),
             cert: self.cert.clone(),
             key: self.key.clone_key(),
+            revoked: self.revoked.clone(),
         }
     }
 }
@@ -49,7 +57,8 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, NetError> {
 }
 
 impl TlsFiles {
-    /// Loads `ca.pem`, `{stem}.pem` and `{stem}.key` from `dir` (stem: `server`, `client`, `worker-R`).
+    /// Loads `ca.pem`, `{stem}.pem` and `{stem}.key` from the bundle folder `dir` (stem: `server`, `worker`,
+    /// `client`).
     pub fn load(dir: &Path, stem: &str) -> Result<TlsFiles, NetError> {
         Self::from_paths(
             &dir.join("ca.pem"),
@@ -58,14 +67,68 @@ impl TlsFiles {
         )
     }
 
-    /// Loads a worker's identity: `worker-R.pem` when keygen wrote one, else the shared `client.pem`.
-    pub fn load_worker(dir: &Path, rank: u32) -> Result<TlsFiles, NetError> {
-        let stem = crate::pki::worker_file_stem(rank);
-        if dir.join(format!("{stem}.pem")).exists() {
-            Self::load(dir, &stem)
+    /// Shard `shard`'s identity from `dir` (`cluster.tls_dir`): the bundle `dir/server-K/`, or `dir` itself when
+    /// only that node's bundle is mounted there. Refuses a certificate issued to another shard.
+    pub fn for_server(dir: &Path, shard: u32) -> Result<TlsFiles, NetError> {
+        let bundle = dir.join(format!("server-{shard}"));
+        let tls = if bundle.is_dir() {
+            Self::load(&bundle, "server")?
+        } else if dir.join("server.pem").exists() {
+            Self::load(dir, "server")?
         } else {
-            Self::load(dir, "client")
+            return Err(bad(
+                &bundle,
+                format!("no bundle for shard {shard} (keygen writes server-{shard}/)"),
+            ));
+        };
+        let leaf = tls.cert.first().ok_or_else(|| bad(dir, "empty chain"))?;
+        let named = super::identity::server_shard(leaf)?;
+        if named != shard {
+            return Err(NetError::Identity(format!(
+                "the certificate in {} is shard {named}'s, not shard {shard}'s",
+                dir.display()
+            )));
         }
+        Ok(tls)
+    }
+
+    /// Worker `rank`'s identity from `dir` (`cluster.tls_dir`): the bundle `dir/worker-R/` or, mounted alone,
+    /// `dir` itself; else the shared development bundle `dir/client/`. Refuses a certificate that may not claim
+    /// `rank`.
+    pub fn for_worker(dir: &Path, rank: u32) -> Result<TlsFiles, NetError> {
+        let own = dir.join(crate::pki::worker_file_stem(rank));
+        let tls = if own.is_dir() {
+            Self::load(&own, "worker")?
+        } else if dir.join("worker.pem").exists() {
+            Self::load(dir, "worker")?
+        } else if dir.join("client").is_dir() {
+            Self::load(&dir.join("client"), "client")?
+        } else if dir.join("client.pem").exists() {
+            Self::load(dir, "client")?
+        } else {
+            return Err(bad(
+                &own,
+                format!("no bundle for worker {rank} (keygen writes worker-{rank}/; `keygen issue` adds one)"),
+            ));
+        };
+        let leaf = tls.cert.first().ok_or_else(|| bad(dir, "empty chain"))?;
+        let identity = super::PeerIdentity::from_certificate(leaf)?;
+        if !identity.allows_rank(rank) {
+            return Err(NetError::Identity(format!(
+                "the certificate in {} is {identity}, which may not act as rank {rank}",
+                dir.display()
+            )));
+        }
+        Ok(tls)
+    }
+
+    /// The same identity refusing peers whose certificate serial is in `revoked` (`cluster.revoked`).
+    pub fn with_revoked(mut self, revoked: &[Vec<u8>]) -> TlsFiles {
+        self.revoked = revoked
+            .iter()
+            .map(|s| crate::pki::strip_serial(s).to_vec())
+            .collect();
+        self
     }
 
     /// Loads from explicit paths.
@@ -79,6 +142,7 @@ impl TlsFiles {
             ca: ca_cert,
             cert: cert_chain,
             key: key_der,
+            revoked: Arc::from(Vec::new()),
         })
     }
 
@@ -99,6 +163,10 @@ impl TlsFiles {
         )
         .build()
         .map_err(|e| NetError::Tls(format!("client verifier: {e}")))?;
+        let verifier = Arc::new(DenyList {
+            inner: verifier,
+            revoked: self.revoked.clone(),
+        });
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| NetError::Tls(e.to_string()))?
@@ -112,13 +180,138 @@ impl TlsFiles {
     /// rustls client configuration: TLS 1.3, ALPN, the CA as the only root, presenting our certificate.
     pub fn client_config(&self) -> Result<rustls::ClientConfig, NetError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            self.roots()?,
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| NetError::Tls(format!("server verifier: {e}")))?;
+        let verifier = Arc::new(DenyList {
+            inner: verifier,
+            revoked: self.revoked.clone(),
+        });
         let mut config = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| NetError::Tls(e.to_string()))?
-            .with_root_certificates(self.roots()?)
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
             .with_client_auth_cert(self.cert.clone(), self.key.clone_key())
             .map_err(|e| NetError::Tls(format!("client certificate/key: {e}")))?;
         config.alpn_protocols = vec![ALPN.to_vec()];
         Ok(config)
+    }
+}
+
+/// A webpki verifier plus the cluster's deny list: a chain that verifies is still refused when its leaf's serial
+/// is revoked. Runs inside the handshake, so a revoked peer never gets a connection.
+#[derive(Debug)]
+struct DenyList<V: ?Sized> {
+    inner: Arc<V>,
+    revoked: Arc<[Vec<u8>]>,
+}
+
+impl<V: ?Sized> DenyList<V> {
+    fn check(&self, end_entity: &CertificateDer<'_>) -> Result<(), rustls::Error> {
+        if self.revoked.is_empty() {
+            return Ok(());
+        }
+        let serial = super::identity::certificate_serial(end_entity)
+            .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        if self.revoked.contains(&serial) {
+            return Err(rustls::Error::InvalidCertificate(CertificateError::Revoked));
+        }
+        Ok(())
+    }
+}
+
+impl ClientCertVerifier for DenyList<dyn ClientCertVerifier> {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        self.check(end_entity)?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+impl ServerCertVerifier for DenyList<rustls::client::WebPkiServerVerifier> {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let verified = self.inner.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )?;
+        self.check(end_entity)?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
     }
 }
