@@ -41,9 +41,13 @@ struct Args {
     /// Turn off zstd over the packed gradients.
     #[arg(long)]
     no_zstd: bool,
-    /// Pull parameters as exact f32 (default: bf16, half the pull bytes; the shards always keep f32).
-    #[arg(long)]
-    pull_f32: bool,
+    /// How to pull: delta (compressed deltas of the shards' public copies, error feedback on the shards), bf16 or
+    /// f32 (the whole model every step).
+    #[arg(long, default_value = "delta")]
+    pull: String,
+    /// Codec of pull deltas: q8 | q4 | none.
+    #[arg(long, default_value = "q4")]
+    pull_scheme: Scheme,
     /// Epochs (passes over each worker's partition).
     #[arg(long, default_value_t = 30)]
     epochs: u32,
@@ -97,7 +101,16 @@ fn main() -> Result<()> {
     cfg.compression.scheme = args.compression;
     cfg.compression.error_feedback = !args.no_error_feedback;
     cfg.compression.zstd = !args.no_zstd;
-    cfg.compression.pull_bf16 = !args.pull_f32;
+    match args.pull.as_str() {
+        "delta" => cfg.compression.pull = tether::common::config::PullKind::Delta,
+        "bf16" => {
+            cfg.compression.pull = tether::common::config::PullKind::Full;
+            cfg.compression.pull_bf16 = true;
+        }
+        "f32" => cfg.compression.pull = tether::common::config::PullKind::Full,
+        o => anyhow::bail!("unknown pull mode {o:?} (delta|bf16|f32)"),
+    }
+    cfg.compression.pull_scheme = args.pull_scheme;
     cfg.train.epochs = args.epochs;
     cfg.train.batch = args.batch;
     cfg.train.eval_every = args.eval_every;
@@ -145,7 +158,7 @@ fn main() -> Result<()> {
             ""
         },
         if cfg.compression.zstd { " + zstd" } else { "" },
-        if cfg.compression.pull_bf16 { "bf16" } else { "f32" },
+        RunReport::for_config(&cfg).pull,
         cfg.train.epochs
     );
     let (tx, rx) = mpsc::unbounded_channel();
@@ -273,7 +286,24 @@ fn print_summary(r: &RunReport) {
                 1.0 / r.push_ratio().max(1e-12)
             ),
         ),
-        ("pulled", format!("{:.1} MiB", mib(r.wire_bytes_pulled))),
+        (
+            "pulled: wire vs fp32",
+            format!(
+                "{:.1} MiB vs {:.1} MiB ({})",
+                mib(r.wire_bytes_pulled),
+                mib(r.fp32_bytes_pulled),
+                r.pull
+            ),
+        ),
+        (
+            "both directions vs fp32",
+            format!(
+                "{:.1} MiB vs {:.1} MiB ({:.1}x fewer)",
+                mib(r.wire_bytes_total()),
+                mib(r.fp32_bytes_total()),
+                r.total_reduction()
+            ),
+        ),
         (
             "updates applied / rejected",
             format!("{} / {}", r.updates_applied, r.updates_rejected),

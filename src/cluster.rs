@@ -326,6 +326,7 @@ pub fn build_report(
         wire_bytes_pushed: workers.iter().map(|w| w.wire_bytes_pushed).sum(),
         fp32_bytes_pushed: workers.iter().map(|w| w.fp32_bytes_pushed).sum(),
         wire_bytes_pulled: workers.iter().map(|w| w.wire_bytes_pulled).sum(),
+        fp32_bytes_pulled: workers.iter().map(|w| w.fp32_bytes_pulled).sum(),
         updates_applied: shards.iter().map(|s| s.updates_applied).sum(),
         updates_rejected: shards.iter().map(ShardStats::rejected_total).sum(),
         max_clock_lead_observed: shards

@@ -412,10 +412,16 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         let mut sent = 0u64;
         for request in 0..2 {
             let clock = [u64::MAX, u64::MAX / 2][request as usize];
+            // Absurd clocks, and an absurd public copy claimed for the delta path.
             let msg = Control::PullRequest {
                 request,
                 clock,
-                precision: tether::common::protocol::Precision::F32,
+                mode: tether::common::protocol::PullMode::Delta {
+                    have: Some(tether::common::protocol::PublicRef {
+                        lineage: u64::MAX,
+                        seq: u64::MAX,
+                    }),
+                },
             };
             control.send(&msg).await.unwrap();
             sent += 1;
@@ -427,7 +433,9 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
             let msg = Control::PullRequest {
                 request: sent,
                 clock: 3,
-                precision: tether::common::protocol::Precision::F32,
+                mode: tether::common::protocol::PullMode::Full(
+                    tether::common::protocol::Precision::F32,
+                ),
             };
             if control.send(&msg).await.is_err() {
                 break;

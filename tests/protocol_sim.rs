@@ -15,6 +15,10 @@
 //! - at the end: no slot above 1 (nothing applied twice), every round a shard acknowledged is still in its weights
 //!   unless a crash rolled it back to the checkpoint, every surviving worker finished with every push settled.
 //!
+//! Half the schedules pull deltas of the shards' public copies (lossless f32 deltas, so the slots stay readable):
+//! there the checker also requires that every worker rebuilds its copy bit for bit as the shard holds it, and the
+//! read guarantee is checked on the rebuilt copy, which is what the worker computes on.
+//!
 //! `TETHER_SIM_SCHEDULES` sets how many schedules run (default 10,000), `TETHER_SIM_SEED` replays one seed; a failing
 //! run prints its seed and the whole failure.
 
@@ -24,10 +28,14 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use tether::common::codec::{CodecConfig, Encoder, Scheme};
 use tether::common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether::common::layout::{Init, Layout, TensorSpec};
-use tether::common::protocol::{access_push, Control, Outcome, Precision, Welcome};
+use tether::common::protocol::{
+    access_delta, access_push, encode_delta_preamble, Control, DeltaHeader, DeltaKind, Outcome,
+    Precision, PublicRef, PullMode, Welcome,
+};
 use tether::server::protocol::{Action, ConnId, Round, ShardProtocol};
+use tether::server::public::{Answer, DELTA_CHUNK};
 use tether::server::shard::{ShardCore, ShardSpec};
-use tether::worker::session::{Event, Transmit, WorkerSession};
+use tether::worker::session::{rebuild_public, DeltaDecoder, Event, Transmit, WorkerSession};
 
 const WORKERS: usize = 3;
 const SHARDS: usize = 2;
@@ -77,6 +85,8 @@ struct Faults {
     slow_step_ms: u64,
     slow_step_jitter_ms: u64,
     skip_per_mille: u64,
+    /// Workers pull deltas of the public copies (else full f32 values).
+    delta: bool,
 }
 
 impl Faults {
@@ -99,6 +109,7 @@ impl Faults {
             slow_step_ms: 3 * TIMEOUT_MS,
             slow_step_jitter_ms: 7 * TIMEOUT_MS,
             skip_per_mille: rng.below(100),
+            delta: rng.chance(500),
         }
     }
 }
@@ -123,6 +134,13 @@ enum Payload {
         min_clock: u64,
         values: Vec<f32>,
         /// Harness bookkeeping, not on the wire: the shard's live members and their join clocks when it answered.
+        live: Vec<(usize, u64)>,
+    },
+    /// A delta reply body as it travels (real header and frames).
+    Delta {
+        body: rkyv::util::AlignedVec,
+        /// Harness bookkeeping: the shard's public copy the reply must rebuild, and its live members.
+        expect: Vec<f32>,
         live: Vec<(usize, u64)>,
     },
 }
@@ -202,6 +220,9 @@ struct SimWorker {
     conns: Vec<Option<ConnId>>,
     connecting: Vec<bool>,
     params: Vec<f32>,
+    /// The public copies this worker holds (delta mode).
+    public: Vec<f32>,
+    decoder: DeltaDecoder,
     rounds: u64,
 }
 
@@ -264,6 +285,23 @@ fn spec(shard: usize, staleness: Staleness) -> ShardSpec {
     }
 }
 
+/// Pull deltas in f32: exact for the 0/1 slots, so the checker can still read the history.
+fn lossless() -> CodecConfig {
+    CodecConfig {
+        scheme: Scheme::None,
+        zstd: false,
+        ..CodecConfig::default()
+    }
+}
+
+fn pull_mode(f: &Faults) -> PullMode {
+    if f.delta {
+        PullMode::Delta { have: None }
+    } else {
+        PullMode::Full(Precision::F32)
+    }
+}
+
 fn slot(worker: usize, clock: u64) -> usize {
     worker * SLOTS as usize + clock as usize
 }
@@ -292,7 +330,7 @@ impl Sim {
                     w as u32,
                     layout.hash(),
                     ranges.clone(),
-                    Precision::F32,
+                    pull_mode(&faults),
                     HEARTBEAT_MS,
                 ),
                 incarnation: 0,
@@ -300,12 +338,15 @@ impl Sim {
                 conns: vec![None; SHARDS],
                 connecting: vec![false; SHARDS],
                 params: vec![0.0; layout.len()],
+                public: vec![0.0; layout.len()],
+                decoder: DeltaDecoder::default(),
                 rounds: 0,
             })
             .collect();
         let shards = (0..SHARDS)
             .map(|k| {
-                let core = ShardCore::new(&layout, &spec(k, faults.staleness));
+                let mut core = ShardCore::new(&layout, &spec(k, faults.staleness));
+                core.set_public(lossless(), rng.next());
                 let snapshot = core.snapshot();
                 SimShard {
                     proto: Some(ShardProtocol::new(core)),
@@ -524,6 +565,71 @@ impl Sim {
                 return Ok(());
             };
             match action {
+                Action::Answer(p) if matches!(p.mode, PullMode::Delta { .. }) => {
+                    let PullMode::Delta { have } = p.mode else {
+                        unreachable!("matched above")
+                    };
+                    let (start, end) = self.ranges(k);
+                    let proto = self.shards[k]
+                        .proto
+                        .as_mut()
+                        .expect("shard is up: it produced an action");
+                    let a = proto
+                        .core_mut()
+                        .answer_public(have)
+                        .map_err(|e| format!("shard {k} cannot cut: {e}"))?;
+                    let expect = proto
+                        .core()
+                        .public()
+                        .expect("just answered")
+                        .values()
+                        .to_vec();
+                    let min_clock = proto.core().clocks().min_clock();
+                    let (kind, base, frames, chunks) = match a.answer {
+                        Answer::NotModified => {
+                            (DeltaKind::NotModified, a.newest.seq, vec![], vec![])
+                        }
+                        Answer::Full(b) => {
+                            (DeltaKind::Full, a.newest.seq, vec![b.len() as u32], vec![b])
+                        }
+                        Answer::Deltas { base, cuts, lens } => {
+                            (DeltaKind::Deltas, base, lens, cuts)
+                        }
+                    };
+                    let header = DeltaHeader {
+                        shard: k as u32,
+                        request: p.request,
+                        clock: p.clock,
+                        version: a.version,
+                        min_clock,
+                        range_start: start as u64,
+                        range_end: end as u64,
+                        lineage: a.newest.lineage,
+                        base,
+                        seq: a.newest.seq,
+                        kind,
+                        chunk: DELTA_CHUNK.min(end - start) as u32,
+                        frames,
+                    };
+                    let mut body = rkyv::util::AlignedVec::new();
+                    body.extend_from_slice(
+                        &encode_delta_preamble(&header).map_err(|e| e.to_string())?,
+                    );
+                    for c in &chunks {
+                        body.extend_from_slice(c);
+                    }
+                    proto.answered(p.clock, body.len() as u64);
+                    let live = self.live_members(k);
+                    // The copy the worker will compute on must satisfy the guarantee for the pull's clock.
+                    self.check_read(k, p.worker as usize, p.clock, &expect, &live)?;
+                    self.send(Msg {
+                        conn: p.conn,
+                        worker: p.worker as usize,
+                        shard: k,
+                        lane: Lane::ReplyDown,
+                        payload: Payload::Delta { body, expect, live },
+                    });
+                }
                 Action::Answer(p) => {
                     let (start, end) = self.ranges(k);
                     let proto = self.shards[k]
@@ -686,13 +792,13 @@ impl Sim {
                 Payload::Control(Control::PullRequest {
                     request,
                     clock,
-                    precision,
+                    mode,
                 }) => {
                     let r = self.shards[k]
                         .proto
                         .as_mut()
                         .expect("up")
-                        .pull(conn, w as u32, request, clock, precision, now);
+                        .pull(conn, w as u32, request, clock, mode, now);
                     if let Err(e) = r {
                         self.send(Msg {
                             conn,
@@ -741,7 +847,9 @@ impl Sim {
                         }),
                     });
                 }
-                Payload::Reply { .. } => return Err("reply travelling up".into()),
+                Payload::Reply { .. } | Payload::Delta { .. } => {
+                    return Err("reply travelling up".into())
+                }
             }
             self.drain_shard(k)?;
         } else {
@@ -765,7 +873,7 @@ impl Sim {
                 } => {
                     if self.workers[w]
                         .session
-                        .reply(k, request, clock, version, min_clock)
+                        .reply(k, request, clock, version, min_clock, None)
                     {
                         self.used_replies += 1;
                         // What the worker computes on must satisfy the guarantee for the clock it pulls at.
@@ -773,6 +881,53 @@ impl Sim {
                         self.check_read(k, w, pulling_at, &values, &live)?;
                         let (start, end) = self.ranges(k);
                         self.workers[w].params[start..end].copy_from_slice(&values);
+                    }
+                }
+                Payload::Delta { body, expect, live } => {
+                    let (start, end) = self.ranges(k);
+                    let view = access_delta(&body, start as u64, end as u64)
+                        .map_err(|e| format!("shard {k} sent a bad delta reply: {e}"))?;
+                    let h = view.header;
+                    let newest = PublicRef {
+                        lineage: h.lineage.to_native(),
+                        seq: h.seq.to_native(),
+                    };
+                    let sw = &mut self.workers[w];
+                    let mut stage = vec![0.0f32; end - start];
+                    let held = sw.session.public(k);
+                    if let Err(e) = rebuild_public(
+                        &view,
+                        held,
+                        &sw.public[start..end],
+                        &mut stage,
+                        &mut sw.decoder,
+                    ) {
+                        return Err(format!("worker {w} cannot apply shard {k}'s delta: {e}"));
+                    }
+                    let used = sw.session.reply(
+                        k,
+                        h.request.to_native(),
+                        h.clock.to_native(),
+                        h.version.to_native(),
+                        h.min_clock.to_native(),
+                        Some(newest),
+                    );
+                    if used {
+                        self.used_replies += 1;
+                        if stage
+                            .iter()
+                            .zip(&expect)
+                            .any(|(a, b)| a.to_bits() != b.to_bits())
+                        {
+                            return Err(format!(
+                                "worker {w} rebuilt shard {k}'s public copy {newest:?} with other bits than the shard's"
+                            ));
+                        }
+                        let pulling_at = self.workers[w].session.clock();
+                        self.check_read(k, w, pulling_at, &stage, &live)?;
+                        let sw = &mut self.workers[w];
+                        sw.public[start..end].copy_from_slice(&stage);
+                        sw.params[start..end].copy_from_slice(&stage);
                     }
                 }
                 other => return Err(format!("shard sent {other:?}")),
@@ -825,6 +980,7 @@ impl Sim {
         let mut core = ShardCore::new(&self.layout, &spec(k, self.faults.staleness));
         core.restore(self.shards[k].snapshot.clone(), self.now)
             .expect("a snapshot of this shard restores");
+        core.set_public(lossless(), self.rng.next());
         // The restored table's rows are live as of now; their join points are what the snapshot holds.
         self.shards[k].proto = Some(ShardProtocol::new(core));
         for w in 0..WORKERS {
@@ -864,7 +1020,7 @@ impl Sim {
             w as u32,
             self.layout.hash(),
             ranges,
-            Precision::F32,
+            pull_mode(&self.faults),
             HEARTBEAT_MS,
         );
         sw.phase = Phase::Pulling;
@@ -1296,6 +1452,7 @@ fn a_step_ten_times_the_timeout_is_not_silence() {
         slow_step_ms: 10 * TIMEOUT_MS,
         slow_step_jitter_ms: 0,
         skip_per_mille: 0,
+        delta: true,
     };
     sim.run().expect("run completes");
     let evictions: u64 = sim.shards.iter().map(|s| s.evictions).sum();

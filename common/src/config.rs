@@ -529,9 +529,27 @@ pub struct CompressionConfig {
     #[serde(default)]
     pub rounding: Rounding,
     /// Pull parameters as bf16 instead of f32: half the pull bytes, weights rounded to 8 mantissa bits for the
-    /// gradient computation only (the shards keep f32). Default false.
+    /// gradient computation only (the shards keep f32). Implies `pull = "full"`. Default false.
     #[serde(default)]
     pub pull_bf16: bool,
+    /// How workers pull (default "delta"): `delta` (compressed deltas of each shard's public copy, with the error
+    /// feedback on the server side) or `full` (the whole shard every time, f32 or, with `pull_bf16`, bf16).
+    #[serde(default)]
+    pub pull: PullKind,
+    /// Codec scheme of pull deltas (default q4; q8 halves the rounding error for twice the bytes).
+    #[serde(default)]
+    pub pull_scheme: Scheme,
+}
+
+/// How workers pull the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PullKind {
+    /// Compressed deltas of each shard's public copy.
+    #[default]
+    Delta,
+    /// The whole shard every pull.
+    Full,
 }
 
 impl Default for CompressionConfig {
@@ -543,6 +561,8 @@ impl Default for CompressionConfig {
             zstd: true,
             rounding: Rounding::default(),
             pull_bf16: false,
+            pull: PullKind::default(),
+            pull_scheme: Scheme::default(),
         }
     }
 }
@@ -554,6 +574,21 @@ impl CompressionConfig {
             scheme: self.scheme,
             bucket: self.bucket,
             rounding: self.rounding,
+            zstd: self.zstd,
+        }
+    }
+
+    /// Whether workers pull compressed deltas (`pull = "delta"` and not `pull_bf16`).
+    pub fn delta_pulls(&self) -> bool {
+        self.pull == PullKind::Delta && !self.pull_bf16
+    }
+
+    /// The codec of pull deltas: `pull_scheme`, the push bucket size, deterministic rounding, zstd as configured.
+    pub fn pull_codec(&self) -> CodecConfig {
+        CodecConfig {
+            scheme: self.pull_scheme,
+            bucket: self.bucket,
+            rounding: Rounding::Deterministic,
             zstd: self.zstd,
         }
     }

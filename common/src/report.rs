@@ -75,6 +75,16 @@ pub struct RunReport {
     /// Extension: reconnections of workers to shards.
     #[serde(default)]
     pub reconnects: u64,
+    /// Extension: what the used pull replies would have weighed as f32 values (the fp32 counterpart of
+    /// `wire_bytes_pulled`).
+    #[serde(default)]
+    pub fp32_bytes_pulled: u64,
+    /// Extension: how workers pulled (`delta q4`, `full bf16`, ...).
+    #[serde(default)]
+    pub pull: String,
+    /// Extension: inner steps per outer round (0: a push every step).
+    #[serde(default)]
+    pub local_steps: u32,
     /// Extension: free-form notes (e.g. "fashion-mnist not found, trained on digits").
     #[serde(default)]
     pub notes: Vec<String>,
@@ -98,6 +108,13 @@ impl RunReport {
             shards: cfg.cluster.servers.len() as u32,
             staleness_bound: cfg.cluster.staleness.to_string(),
             compression: cfg.compression.scheme.to_string(),
+            pull: if cfg.compression.delta_pulls() {
+                format!("delta {}", cfg.compression.pull_scheme)
+            } else if cfg.compression.pull_bf16 {
+                "full bf16".into()
+            } else {
+                "full f32".into()
+            },
             epochs: cfg.train.epochs,
             final_train_loss: f64::NAN,
             final_test_accuracy: f64::NAN,
@@ -111,6 +128,25 @@ impl RunReport {
             0.0
         } else {
             self.wire_bytes_pushed as f64 / self.fp32_bytes_pushed as f64
+        }
+    }
+
+    /// Bytes on the wire in both directions (pushes plus pulls).
+    pub fn wire_bytes_total(&self) -> u64 {
+        self.wire_bytes_pushed + self.wire_bytes_pulled
+    }
+
+    /// fp32 bytes of both directions (what the same pushes and pulls would weigh as raw f32).
+    pub fn fp32_bytes_total(&self) -> u64 {
+        self.fp32_bytes_pushed + self.fp32_bytes_pulled
+    }
+
+    /// Both directions: how many times fewer bytes than fp32 crossed the wire (0 when nothing moved).
+    pub fn total_reduction(&self) -> f64 {
+        if self.wire_bytes_total() == 0 {
+            0.0
+        } else {
+            self.fp32_bytes_total() as f64 / self.wire_bytes_total() as f64
         }
     }
 

@@ -35,12 +35,27 @@ fn all_controls() -> Vec<Control> {
         Control::PullRequest {
             request: 1,
             clock: 7,
-            precision: Precision::F32,
+            mode: PullMode::Full(Precision::F32),
         },
         Control::PullRequest {
             request: u64::MAX,
             clock: 8,
-            precision: Precision::Bf16,
+            mode: PullMode::Full(Precision::Bf16),
+        },
+        Control::PullRequest {
+            request: 2,
+            clock: 9,
+            mode: PullMode::Delta { have: None },
+        },
+        Control::PullRequest {
+            request: 3,
+            clock: 9,
+            mode: PullMode::Delta {
+                have: Some(PublicRef {
+                    lineage: u64::MAX,
+                    seq: 5,
+                }),
+            },
         },
         Control::PullRefused {
             request: 3,

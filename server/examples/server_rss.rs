@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{Config, Staleness};
-use tether_common::protocol::{encode_push, Outcome, Precision, PushFrame};
+use tether_common::protocol::{encode_push, Outcome, Precision, PullMode, PushFrame};
 use tether_common::testing::noise;
-use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Hello, Pull};
+use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Hello, Pull, ReplyBody};
 use tether_server::node::{start_shard, ShardOptions};
 
 /// One line of /proc/self/status in kB (Linux only; 0 elsewhere).
@@ -43,6 +43,8 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let rounds: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(50);
     let workers: u32 = args.next().and_then(|a| a.parse().ok()).unwrap_or(4);
+    // Pull mode: "delta" (the public copy and its q4 delta log, the default) or "f32" (a full copy per reply).
+    let delta = args.next().is_none_or(|m| m != "f32");
     let dir = tempfile::tempdir().expect("temporary directory");
     tether_common::pki::generate_dev(&dir.path().join("certs"), &[], 1, workers)
         .expect("certificates");
@@ -97,11 +99,16 @@ fn main() {
                 let (kick, _kicked) = tokio::sync::oneshot::channel();
                 let hello = Hello { conn: u64::from(w), worker: w, clock: 0, kick };
                 let mut clock = addr.send(hello).await.expect("hello").expect("joined").clock;
+                let mut have = None;
                 for _ in 0..rounds {
-                    let pull = Pull { conn: u64::from(w), worker: w, request: clock, clock, precision: Precision::F32 };
+                    let mode = if delta { PullMode::Delta { have } } else { PullMode::Full(Precision::F32) };
+                    let pull = Pull { conn: u64::from(w), worker: w, request: clock, clock, mode };
                     let rx = addr.send(pull).await.expect("pull").expect("pull accepted");
                     let reply = rx.await.expect("pull answered").expect("pull ok");
                     let read_version = reply.version;
+                    if let ReplyBody::Public(a) = &reply.body {
+                        have = Some(a.newest);
+                    }
                     drop(reply);
                     let body = encode_push(&PushFrame {
                         worker: w,
@@ -146,5 +153,9 @@ fn main() {
         report("after a checkpoint", params);
         shard.kill();
     });
-    println!("parameters: {params}; steady-state shard state (weights + Adam m, v + decode scratch) = 16 B/param");
+    println!(
+        "parameters: {params}; pulls: {}; steady-state shard state = weights + Adam m, v + decode scratch (16 B/param){}",
+        if delta { "q4 deltas of the public copy" } else { "full f32" },
+        if delta { " + the public copy (4 B/param) + the delta log (at most 2 B/param)" } else { "" }
+    );
 }

@@ -15,10 +15,13 @@ use tracing::{debug, info, warn};
 
 use rkyv::util::AlignedVec;
 use tether_common::metrics::ServerMetrics;
-use tether_common::protocol::{access_push, ErrorCode, Outcome, Precision, ProtocolError};
+use tether_common::protocol::{
+    access_push, ErrorCode, Outcome, Precision, ProtocolError, PullMode,
+};
 
 use crate::checkpoint::CheckpointStore;
 use crate::protocol::{Action, ConnId, Joined, Round, ShardProtocol};
+use crate::public::Answer;
 use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
@@ -56,8 +59,17 @@ pub struct PullReply {
     pub min_clock: u64,
     /// The pull's clock.
     pub clock: u64,
-    /// Values, little-endian, in the requested precision.
-    pub values: Vec<u8>,
+    /// What to send.
+    pub body: ReplyBody,
+}
+
+/// The payload of a pull reply.
+#[derive(Debug, Clone)]
+pub enum ReplyBody {
+    /// The current weights, little-endian, at this precision (a `Params` frame).
+    Values(Precision, Vec<u8>),
+    /// The public copy (a `Delta` frame).
+    Public(crate::shard::PublicAnswer),
 }
 
 /// A worker's hello on connection `conn` (the explicit rejoin at `clock`). `kick` is fired with a close code when
@@ -126,8 +138,8 @@ pub struct Pull {
     pub request: u64,
     /// The worker's clock.
     pub clock: u64,
-    /// Value precision.
-    pub precision: Precision,
+    /// How to answer.
+    pub mode: PullMode,
 }
 
 /// Current counters and version.
@@ -211,16 +223,41 @@ impl ShardActor {
                     if let Some(m) = &self.metrics {
                         m.pull_wait.observe(since.elapsed().as_secs_f64());
                     }
-                    let mut values = Vec::new();
-                    encode_values(self.proto.core().weights(), p.precision, &mut values);
-                    self.proto.answered(p.clock, values.len() as u64);
+                    let (version, bytes, body) = match p.mode {
+                        PullMode::Full(precision) => {
+                            let mut values = Vec::new();
+                            encode_values(self.proto.core().weights(), precision, &mut values);
+                            let version = self.proto.core().version();
+                            (version, values.len(), ReplyBody::Values(precision, values))
+                        }
+                        PullMode::Delta { have } => {
+                            match self.proto.core_mut().answer_public(have) {
+                                Ok(a) => {
+                                    let bytes = match &a.answer {
+                                        Answer::NotModified => 0,
+                                        Answer::Full(b) => b.len(),
+                                        Answer::Deltas { cuts, .. } => {
+                                            cuts.iter().map(|c| c.len()).sum()
+                                        }
+                                    };
+                                    (a.version, bytes, ReplyBody::Public(a))
+                                }
+                                Err(e) => {
+                                    warn!(shard = self.proto.core().shard(), error = %e, "cannot cut the public copy");
+                                    let _ = tx.send(Err(ShardError::Codec(e.to_string())));
+                                    continue;
+                                }
+                            }
+                        }
+                    };
+                    self.proto.answered(p.clock, bytes as u64);
                     let core = self.proto.core();
                     let _ = tx.send(Ok(PullReply {
                         request: p.request,
-                        version: core.version(),
+                        version,
                         min_clock: core.clocks().min_clock(),
                         clock: p.clock,
-                        values,
+                        body,
                     }));
                 }
                 Action::Refuse { token, error, .. } => {
@@ -429,14 +466,9 @@ impl Handler<Pull> for ShardActor {
     type Result = Result<oneshot::Receiver<Result<PullReply, ShardError>>, ShardError>;
     fn handle(&mut self, msg: Pull, _: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
-        let token = self.proto.pull(
-            msg.conn,
-            msg.worker,
-            msg.request,
-            msg.clock,
-            msg.precision,
-            now,
-        )?;
+        let token = self
+            .proto
+            .pull(msg.conn, msg.worker, msg.request, msg.clock, msg.mode, now)?;
         let (tx, rx) = oneshot::channel();
         self.waiting.insert(token, (Instant::now(), tx));
         self.run_actions();

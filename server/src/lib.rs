@@ -8,6 +8,7 @@ pub mod error;
 pub mod node;
 pub mod optim;
 pub mod protocol;
+pub mod public;
 pub mod session;
 pub mod shard;
 

@@ -118,6 +118,13 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
             ),
         }
     }
+    // A lineage no earlier life of this shard used (RandomState is seeded from the OS per process), so that no worker
+    // applies this life's deltas to a copy of another's.
+    let lineage = std::hash::BuildHasher::hash_one(
+        &std::collections::hash_map::RandomState::new(),
+        (opts.shard, core.version()),
+    );
+    core.set_public(cfg.compression.pull_codec(), lineage);
     let tls = match opts.tls {
         Some(t) => t,
         None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,

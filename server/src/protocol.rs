@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use tether_common::config::Staleness;
-use tether_common::protocol::{ArchivedPushFrame, ErrorCode, Outcome, Precision};
+use tether_common::protocol::{ArchivedPushFrame, ErrorCode, Outcome, PullMode};
 
 use crate::shard::{Applied, Push, ShardCore, ShardError, MAX_CLOCK};
 
@@ -45,8 +45,8 @@ pub struct ReadyPull {
     pub request: u64,
     /// The pull's clock.
     pub clock: u64,
-    /// The requested precision.
-    pub precision: Precision,
+    /// How the worker wants its answer.
+    pub mode: PullMode,
 }
 
 /// Something the shell must do.
@@ -93,7 +93,7 @@ struct Parked {
     worker: u32,
     request: u64,
     clock: u64,
-    precision: Precision,
+    mode: PullMode,
 }
 
 /// Per-worker protocol state besides its clock-table row.
@@ -322,7 +322,7 @@ impl ShardProtocol {
         worker: u32,
         request: u64,
         clock: u64,
-        precision: Precision,
+        mode: PullMode,
         now_ms: u64,
     ) -> Result<u64, ShardError> {
         self.heartbeat(conn, worker, now_ms);
@@ -362,7 +362,7 @@ impl ShardProtocol {
             worker,
             request,
             clock,
-            precision,
+            mode,
         });
         self.release_ready();
         Ok(token)
@@ -484,7 +484,7 @@ impl ShardProtocol {
                     worker: p.worker,
                     request: p.request,
                     clock: p.clock,
-                    precision: p.precision,
+                    mode: p.mode,
                 }));
             } else {
                 i += 1;

@@ -14,16 +14,19 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tracing::{debug, info, warn};
 
 use tether_common::net::{
-    close_with, peer_identity, recv_bulk, reject, send_bulk, server_accept_hello, ControlChannel,
-    ControlReceiver, ControlSender, NetError,
+    close_with, peer_identity, recv_bulk, reject, send_bulk, send_bulk_chunks, server_accept_hello,
+    ControlChannel, ControlReceiver, ControlSender, NetError,
 };
 use tether_common::protocol::{
-    access_push, encode_params, Control, ErrorCode, FrameKind, FrameLimits, Outcome, ParamReply,
-    Precision, ProtocolError, Welcome,
+    access_push, encode_delta_preamble, encode_params, Control, DeltaHeader, DeltaKind, ErrorCode,
+    FrameKind, FrameLimits, Outcome, ParamReply, ProtocolError, PullMode, Welcome,
 };
 
-use crate::actor::{ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ShardActor};
+use crate::actor::{
+    ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, PullReply, ReplyBody, ShardActor,
+};
 use crate::protocol::ConnId;
+use crate::public::{Answer, DELTA_CHUNK};
 
 /// A peer must finish the handshake within this time.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -208,8 +211,8 @@ impl Session {
                 Control::PullRequest {
                     request,
                     clock,
-                    precision,
-                } => self.pull(request, clock, precision).await,
+                    mode,
+                } => self.pull(request, clock, mode).await,
                 // The shard closes the connection (through the kick) once the worker's last rounds are taken; the
                 // push loop keeps running until then.
                 Control::Goodbye { clock } => ctx
@@ -249,7 +252,7 @@ impl Session {
     }
 
     /// Forwards one pull request; returns false when the shard actor is gone.
-    async fn pull(&self, request: u64, clock: u64, precision: Precision) -> bool {
+    async fn pull(&self, request: u64, clock: u64, mode: PullMode) -> bool {
         let refuse = move |code| Control::PullRefused { request, code };
         let Ok(permit) = self.pulls.clone().try_acquire_owned() else {
             let _ = self.out.send(refuse(ErrorCode::Overloaded)).await;
@@ -260,7 +263,7 @@ impl Session {
             worker: self.worker,
             request,
             clock,
-            precision,
+            mode,
         };
         let rx = match self.ctx.shard_actor.send(msg).await {
             Ok(Ok(rx)) => rx,
@@ -288,27 +291,67 @@ impl Session {
                 }
                 Err(_) => return,
             };
+            match send_reply(&conn, ctx.shard, ctx.range, reply).await {
+                Ok(()) => {}
+                Err(NetError::Protocol(e)) => {
+                    warn!(shard = ctx.shard, worker, error = %e, "cannot encode pull reply")
+                }
+                Err(e) => debug!(shard = ctx.shard, worker, error = %e, "pull reply not delivered"),
+            }
+        });
+        true
+    }
+}
+
+/// Sends one pull reply: a `Params` frame with the weights, or a `Delta` frame whose per-reply header is followed
+/// by the shared bytes of the cuts (no copy per worker).
+async fn send_reply(
+    conn: &quinn::Connection,
+    shard: u32,
+    range: (u64, u64),
+    reply: PullReply,
+) -> Result<(), NetError> {
+    match reply.body {
+        ReplyBody::Values(precision, values) => {
             let frame = ParamReply {
-                shard: ctx.shard,
+                shard,
                 request: reply.request,
                 clock: reply.clock,
                 version: reply.version,
                 min_clock: reply.min_clock,
-                range_start: ctx.range.0,
-                range_end: ctx.range.1,
+                range_start: range.0,
+                range_end: range.1,
                 precision,
-                values: reply.values,
+                values,
             };
-            match encode_params(&frame) {
-                Ok(bytes) => {
-                    if let Err(e) = send_bulk(&conn, FrameKind::Params, &bytes).await {
-                        debug!(shard = ctx.shard, worker, error = %e, "pull reply not delivered");
-                    }
+            send_bulk(conn, FrameKind::Params, &encode_params(&frame)?).await
+        }
+        ReplyBody::Public(a) => {
+            let (kind, base, frames, mut chunks) = match a.answer {
+                Answer::NotModified => {
+                    (DeltaKind::NotModified, a.newest.seq, Vec::new(), Vec::new())
                 }
-                Err(e) => warn!(shard = ctx.shard, worker, error = %e, "cannot encode pull reply"),
-            }
-        });
-        true
+                Answer::Full(b) => (DeltaKind::Full, a.newest.seq, vec![b.len() as u32], vec![b]),
+                Answer::Deltas { base, cuts, lens } => (DeltaKind::Deltas, base, lens, cuts),
+            };
+            let header = DeltaHeader {
+                shard,
+                request: reply.request,
+                clock: reply.clock,
+                version: reply.version,
+                min_clock: reply.min_clock,
+                range_start: range.0,
+                range_end: range.1,
+                lineage: a.newest.lineage,
+                base,
+                seq: a.newest.seq,
+                kind,
+                chunk: DELTA_CHUNK.min((range.1 - range.0).max(1) as usize) as u32,
+                frames,
+            };
+            chunks.insert(0, encode_delta_preamble(&header)?);
+            send_bulk_chunks(conn, FrameKind::Delta, chunks).await
+        }
     }
 }
 

@@ -6,15 +6,40 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use tether_common::codec::{CodecError, Decoder};
+use tether_common::codec::{CodecConfig, CodecError, Decoder, Rounding, Scheme};
 use tether_common::config::{OptimizerConfig, Staleness};
 use tether_common::layout::Layout;
 use tether_common::numeric::sum_of_squares;
-use tether_common::protocol::ErrorCode;
+use tether_common::protocol::{ErrorCode, PublicRef};
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
 use crate::optim::Optimizer;
+use crate::public::{Answer, PublicCopy};
+
+/// Bytes of delta log a shard keeps per parameter (older cuts are dropped; a worker behind them gets the whole copy).
+pub const DELTA_LOG_BYTES_PER_PARAM: usize = 2;
+
+/// The default codec of pull deltas: q4 with deterministic rounding and zstd.
+pub fn default_pull_codec() -> CodecConfig {
+    CodecConfig {
+        scheme: Scheme::Q4,
+        bucket: 512,
+        rounding: Rounding::Deterministic,
+        zstd: true,
+    }
+}
+
+/// A delta pull's answer: the newest cut, the shard version it was taken at, and what to send.
+#[derive(Debug, Clone)]
+pub struct PublicAnswer {
+    /// The cut the worker will hold.
+    pub newest: PublicRef,
+    /// Shard version at that cut.
+    pub version: u64,
+    /// What to send.
+    pub answer: Answer,
+}
 
 /// Why a push or pull was refused. Each maps to a stable wire error code.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -279,6 +304,12 @@ pub struct ShardCore {
     stats: ShardStats,
     /// Restored from a checkpoint: versions of the lost lineage may come back in resent pushes.
     restored: bool,
+    /// The public copy answering delta pulls (created at the first one).
+    public: Option<PublicCopy>,
+    /// Codec of pull deltas.
+    pull_codec: CodecConfig,
+    /// This incarnation's public-copy lineage.
+    lineage: u64,
 }
 
 /// Parameters to build a shard.
@@ -319,8 +350,50 @@ impl ShardCore {
             guard: SpikeGuard::new(spec.spike_factor),
             stats: ShardStats::default(),
             restored: false,
+            public: None,
+            pull_codec: default_pull_codec(),
+            lineage: layout.hash() ^ u64::from(spec.shard),
             weights,
         }
+    }
+
+    /// Sets the codec of pull deltas and starts public-copy lineage `lineage` (a restarted shard must pick one its
+    /// previous life did not use, e.g. at random, so that no worker applies a delta to a copy of another life).
+    pub fn set_public(&mut self, codec: CodecConfig, lineage: u64) {
+        self.pull_codec = codec;
+        self.lineage = lineage;
+        self.public = None;
+    }
+
+    /// The public copy, once a delta pull created it.
+    pub fn public(&self) -> Option<&PublicCopy> {
+        self.public.as_ref()
+    }
+
+    /// Answers a delta pull from a worker holding `have`: takes a cut first when the policy wants one (see
+    /// [`PublicCopy`]), then returns the newest cut and what to send. Call it only for a pull the SSP gate released.
+    pub fn answer_public(&mut self, have: Option<PublicRef>) -> Result<PublicAnswer, CodecError> {
+        let min_clock = self.clocks.min_clock();
+        let live = self.clocks.live();
+        let public = match &mut self.public {
+            Some(p) => p,
+            None => self.public.insert(PublicCopy::new(
+                &self.weights,
+                self.lineage,
+                self.version,
+                min_clock,
+                self.pull_codec,
+                DELTA_LOG_BYTES_PER_PARAM * self.weights.len(),
+            )?),
+        };
+        if public.wants_cut(self.version, min_clock, live) {
+            public.cut(&self.weights, self.version, min_clock)?;
+        }
+        Ok(PublicAnswer {
+            newest: public.newest(),
+            version: public.cut_version(),
+            answer: public.answer(have),
+        })
     }
 
     /// Shard index.
@@ -558,6 +631,7 @@ impl ShardCore {
         self.weights = snap.weights;
         self.version = snap.version;
         self.restored = true;
+        self.public = None;
         for (w, c) in snap.clocks {
             self.clocks.restore(w, c, now_ms);
         }

@@ -9,10 +9,10 @@ use actix::Addr;
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether_common::layout::{mlp_layout, Layout};
-use tether_common::protocol::{encode_push, ErrorCode, Outcome, Precision, PushFrame};
+use tether_common::protocol::{encode_push, ErrorCode, Outcome, Precision, PullMode, PushFrame};
 use tether_server::actor::{
     encode_values, ApplyPush, CheckpointNow, GetStats, GetWeights, Heartbeat, Hello, Pull,
-    PullReply, ShardActor,
+    PullReply, ReplyBody, ShardActor,
 };
 use tether_server::checkpoint::CheckpointStore;
 use tether_server::protocol::MAX_PARKED_PER_WORKER;
@@ -123,15 +123,21 @@ async fn pull(
         worker,
         request: clock,
         clock,
-        precision,
+        mode: PullMode::Full(precision),
     })
     .await
     .unwrap()
 }
 
+fn values(reply: &PullReply) -> &[u8] {
+    match &reply.body {
+        ReplyBody::Values(_, v) => v,
+        ReplyBody::Public(_) => panic!("a full pull answered with the public copy"),
+    }
+}
+
 fn f32_values(reply: &PullReply) -> Vec<u32> {
-    reply
-        .values
+    values(reply)
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
         .collect()
@@ -193,14 +199,14 @@ async fn bf16_pull_rounds_each_value() {
         .unwrap()
         .unwrap();
     let (_, weights) = addr.send(GetWeights).await.unwrap();
-    assert_eq!(r.values.len(), 2 * weights.len());
-    for (b, w) in r.values.chunks_exact(2).zip(&weights) {
+    assert_eq!(values(&r).len(), 2 * weights.len());
+    for (b, w) in values(&r).chunks_exact(2).zip(&weights) {
         let v = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
         assert!((v - w).abs() <= w.abs() / 128.0, "{v} vs {w}");
     }
     let mut le = Vec::new();
     encode_values(&weights, Precision::Bf16, &mut le);
-    assert_eq!(le, r.values);
+    assert_eq!(le, values(&r));
     arbiter.stop();
 }
 

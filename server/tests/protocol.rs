@@ -6,7 +6,9 @@
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether_common::layout::{Init, Layout, TensorSpec};
-use tether_common::protocol::{ErrorCode, Outcome, Precision};
+use tether_common::protocol::{ErrorCode, Outcome, Precision, PullMode};
+
+const F32: PullMode = PullMode::Full(Precision::F32);
 use tether_server::protocol::{Action, Round, ShardProtocol, MAX_PARKED_PER_WORKER};
 use tether_server::shard::{Push, ShardCore, ShardError, ShardSpec, MAX_CLOCK};
 
@@ -69,30 +71,30 @@ fn bits(p: &ShardProtocol) -> Vec<u32> {
 fn pulls_check_membership_connection_and_clock() {
     let mut p = proto(Staleness::Bounded(1));
     assert_eq!(
-        p.pull(7, 0, 1, 0, Precision::F32, 0),
+        p.pull(7, 0, 1, 0, F32, 0),
         Err(ShardError::NotMember(0)),
         "never said hello"
     );
     p.hello(7, 0, 0, 0).unwrap();
     assert_eq!(
-        p.pull(8, 0, 1, 0, Precision::F32, 0),
+        p.pull(8, 0, 1, 0, F32, 0),
         Err(ShardError::NotMember(0)),
         "not the worker's connection"
     );
     // Own clock 0, s = 1: pulls for clocks 0..=2 are possible, 3 is not, u64::MAX overflows nothing.
     for bad in [3, 1 << 40, u64::MAX] {
         assert!(matches!(
-            p.pull(7, 0, 1, bad, Precision::F32, 0),
+            p.pull(7, 0, 1, bad, F32, 0),
             Err(ShardError::ClockFromFuture { .. })
         ));
     }
     assert_eq!(p.parked(), 0, "refused pulls hold nothing");
-    assert!(p.pull(7, 0, 1, 0, Precision::F32, 0).is_ok());
+    assert!(p.pull(7, 0, 1, 0, F32, 0).is_ok());
     assert!(matches!(actions(&mut p).as_slice(), [Action::Answer(a)] if a.request == 1));
     let f = frame(0, 0);
     assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
     assert!(matches!(
-        p.pull(7, 0, 2, 0, Precision::F32, 0),
+        p.pull(7, 0, 2, 0, F32, 0),
         Err(ShardError::Replay { .. })
     ));
 }
@@ -104,14 +106,11 @@ fn parked_pulls_are_bounded_per_worker() {
         p.hello(u64::from(w), w, 0, 0).unwrap();
     }
     for i in 0..MAX_PARKED_PER_WORKER as u64 {
-        p.pull(0, 0, i, 1, Precision::F32, 0).unwrap();
+        p.pull(0, 0, i, 1, F32, 0).unwrap();
     }
-    assert_eq!(
-        p.pull(0, 0, 99, 1, Precision::F32, 0),
-        Err(ShardError::Overloaded)
-    );
+    assert_eq!(p.pull(0, 0, 99, 1, F32, 0), Err(ShardError::Overloaded));
     // Worker 0's flood leaves worker 1 its own slots.
-    p.pull(1, 1, 0, 1, Precision::F32, 0).unwrap();
+    p.pull(1, 1, 0, 1, F32, 0).unwrap();
     assert_eq!(p.parked(), MAX_PARKED_PER_WORKER + 1);
 }
 
@@ -191,8 +190,8 @@ fn eviction_refuses_the_evicted_pulls_and_closes_the_connection() {
     p.hello(11, 1, 0, 0).unwrap();
     let f = frame(0, 0);
     assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
-    p.pull(10, 0, 5, 1, Precision::F32, 0).unwrap();
-    p.pull(11, 1, 6, 0, Precision::F32, 0).unwrap();
+    p.pull(10, 0, 5, 1, F32, 0).unwrap();
+    p.pull(11, 1, 6, 0, F32, 0).unwrap();
     actions(&mut p); // worker 1's pull at 0 is answered at once
                      // Worker 0 heartbeats; worker 1 is silent past the timeout.
     for now in (100..=TIMEOUT).step_by(100) {

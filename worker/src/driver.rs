@@ -14,15 +14,15 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use tether_common::net::{
-    client_handshake, connect_shard, recv_bulk, ControlChannel, ControlReceiver, ControlSender,
+    client_handshake, connect_shard, recv_bulk_any, ControlChannel, ControlReceiver, ControlSender,
     NetError,
 };
 use tether_common::protocol::{
-    access_params, Control, FrameHeader, FrameKind, FrameLimits, Outcome, Precision, ProtocolError,
-    Welcome,
+    access_delta, access_params, Control, DeltaKind, FrameHeader, FrameKind, FrameLimits, Outcome,
+    Precision, ProtocolError, PublicRef, PullMode, Welcome,
 };
 
-use crate::session::{Event, Transmit, WorkerSession};
+use crate::session::{rebuild_public, DeltaDecoder, Event, Transmit, WorkerSession};
 use crate::trainer::WorkerError;
 
 /// What the per-link tasks and connect attempts report to the driver.
@@ -35,6 +35,7 @@ enum Inbound {
     Reply {
         shard: usize,
         gen: u64,
+        kind: FrameKind,
         body: AlignedVec,
     },
     Lost {
@@ -120,8 +121,18 @@ pub struct Driver {
     pub refused: Vec<Refused>,
     /// Reconnections after a link broke.
     pub reconnects: u64,
-    /// Parameter bytes received in used replies.
+    /// Bytes of every pull reply received (frame bodies, used or not).
     pub bytes_pulled: u64,
+    /// What the used replies would have weighed as f32 values.
+    pub fp32_bytes_pulled: u64,
+    /// Replies that said "not modified".
+    pub not_modified: u64,
+    /// The public copy of every shard this worker holds (delta pulls; empty otherwise).
+    public: Vec<f32>,
+    /// A reply's values are assembled here before they are committed (a bad frame changes nothing).
+    stage: Vec<f32>,
+    /// Decodes delta frames.
+    delta_decoder: Option<DeltaDecoder>,
 }
 
 /// Everything [`Driver::new`] needs.
@@ -140,8 +151,8 @@ pub struct DriverConfig {
     pub limits: Vec<FrameLimits>,
     /// Layout fingerprint.
     pub layout_hash: u64,
-    /// Pull precision.
-    pub precision: Precision,
+    /// How to pull.
+    pub mode: PullMode,
     /// Heartbeat period.
     pub heartbeat: Duration,
     /// Give up when a shard stays unreachable this long.
@@ -158,7 +169,7 @@ impl Driver {
                 cfg.rank,
                 cfg.layout_hash,
                 cfg.ranges.clone(),
-                cfg.precision,
+                cfg.mode,
                 cfg.heartbeat.as_millis() as u64,
             ),
             rank: cfg.rank,
@@ -177,7 +188,17 @@ impl Driver {
             refused: Vec::new(),
             reconnects: 0,
             bytes_pulled: 0,
+            fp32_bytes_pulled: 0,
+            not_modified: 0,
+            public: Vec::new(),
+            stage: Vec::new(),
+            delta_decoder: None,
         }
+    }
+
+    /// The public copies this worker holds (delta pulls; empty before the first delta reply).
+    pub fn public(&self) -> &[f32] {
+        &self.public
     }
 
     fn now_ms(&self) -> u64 {
@@ -446,11 +467,22 @@ impl Driver {
                     }
                 }
             }
-            Inbound::Reply { shard, gen, body } => {
+            Inbound::Reply {
+                shard,
+                gen,
+                kind,
+                body,
+            } => {
                 if !current(&self.links, shard, gen) {
                     return Ok(());
                 }
-                if let Err(e) = self.use_reply(shard, &body, params) {
+                self.bytes_pulled += body.len() as u64;
+                let used = match kind {
+                    FrameKind::Delta => self.use_delta(shard, &body, params),
+                    _ => self.use_reply(shard, &body, params),
+                };
+                if let Err(e) = used {
+                    self.session.forget_public(shard);
                     warn!(rank = self.rank, shard, error = %e, "bad pull reply; reconnecting");
                     if let Some(io) = self.links[shard].take() {
                         io.close(b"bad reply");
@@ -483,10 +515,12 @@ impl Driver {
             reply.clock.to_native(),
             reply.version.to_native(),
             reply.min_clock.to_native(),
+            None,
         );
         if !used {
             return Ok(());
         }
+        self.fp32_bytes_pulled += 4 * (range.1 - range.0);
         let dst = &mut params[range.0 as usize..range.1 as usize];
         match reply.precision() {
             Precision::F32 => {
@@ -500,7 +534,59 @@ impl Driver {
                 }
             }
         }
-        self.bytes_pulled += reply.values().len() as u64;
+        Ok(())
+    }
+
+    /// Validates a delta reply, builds the shard's new public copy from it (in the stage: a frame that does not
+    /// decode changes nothing), and, when the session says it answers the current request, commits it and copies
+    /// it into `params`. The deltas must start from the copy this worker holds.
+    fn use_delta(
+        &mut self,
+        shard: usize,
+        body: &AlignedVec,
+        params: Option<&mut [f32]>,
+    ) -> Result<(), ProtocolError> {
+        let range = self.ranges[shard];
+        let view = access_delta(body, range.0, range.1)?;
+        let Some(params) = params else {
+            self.session.stray_reply();
+            return Ok(());
+        };
+        let h = view.header;
+        let newest = PublicRef {
+            lineage: h.lineage.to_native(),
+            seq: h.seq.to_native(),
+        };
+        let (start, end) = (range.0 as usize, range.1 as usize);
+        if self.public.len() < params.len() {
+            self.public.resize(params.len(), 0.0);
+            self.stage.resize(params.len(), 0.0);
+        }
+        let decoder = self.delta_decoder.get_or_insert_with(DeltaDecoder::default);
+        rebuild_public(
+            &view,
+            self.session.public(shard),
+            &self.public[start..end],
+            &mut self.stage[start..end],
+            decoder,
+        )?;
+        let used = self.session.reply(
+            shard,
+            h.request.to_native(),
+            h.clock.to_native(),
+            h.version.to_native(),
+            h.min_clock.to_native(),
+            Some(newest),
+        );
+        if !used {
+            return Ok(());
+        }
+        self.public[start..end].copy_from_slice(&self.stage[start..end]);
+        params[start..end].copy_from_slice(&self.public[start..end]);
+        self.fp32_bytes_pulled += 4 * (range.1 - range.0);
+        if view.kind() == DeltaKind::NotModified {
+            self.not_modified += 1;
+        }
         Ok(())
     }
 
@@ -632,7 +718,9 @@ async fn reply_reader(
 ) {
     loop {
         let result = match conn.accept_uni().await {
-            Ok(stream) => recv_bulk(stream, &limits, FrameKind::Params).await,
+            Ok(stream) => {
+                recv_bulk_any(stream, &limits, &[FrameKind::Params, FrameKind::Delta]).await
+            }
             Err(e) => Err(NetError::from(e)),
         };
         match result {
@@ -640,6 +728,7 @@ async fn reply_reader(
                 let msg = Inbound::Reply {
                     shard,
                     gen,
+                    kind: frame.kind,
                     body: frame.body,
                 };
                 if inbox.send(msg).is_err() {

@@ -16,8 +16,10 @@
 use std::collections::VecDeque;
 
 use bytes::Bytes;
+use tether_common::codec::Decoder;
 use tether_common::protocol::{
-    encode_push, Control, ErrorCode, Hello, Outcome, Precision, ProtocolError, PushFrame, Welcome,
+    encode_push, Control, DeltaKind, DeltaView, ErrorCode, Hello, Outcome, ProtocolError,
+    PublicRef, PullMode, PushFrame, Welcome,
 };
 
 /// Something to send.
@@ -100,6 +102,8 @@ struct Link {
     pending: VecDeque<Pending>,
     /// Shard version of the last values used from it.
     version: u64,
+    /// The shard's public copy this worker holds (delta pulls).
+    public: Option<PublicRef>,
     /// When we last sent a control message (heartbeat timer).
     last_sent_ms: u64,
     /// Our clock moved past what this shard holds: reconnect with a rejoin once nothing is pending.
@@ -121,7 +125,7 @@ struct PullRound {
 pub struct WorkerSession {
     rank: u32,
     layout_hash: u64,
-    precision: Precision,
+    mode: PullMode,
     heartbeat_ms: u64,
     clock: u64,
     links: Vec<Link>,
@@ -133,19 +137,20 @@ pub struct WorkerSession {
 }
 
 impl WorkerSession {
-    /// A session for `rank` over shards covering `ranges`, pulling at `precision`, with heartbeats every
+    /// A session for `rank` over shards covering `ranges`, pulling in `mode` (for `Delta`, the `have` given is
+    /// ignored: the session tracks each shard's copy), with heartbeats every
     /// `heartbeat_ms`. Every link starts down: the driver connects each shard (see [`Event::Reconnect`]).
     pub fn new(
         rank: u32,
         layout_hash: u64,
         ranges: Vec<(u64, u64)>,
-        precision: Precision,
+        mode: PullMode,
         heartbeat_ms: u64,
     ) -> Self {
         let mut s = Self {
             rank,
             layout_hash,
-            precision,
+            mode,
             heartbeat_ms: heartbeat_ms.max(1),
             clock: 0,
             links: ranges
@@ -156,6 +161,7 @@ impl WorkerSession {
                     next_clock: 0,
                     pending: VecDeque::new(),
                     version: 0,
+                    public: None,
                     last_sent_ms: 0,
                     rejoin: false,
                     hello_clock: 0,
@@ -366,10 +372,16 @@ impl WorkerSession {
             if let Some(round) = &mut self.round {
                 round.requests[k] = Some(request);
             }
+            let mode = match self.mode {
+                PullMode::Delta { .. } => PullMode::Delta {
+                    have: self.links[k].public,
+                },
+                full => full,
+            };
             let msg = Control::PullRequest {
                 request,
                 clock,
-                precision: self.precision,
+                mode,
             };
             self.send_control(k, msg, now_ms);
         }
@@ -380,8 +392,20 @@ impl WorkerSession {
         self.stats.stale_replies += 1;
     }
 
+    /// The public copy of `shard` this worker holds (delta pulls).
+    pub fn public(&self, shard: usize) -> Option<PublicRef> {
+        self.links[shard].public
+    }
+
+    /// The worker's copy of `shard` can no longer be trusted (a delta did not apply): the next pull asks for the
+    /// whole copy.
+    pub fn forget_public(&mut self, shard: usize) {
+        self.links[shard].public = None;
+    }
+
     /// A pull reply arrived from `shard`. Returns true when it answers the shard's current request of this round
-    /// (then the caller reads its values into the model); false when it is stale and must be dropped.
+    /// (then the caller reads its values into the model, and the worker holds `public` from then on when given);
+    /// false when it is stale and must be dropped.
     pub fn reply(
         &mut self,
         shard: usize,
@@ -389,6 +413,7 @@ impl WorkerSession {
         clock: u64,
         version: u64,
         min_clock: u64,
+        public: Option<PublicRef>,
     ) -> bool {
         let Some(round) = &mut self.round else {
             self.stats.stale_replies += 1;
@@ -401,6 +426,9 @@ impl WorkerSession {
         round.requests[shard] = None;
         round.done[shard] = true;
         self.links[shard].version = version;
+        if public.is_some() {
+            self.links[shard].public = public;
+        }
         self.stats.max_clock_lead = self
             .stats
             .max_clock_lead
@@ -542,4 +570,68 @@ impl WorkerSession {
             }
         }
     }
+}
+
+/// Decoder state for delta replies, sized on first use.
+#[derive(Debug, Default)]
+pub struct DeltaDecoder {
+    decoder: Option<Decoder>,
+    out: Vec<f32>,
+}
+
+/// Builds a shard's new public copy from a validated delta reply into `out` (same length as the shard range):
+/// `held` (the copy the worker holds, `held_ref` naming it) plus the reply's deltas, or the reply's whole copy.
+/// Deltas must start from `held_ref`. Pure and deterministic: every worker that applies the same reply to the same
+/// copy gets the same bits, which are the shard's own. On an error `out` is garbage and `held` is untouched.
+pub fn rebuild_public(
+    view: &DeltaView<'_>,
+    held_ref: Option<PublicRef>,
+    held: &[f32],
+    out: &mut [f32],
+    dec: &mut DeltaDecoder,
+) -> Result<(), ProtocolError> {
+    let h = view.header;
+    if view.kind() != DeltaKind::Full {
+        let base = PublicRef {
+            lineage: h.lineage.to_native(),
+            seq: h.base.to_native(),
+        };
+        if held_ref != Some(base) {
+            return Err(ProtocolError::ValidationFailed(format!(
+                "a delta from {base:?} for a worker holding {held_ref:?}"
+            )));
+        }
+    }
+    match view.kind() {
+        DeltaKind::NotModified => out.copy_from_slice(held),
+        DeltaKind::Full => {
+            // access_delta checked: one frame of exactly 4 bytes per value.
+            for (d, b) in out.iter_mut().zip(view.payload.chunks_exact(4)) {
+                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        DeltaKind::Deltas => {
+            out.copy_from_slice(held);
+            let len = out.len();
+            let chunk = (h.chunk.to_native() as usize).min(len.max(1));
+            let per_cut = len.div_ceil(chunk).max(1);
+            if dec.out.len() < chunk || dec.decoder.is_none() {
+                dec.decoder = Some(Decoder::new(chunk));
+                dec.out = vec![0.0; chunk];
+            }
+            let decoder = dec.decoder.as_mut().expect("set just above");
+            for (i, frame) in view.frames().enumerate() {
+                let at = (i % per_cut) * chunk;
+                let to = (at + chunk).min(len);
+                let d = &mut dec.out[..to - at];
+                decoder.decode(frame, d).map_err(|e| {
+                    ProtocolError::ValidationFailed(format!("delta frame {i}: {e}"))
+                })?;
+                for (p, d) in out[at..to].iter_mut().zip(d.iter()) {
+                    *p += d;
+                }
+            }
+        }
+    }
+    Ok(())
 }

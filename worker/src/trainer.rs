@@ -15,7 +15,7 @@ use tether_common::codec::CodecError;
 use tether_common::config::Config;
 use tether_common::metrics::WorkerMetrics;
 use tether_common::net::{client_endpoint, NetError, TlsFiles, TransportTuning};
-use tether_common::protocol::{ErrorCode, FrameLimits, Outcome, Precision};
+use tether_common::protocol::{ErrorCode, FrameLimits, Outcome, Precision, PullMode};
 
 use crate::data::{Dataset, Partition};
 use crate::driver::{Driver, DriverConfig};
@@ -89,8 +89,10 @@ pub struct WorkerReport {
     pub wire_bytes_pushed: u64,
     /// fp32 size of the same pushes.
     pub fp32_bytes_pushed: u64,
-    /// Parameter bytes pulled.
+    /// Bytes of pull replies received.
     pub wire_bytes_pulled: u64,
+    /// f32 size of the used pull replies.
+    pub fp32_bytes_pulled: u64,
     /// Largest clock lead seen in a pull answer.
     pub max_clock_lead: u64,
     /// Gradients refused because they were not finite.
@@ -344,10 +346,12 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         ranges,
         limits,
         layout_hash: layout.hash(),
-        precision: if cfg.compression.pull_bf16 {
-            Precision::Bf16
+        mode: if cfg.compression.delta_pulls() {
+            PullMode::Delta { have: None }
+        } else if cfg.compression.pull_bf16 {
+            PullMode::Full(Precision::Bf16)
         } else {
-            Precision::F32
+            PullMode::Full(Precision::F32)
         },
         // At least three heartbeats per eviction timeout, whatever `heartbeat_ms` says, so that one late heartbeat
         // is never silence.
@@ -410,6 +414,7 @@ impl PreparedWorker {
         self.report.max_clock_lead = stats.max_clock_lead;
         self.report.reconnects = self.driver.reconnects;
         self.report.wire_bytes_pulled = self.driver.bytes_pulled;
+        self.report.fp32_bytes_pulled = self.driver.fp32_bytes_pulled;
         Ok(self.report)
     }
 }
@@ -601,6 +606,7 @@ pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::repor
         wire_bytes_pushed: r.wire_bytes_pushed,
         fp32_bytes_pushed: r.fp32_bytes_pushed,
         wire_bytes_pulled: r.wire_bytes_pulled,
+        fp32_bytes_pulled: r.fp32_bytes_pulled,
         max_clock_lead_observed: r.max_clock_lead,
         loss_curve: r.loss_curve.clone(),
         accuracy_curve: r.accuracy_curve.clone(),

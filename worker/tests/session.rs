@@ -2,14 +2,22 @@
 //! partial pull leaves nothing stale behind), skip markers on the push path, pushes kept byte for byte until their
 //! shard settles them, refusals reported, heartbeats on a timer whatever the step, and rejoins after a clock jump.
 
-use tether_common::protocol::{access_push, Control, ErrorCode, Outcome, Precision, Welcome};
+use tether_common::protocol::{
+    access_push, Control, ErrorCode, Outcome, Precision, PublicRef, PullMode, Welcome,
+};
 use tether_worker::session::{Event, Transmit, WorkerSession};
 
 const RANGES: [(u64, u64); 2] = [(0, 10), (10, 20)];
 const HB: u64 = 100;
 
 fn session() -> WorkerSession {
-    WorkerSession::new(3, 0xabc, RANGES.to_vec(), Precision::F32, HB)
+    WorkerSession::new(
+        3,
+        0xabc,
+        RANGES.to_vec(),
+        PullMode::Full(Precision::F32),
+        HB,
+    )
 }
 
 fn welcome(shard: usize, clock: u64) -> Welcome {
@@ -81,7 +89,7 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!(first.len(), 2);
     let (_, old0, _) = first[0];
     // Shard 1 answers; shard 0's link breaks before it does.
-    assert!(s.reply(1, first[1].1, 0, 5, 0));
+    assert!(s.reply(1, first[1].1, 0, 5, 0, None));
     s.disconnected(0);
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
@@ -98,9 +106,9 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!((k, c), (0, 0));
     assert_ne!(new0, old0);
     // The reply to the superseded request turns up late: dropped.
-    assert!(!s.reply(0, old0, 0, 4, 0));
+    assert!(!s.reply(0, old0, 0, 4, 0, None));
     assert!(s.pulling());
-    assert!(s.reply(0, new0, 0, 4, 0));
+    assert!(s.reply(0, new0, 0, 4, 0, None));
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
     assert_eq!(s.stats().stale_replies, 1);
@@ -113,15 +121,21 @@ fn a_reply_from_an_earlier_round_is_not_read_into_the_next() {
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r0 = requests(&t);
-    assert!(s.reply(0, r0[0].1, 0, 1, 0));
+    assert!(s.reply(0, r0[0].1, 0, 1, 0, None));
     // Round 0 is abandoned (a new pull supersedes it) before shard 1's answer arrives.
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r1 = requests(&t);
-    assert!(!s.reply(1, r0[1].1, 0, 1, 0), "answer to the old round");
-    assert!(!s.reply(0, r1[0].1, 1, 1, 0), "right request, wrong clock");
-    assert!(s.reply(0, r1[0].1, 0, 1, 0));
-    assert!(s.reply(1, r1[1].1, 0, 1, 0));
+    assert!(
+        !s.reply(1, r0[1].1, 0, 1, 0, None),
+        "answer to the old round"
+    );
+    assert!(
+        !s.reply(0, r1[0].1, 1, 1, 0, None),
+        "right request, wrong clock"
+    );
+    assert!(s.reply(0, r1[0].1, 0, 1, 0, None));
+    assert!(s.reply(1, r1[1].1, 0, 1, 0, None));
 }
 
 #[test]
@@ -246,4 +260,67 @@ fn a_clock_jump_at_one_shard_rejoins_the_others_once_settled() {
     let (_, e) = drain(&mut s);
     assert_eq!(e.last(), Some(&Event::Reconnect { shard: 0 }));
     assert_eq!(s.hello(0).clock, 5);
+}
+
+/// The `have` each pull request of `t` names, per shard.
+fn haves(t: &[Transmit]) -> Vec<(usize, Option<PublicRef>)> {
+    t.iter()
+        .filter_map(|x| match x {
+            Transmit::Control {
+                shard,
+                msg:
+                    Control::PullRequest {
+                        mode: PullMode::Delta { have },
+                        ..
+                    },
+            } => Some((*shard, *have)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
+    let mut s = WorkerSession::new(
+        3,
+        0xabc,
+        RANGES.to_vec(),
+        PullMode::Delta { have: None },
+        HB,
+    );
+    for k in 0..2 {
+        s.hello(k);
+        s.connected(k, &welcome(k, 0), 0).unwrap();
+    }
+    drain(&mut s);
+    let cut = |seq| Some(PublicRef { lineage: 7, seq });
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    assert_eq!(
+        haves(&t),
+        vec![(0, None), (1, None)],
+        "a fresh worker holds nothing"
+    );
+    let r = requests(&t);
+    assert!(s.reply(0, r[0].1, 0, 1, 0, cut(4)));
+    // A reply to a request that is not the current one is dropped, and does not change what the worker holds.
+    assert!(!s.reply(1, r[1].1 + 100, 0, 1, 0, cut(9)));
+    assert_eq!(s.public(1), None);
+    assert!(s.reply(1, r[1].1, 0, 1, 0, cut(2)));
+    assert_eq!((s.public(0), s.public(1)), (cut(4), cut(2)));
+    s.push(&mut [vec![1], vec![2]], 0.5).unwrap();
+    s.start_pull(1);
+    let (t, _) = drain(&mut s);
+    assert_eq!(
+        haves(&t),
+        vec![(0, cut(4)), (1, cut(2))],
+        "the next pull asks from the held copies"
+    );
+    // A copy that failed to apply is forgotten: the next request asks for the whole copy.
+    s.forget_public(0);
+    s.disconnected(0);
+    s.hello(0);
+    s.connected(0, &welcome(0, 1), 10).unwrap();
+    let (t, _) = drain(&mut s);
+    assert_eq!(haves(&t), vec![(0, None)]);
 }

@@ -14,8 +14,8 @@ mod tuning;
 pub use endpoint::{client_endpoint, client_endpoint_on, connect, connect_shard, server_endpoint};
 pub use identity::{certificate_serial, peer_identity, peer_shard, server_shard, PeerIdentity};
 pub use session::{
-    client_handshake, close_with, recv_bulk, reject, send_bulk, server_accept_hello, BulkFrame,
-    ControlChannel, ControlReceiver, ControlSender,
+    client_handshake, close_with, recv_bulk, recv_bulk_any, reject, send_bulk, send_bulk_chunks,
+    server_accept_hello, BulkFrame, ControlChannel, ControlReceiver, ControlSender,
 };
 pub use tls::TlsFiles;
 pub use tuning::TransportTuning;

@@ -170,6 +170,25 @@ pub async fn send_bulk(
     Ok(())
 }
 
+/// Writes one frame of `kind` whose body is `chunks` concatenated on a new unidirectional stream, then finishes
+/// it. The chunks are handed to quinn as they are (shared `Bytes`, no copy).
+pub async fn send_bulk_chunks(
+    conn: &quinn::Connection,
+    kind: FrameKind,
+    mut chunks: Vec<bytes::Bytes>,
+) -> Result<(), NetError> {
+    let len: usize = chunks.iter().map(|c| c.len()).sum();
+    let header = FrameHeader::encode(kind, len)?;
+    chunks.insert(0, bytes::Bytes::copy_from_slice(&header));
+    let mut stream = conn.open_uni().await?;
+    stream
+        .write_all_chunks(&mut chunks)
+        .await
+        .map_err(write_error)?;
+    stream.finish()?;
+    Ok(())
+}
+
 /// One received bulk frame; `body` is 16-byte aligned for validated rkyv access.
 #[derive(Debug)]
 pub struct BulkFrame {
@@ -181,12 +200,21 @@ pub struct BulkFrame {
 
 /// Reads exactly one frame of `kind` from a unidirectional stream, which must then end.
 pub async fn recv_bulk(
-    mut stream: quinn::RecvStream,
+    stream: quinn::RecvStream,
     limits: &FrameLimits,
     kind: FrameKind,
 ) -> Result<BulkFrame, NetError> {
+    recv_bulk_any(stream, limits, &[kind]).await
+}
+
+/// Reads exactly one frame of one of `kinds` from a unidirectional stream, which must then end.
+pub async fn recv_bulk_any(
+    mut stream: quinn::RecvStream,
+    limits: &FrameLimits,
+    kinds: &[FrameKind],
+) -> Result<BulkFrame, NetError> {
     let mut body = AlignedVec::new();
-    match read_frame(&mut stream, limits, &[kind], &mut body)
+    match read_frame(&mut stream, limits, kinds, &mut body)
         .await
         .map_err(net)?
     {

@@ -8,6 +8,28 @@ use serde::{Deserialize, Serialize};
 
 use super::{ErrorCode, Precision, ProtocolError};
 
+/// A public copy of a shard's weights a worker holds: which lineage (one per shard incarnation) and which cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PublicRef {
+    /// The shard incarnation that cut it (a restarted shard starts a new lineage).
+    pub lineage: u64,
+    /// The cut's sequence number within the lineage.
+    pub seq: u64,
+}
+
+/// How a pull wants its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PullMode {
+    /// The current weights in full, at this precision (a `Params` frame).
+    Full(Precision),
+    /// The shard's public copy, as compressed deltas from the one the worker holds (`None`: it holds none yet), or
+    /// "not modified" (a `Delta` frame).
+    Delta {
+        /// The public copy the worker holds.
+        have: Option<PublicRef>,
+    },
+}
+
 /// Largest encoded control message, in bytes (also the control frame limit).
 pub const MAX_CONTROL_BYTES: usize = 4096;
 
@@ -57,8 +79,8 @@ pub enum Control {
         request: u64,
         /// The worker's clock for this pull.
         clock: u64,
-        /// Wire precision of the returned values.
-        precision: Precision,
+        /// What to answer with.
+        mode: PullMode,
     },
     /// Server → worker: a pull request was refused (the reply will never come).
     PullRefused {

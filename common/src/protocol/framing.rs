@@ -27,6 +27,8 @@ pub enum FrameKind {
     Push = 2,
     /// An rkyv [`super::ParamReply`].
     Params = 3,
+    /// A delta reply: an rkyv [`super::DeltaHeader`] and the codec frames it lists ([`super::delta`]).
+    Delta = 4,
 }
 
 impl FrameKind {
@@ -36,6 +38,7 @@ impl FrameKind {
             1 => Some(FrameKind::Control),
             2 => Some(FrameKind::Push),
             3 => Some(FrameKind::Params),
+            4 => Some(FrameKind::Delta),
             _ => None,
         }
     }
@@ -85,6 +88,11 @@ impl FrameLimits {
             FrameKind::Control => self.control,
             FrameKind::Push => self.push,
             FrameKind::Params => self.params,
+            // A delta reply never carries more payload than a full f32 reply (the shard sends the full copy
+            // instead); its header lists at most MAX_DELTA_FRAMES frame lengths.
+            FrameKind::Delta => self
+                .params
+                .saturating_add(super::delta::MAX_DELTA_HEADER_BYTES),
         }
     }
 }

@@ -1,12 +1,14 @@
 //! The wire protocol: message schemas, their encodings and stream framing, with no sockets.
 //!
-//! Control messages ([`Control`]) are bincode 2.0.1; bulk frames ([`PushFrame`], [`ParamReply`]) are rkyv 0.8
+//! Control messages ([`Control`]) are bincode 2.0.1; bulk frames ([`PushFrame`], [`ParamReply`], the
+//! [`DeltaHeader`] of a delta reply) are rkyv 0.8
 //! read back with validation; every frame on a stream is `[u32 LE length][u8 kind][body]` with a per-kind size
 //! limit ([`FrameLimits`]). Every decoder accepts arbitrary bytes without panicking and fails with a
 //! [`ProtocolError`], which carries a stable [`ErrorCode`] for the wire.
 
 pub mod bulk;
 pub mod control;
+pub mod delta;
 pub mod error;
 pub mod framing;
 
@@ -16,7 +18,11 @@ pub use bulk::{
     PushMeta,
 };
 pub use control::{
-    decode_control, encode_control, Control, Hello, Outcome, Welcome, MAX_CONTROL_BYTES,
+    decode_control, encode_control, Control, Hello, Outcome, PublicRef, PullMode, Welcome,
+    MAX_CONTROL_BYTES,
+};
+pub use delta::{
+    access_delta, encode_delta_preamble, ArchivedDeltaHeader, DeltaHeader, DeltaKind, DeltaView,
 };
 pub use error::{ErrorCode, ProtocolError};
 pub use framing::{
@@ -25,7 +31,7 @@ pub use framing::{
 };
 
 /// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`].
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";

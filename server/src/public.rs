@@ -1,0 +1,407 @@
+//! `PublicCopy`: the shard's *public* weights — exactly what every worker holds — and the log of compressed deltas
+//! that take one public cut to the next. Plain Rust: it is given the true weights, the version and the minimum clock
+//! and returns what to answer a pull with; no sockets, no clocks.
+//!
+//! Error feedback lives here, on the server side: a cut encodes `w − public` (q4 or q8, in chunks), decodes its own
+//! frames and adds the decoded values to `public`, exactly as a worker will. So the next cut carries whatever the
+//! last one rounded away, and no separate residual is kept. Decoding is deterministic, so a worker that applies the
+//! same frames to the same copy holds the same bits.
+//!
+//! Cuts are taken sparingly, when a pull is answered and the weights moved since the last cut, and either the
+//! minimum clock advanced or a round's worth of updates (one per live worker) arrived — about one delta per step
+//! per worker. A cut taken when the minimum clock is `m` holds every update from clocks below `m`, so answering
+//! pulls from the newest cut keeps the SSP read guarantee. Each cut is encoded once; its bytes are shared by every
+//! reply that needs it (`Bytes`, no copy per worker).
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+
+use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder};
+use tether_common::protocol::PublicRef;
+
+/// Values per delta frame.
+pub const DELTA_CHUNK: usize = 1 << 16;
+
+/// Most cuts the log keeps.
+pub const MAX_LOG_CUTS: usize = 32;
+
+/// One cut in the log.
+#[derive(Debug, Clone)]
+struct Cut {
+    seq: u64,
+    /// The cut's frames, concatenated.
+    bytes: Bytes,
+    /// Each frame's length.
+    lens: Vec<u32>,
+}
+
+/// What to answer a delta pull with.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    /// The worker holds the newest cut.
+    NotModified,
+    /// Frames from the worker's cut `base` to the newest: one `Bytes` per cut, and every frame length in order.
+    Deltas {
+        /// The worker's cut.
+        base: u64,
+        /// The cuts' bytes, oldest first (shared with every other reply that sends them).
+        cuts: Vec<Bytes>,
+        /// Frame lengths, in payload order.
+        lens: Vec<u32>,
+    },
+    /// The whole public copy as little-endian f32 (shared while it stays the newest).
+    Full(Bytes),
+}
+
+/// The public copy of one shard and its delta log.
+pub struct PublicCopy {
+    values: Vec<f32>,
+    lineage: u64,
+    seq: u64,
+    cut_version: u64,
+    cut_min_clock: u64,
+    log: VecDeque<Cut>,
+    log_bytes: usize,
+    log_budget: usize,
+    full: Option<(u64, Bytes)>,
+    encoder: Encoder,
+    decoder: Decoder,
+    delta: Vec<f32>,
+    decoded: Vec<f32>,
+    frame: Vec<u8>,
+    cuts_taken: u64,
+}
+
+impl std::fmt::Debug for PublicCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PublicCopy")
+            .field("lineage", &self.lineage)
+            .field("seq", &self.seq)
+            .field("cuts", &self.log.len())
+            .field("log_bytes", &self.log_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PublicCopy {
+    /// A public copy equal to `weights` (cut 0 of `lineage`, at `version` and `min_clock`), whose deltas are encoded
+    /// with `codec` and whose log holds at most `log_budget` bytes.
+    pub fn new(
+        weights: &[f32],
+        lineage: u64,
+        version: u64,
+        min_clock: u64,
+        codec: CodecConfig,
+        log_budget: usize,
+    ) -> Result<PublicCopy, CodecError> {
+        let chunk = DELTA_CHUNK.min(weights.len().max(1));
+        Ok(PublicCopy {
+            values: weights.to_vec(),
+            lineage,
+            seq: 0,
+            cut_version: version,
+            cut_min_clock: min_clock,
+            log: VecDeque::new(),
+            log_bytes: 0,
+            log_budget,
+            full: None,
+            encoder: Encoder::new(codec)?,
+            decoder: Decoder::new(chunk),
+            delta: vec![0.0; chunk],
+            decoded: vec![0.0; chunk],
+            frame: Vec::new(),
+            cuts_taken: 0,
+        })
+    }
+
+    /// The public values.
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+
+    /// The newest cut.
+    pub fn newest(&self) -> PublicRef {
+        PublicRef {
+            lineage: self.lineage,
+            seq: self.seq,
+        }
+    }
+
+    /// Shard version at the newest cut.
+    pub fn cut_version(&self) -> u64 {
+        self.cut_version
+    }
+
+    /// Cuts taken so far.
+    pub fn cuts_taken(&self) -> u64 {
+        self.cuts_taken
+    }
+
+    /// Bytes the delta log and the cached full copy hold.
+    pub fn held_bytes(&self) -> usize {
+        self.log_bytes + self.full.as_ref().map_or(0, |(_, b)| b.len())
+    }
+
+    /// Whether the policy wants a new cut before answering: the weights moved, and the minimum clock advanced or
+    /// `live` updates arrived since the last cut.
+    pub fn wants_cut(&self, version: u64, min_clock: u64, live: usize) -> bool {
+        version > self.cut_version
+            && (min_clock > self.cut_min_clock || version - self.cut_version >= live.max(1) as u64)
+    }
+
+    /// Takes a cut of `weights` (at `version`, `min_clock`): encodes `weights − public` chunk by chunk, adds the
+    /// decoded delta to `public` and logs the frames. On a codec error (non-finite weights) nothing changes.
+    pub fn cut(&mut self, weights: &[f32], version: u64, min_clock: u64) -> Result<(), CodecError> {
+        debug_assert_eq!(weights.len(), self.values.len());
+        let chunk = self.delta.len();
+        let seq = self.seq + 1;
+        let mut bytes = Vec::with_capacity(self.log.back().map_or(0, |c| c.bytes.len()));
+        let mut lens = Vec::with_capacity(weights.len().div_ceil(chunk));
+        // Encode every chunk first: a failure leaves the public copy untouched.
+        for (i, w) in weights.chunks(chunk).enumerate() {
+            let start = i * chunk;
+            let d = &mut self.delta[..w.len()];
+            for ((d, w), p) in d
+                .iter_mut()
+                .zip(w)
+                .zip(&self.values[start..start + w.len()])
+            {
+                *d = w - p;
+            }
+            self.encoder
+                .encode(d, seed_for(u32::MAX, seq, i as u32), &mut self.frame)?;
+            bytes.extend_from_slice(&self.frame);
+            lens.push(self.frame.len() as u32);
+        }
+        // Then apply exactly what a worker will decode, with the decoder workers use.
+        let mut at = 0usize;
+        for (i, len) in lens.iter().enumerate() {
+            let start = i * chunk;
+            let end = (start + chunk).min(self.values.len());
+            let frame = &bytes[at..at + *len as usize];
+            at += *len as usize;
+            let out = &mut self.decoded[..end - start];
+            if let Err(e) = self.decoder.decode(frame, out) {
+                // Our own frame did not decode (a codec bug): the copy is now partly updated, so start a new
+                // lineage; every worker then fetches the whole copy, and everyone agrees again.
+                self.lineage = self.lineage.wrapping_add(1);
+                self.log.clear();
+                self.log_bytes = 0;
+                self.full = None;
+                return Err(e);
+            }
+            for (p, d) in self.values[start..end].iter_mut().zip(out.iter()) {
+                *p += d;
+            }
+        }
+        self.seq = seq;
+        self.cut_version = version;
+        self.cut_min_clock = min_clock;
+        self.cuts_taken += 1;
+        self.full = None;
+        self.log_bytes += bytes.len();
+        self.log.push_back(Cut {
+            seq,
+            bytes: Bytes::from(bytes),
+            lens,
+        });
+        while self.log.len() > MAX_LOG_CUTS
+            || (self.log.len() > 1 && self.log_bytes > self.log_budget)
+        {
+            if let Some(old) = self.log.pop_front() {
+                self.log_bytes -= old.bytes.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// What to send a worker holding `have`: nothing, the deltas from its cut (while the log has them and they are
+    /// smaller than the whole copy), or the whole copy.
+    pub fn answer(&mut self, have: Option<PublicRef>) -> Answer {
+        if let Some(h) = have.filter(|h| h.lineage == self.lineage && h.seq <= self.seq) {
+            if h.seq == self.seq {
+                return Answer::NotModified;
+            }
+            // The log holds cuts oldest..=seq; the worker needs h.seq+1..=seq.
+            let first = self.log.front().map_or(u64::MAX, |c| c.seq);
+            if h.seq + 1 >= first {
+                let skip = (h.seq + 1 - first) as usize;
+                let needed: usize = self.log.iter().skip(skip).map(|c| c.bytes.len()).sum();
+                let frames: usize = self.log.iter().skip(skip).map(|c| c.lens.len()).sum();
+                if needed < 4 * self.values.len()
+                    && frames <= tether_common::protocol::delta::MAX_DELTA_FRAMES
+                {
+                    let mut cuts = Vec::with_capacity(self.log.len() - skip);
+                    let mut lens = Vec::with_capacity(frames);
+                    for c in self.log.iter().skip(skip) {
+                        cuts.push(c.bytes.clone());
+                        lens.extend_from_slice(&c.lens);
+                    }
+                    return Answer::Deltas {
+                        base: h.seq,
+                        cuts,
+                        lens,
+                    };
+                }
+            }
+        }
+        let seq = self.seq;
+        match &self.full {
+            Some((s, b)) if *s == seq => Answer::Full(b.clone()),
+            _ => {
+                let mut out = Vec::with_capacity(4 * self.values.len());
+                for v in &self.values {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                let b = Bytes::from(out);
+                self.full = Some((seq, b.clone()));
+                Answer::Full(b)
+            }
+        }
+    }
+
+    /// Drops the cached full copy (once every worker that needed it has it, it is only memory).
+    pub fn drop_full(&mut self) {
+        self.full = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_common::codec::{Decoder, Rounding, Scheme};
+
+    fn codec(scheme: Scheme) -> CodecConfig {
+        CodecConfig {
+            scheme,
+            bucket: 128,
+            rounding: Rounding::Deterministic,
+            zstd: true,
+        }
+    }
+
+    /// Applies an answer to a worker's copy the way a worker does, with a fresh decoder.
+    fn apply(copy: &mut [f32], answer: &Answer) {
+        match answer {
+            Answer::NotModified => {}
+            Answer::Full(b) => {
+                for (v, c) in copy.iter_mut().zip(b.chunks_exact(4)) {
+                    *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Answer::Deltas { cuts, lens, .. } => {
+                let all: Vec<u8> = cuts.iter().flat_map(|c| c.iter().copied()).collect();
+                let chunk = DELTA_CHUNK.min(copy.len());
+                let per_cut = copy.len().div_ceil(chunk);
+                let mut dec = Decoder::new(chunk);
+                let mut out = vec![0.0; chunk];
+                let mut at = 0;
+                for (i, len) in lens.iter().enumerate() {
+                    let start = (i % per_cut) * chunk;
+                    let end = (start + chunk).min(copy.len());
+                    dec.decode(&all[at..at + *len as usize], &mut out[..end - start])
+                        .unwrap();
+                    at += *len as usize;
+                    for (p, d) in copy[start..end].iter_mut().zip(&out) {
+                        *p += d;
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn workers_rebuild_the_public_copy_bit_for_bit_and_it_tracks_the_weights() {
+        // 150k values: three chunks, the last one short.
+        let n = 150_000;
+        let mut w: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
+        let mut p = PublicCopy::new(&w, 9, 0, 0, codec(Scheme::Q4), 1 << 30).unwrap();
+        let mut early = vec![0.0; n];
+        apply(&mut early, &p.answer(None));
+        let mut every = early.clone();
+        for step in 1..=30u64 {
+            for (i, v) in w.iter_mut().enumerate() {
+                *v += (((i as u64 * 31 + step * 7) % 13) as f32 - 6.0) * 1e-4;
+            }
+            p.cut(&w, step, step).unwrap();
+            let have = PublicRef {
+                lineage: 9,
+                seq: step - 1,
+            };
+            apply(&mut every, &p.answer(Some(have)));
+            assert!(every
+                .iter()
+                .zip(p.values())
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+        // A worker that skipped 29 cuts catches up from the log to the same bits.
+        apply(
+            &mut early,
+            &p.answer(Some(PublicRef { lineage: 9, seq: 0 })),
+        );
+        assert!(early
+            .iter()
+            .zip(p.values())
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        // Server-side error feedback: the public copy stays within one quantization step of the weights instead of
+        // drifting by 30 steps' rounding.
+        let err = w
+            .iter()
+            .zip(p.values())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(err < 2e-4, "public copy drifted {err}");
+        assert!(matches!(p.answer(Some(p.newest())), Answer::NotModified));
+    }
+
+    #[test]
+    fn laggards_past_the_log_and_other_lineages_get_the_whole_copy() {
+        let n = 1000;
+        let mut w = vec![0.5f32; n];
+        // Budget for about two q8 cuts.
+        let raw = CodecConfig {
+            zstd: false,
+            ..codec(Scheme::Q8)
+        };
+        let mut p = PublicCopy::new(&w, 1, 0, 0, raw, 2 * n + 200).unwrap();
+        for step in 1..=6u64 {
+            w.iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v += (i % 7) as f32 * 1e-3);
+            p.cut(&w, step, step).unwrap();
+        }
+        assert!(matches!(
+            p.answer(Some(PublicRef { lineage: 1, seq: 0 })),
+            Answer::Full(_)
+        ));
+        assert!(matches!(
+            p.answer(Some(PublicRef { lineage: 2, seq: 6 })),
+            Answer::Full(_)
+        ));
+        assert!(matches!(
+            p.answer(Some(PublicRef { lineage: 1, seq: 5 })),
+            Answer::Deltas { base: 5, .. }
+        ));
+        assert!(p.held_bytes() <= 2 * n + 200 + 4 * n);
+        // A cut that cannot be encoded changes nothing.
+        let before = p.values().to_vec();
+        let mut bad = w.clone();
+        bad[3] = f32::NAN;
+        assert!(p.cut(&bad, 7, 7).is_err());
+        assert_eq!(p.newest().seq, 6);
+        assert!(before
+            .iter()
+            .zip(p.values())
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn cuts_follow_the_minimum_clock_or_a_round_of_updates() {
+        let p = PublicCopy::new(&[0.0; 8], 1, 10, 3, codec(Scheme::Q4), 1 << 20).unwrap();
+        assert!(!p.wants_cut(10, 5, 4), "no update since the cut");
+        assert!(p.wants_cut(11, 4, 4), "the minimum clock advanced");
+        assert!(!p.wants_cut(12, 3, 4), "two updates of a round of four");
+        assert!(p.wants_cut(14, 3, 4), "a round's worth of updates");
+    }
+}
