@@ -48,6 +48,15 @@ struct Args {
     /// Codec of pull deltas: q8 | q4 | none.
     #[arg(long, default_value = "q4")]
     pull_scheme: Scheme,
+    /// Local-step rounds (DiLoCo): inner steps per push round (0: push a gradient every step).
+    #[arg(long, default_value_t = 0)]
+    local_steps: u32,
+    /// Outer learning rate of local-step rounds.
+    #[arg(long, default_value_t = 0.7)]
+    outer_lr: f32,
+    /// Outer (Nesterov) momentum of local-step rounds.
+    #[arg(long, default_value_t = 0.9)]
+    outer_momentum: f32,
     /// Epochs (passes over each worker's partition).
     #[arg(long, default_value_t = 30)]
     epochs: u32,
@@ -112,6 +121,9 @@ fn main() -> Result<()> {
     }
     cfg.compression.pull_scheme = args.pull_scheme;
     cfg.train.epochs = args.epochs;
+    cfg.train.local_steps = args.local_steps;
+    cfg.optimizer.outer.lr = args.outer_lr;
+    cfg.optimizer.outer.momentum = args.outer_momentum;
     cfg.train.batch = args.batch;
     cfg.train.eval_every = args.eval_every;
     cfg.model.hidden = args.hidden.clone();

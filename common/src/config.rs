@@ -267,6 +267,11 @@ pub struct TrainConfig {
     /// Seed of data shuffling and stochastic rounding (default 7).
     #[serde(default = "d_data_seed")]
     pub seed: u64,
+    /// Local-step rounds (DiLoCo): each worker runs this many inner steps with `[optimizer]` on its own copy, then
+    /// pushes the pseudo-gradient θ_start − θ_end, and the shards apply `[optimizer.outer]`; one SSP clock is one
+    /// round (default 0: a gradient push every step, `[optimizer]` on the shards).
+    #[serde(default)]
+    pub local_steps: u32,
 }
 
 /// Optimizer families applied by the server shards.
@@ -345,6 +350,41 @@ pub struct OptimizerConfig {
     /// Divide the step by max(1, staleness) of the applied gradient (default false).
     #[serde(default)]
     pub staleness_aware: bool,
+    /// The outer optimizer the shards apply to pseudo-gradients in local-step rounds (`train.local_steps > 0`).
+    #[serde(default)]
+    pub outer: OuterOptimizerConfig,
+}
+
+/// `[optimizer.outer]`: the shards' optimizer in local-step rounds (DiLoCo's outer step).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OuterOptimizerConfig {
+    /// Optimizer family (default nesterov, as DiLoCo).
+    #[serde(default = "d_outer_kind")]
+    pub kind: OptimizerKind,
+    /// Outer learning rate (default 0.7, as DiLoCo).
+    #[serde(default = "d_outer_lr")]
+    pub lr: f32,
+    /// Outer momentum (default 0.9, as DiLoCo).
+    #[serde(default = "d_momentum")]
+    pub momentum: f32,
+}
+
+impl Default for OuterOptimizerConfig {
+    fn default() -> Self {
+        OuterOptimizerConfig {
+            kind: d_outer_kind(),
+            lr: d_outer_lr(),
+            momentum: d_momentum(),
+        }
+    }
+}
+
+fn d_outer_kind() -> OptimizerKind {
+    OptimizerKind::Nesterov
+}
+fn d_outer_lr() -> f32 {
+    0.7
 }
 
 /// `[checkpoint]`: where and how often shards checkpoint.
@@ -390,6 +430,7 @@ impl Default for TrainConfig {
             eval_every: d_eval_every(),
             clip_norm: d_clip_norm(),
             seed: d_data_seed(),
+            local_steps: 0,
         }
     }
 }
@@ -405,6 +446,7 @@ impl Default for OptimizerConfig {
             weight_decay: 0.0,
             schedule: Schedule::default(),
             staleness_aware: false,
+            outer: OuterOptimizerConfig::default(),
         }
     }
 }
@@ -718,6 +760,12 @@ impl Config {
         if self.compression.bucket == 0 || self.compression.bucket > (1 << 20) {
             return bad("compression.bucket", "must be in 1..=1048576");
         }
+        if !(self.optimizer.outer.lr > 0.0 && self.optimizer.outer.lr.is_finite()) {
+            return bad("optimizer.outer.lr", "must be a finite positive number");
+        }
+        if !(0.0..1.0).contains(&self.optimizer.outer.momentum) {
+            return bad("optimizer.outer.momentum", "must be in [0, 1)");
+        }
         if self.checkpoint.keep == 0 {
             return bad("checkpoint.keep", "must be at least 1");
         }
@@ -731,6 +779,34 @@ impl Config {
             );
         }
         Ok(())
+    }
+
+    /// The optimizer the shards apply: `[optimizer]`, or in local-step rounds `[optimizer.outer]` at a constant
+    /// learning rate with no weight decay.
+    pub fn shard_optimizer(&self) -> OptimizerConfig {
+        if self.train.local_steps == 0 {
+            return self.optimizer.clone();
+        }
+        let o = self.optimizer.outer;
+        OptimizerConfig {
+            kind: o.kind,
+            lr: o.lr,
+            momentum: o.momentum,
+            weight_decay: 0.0,
+            schedule: Schedule::Constant,
+            staleness_aware: false,
+            ..OptimizerConfig::default()
+        }
+    }
+
+    /// The factor a shard applies to each push: 1, or in local-step rounds 1/workers, so that one round's pushes add
+    /// up to the step on the workers' mean pseudo-gradient (DiLoCo averages them before its outer step).
+    pub fn push_scale(&self) -> f32 {
+        if self.train.local_steps == 0 {
+            1.0
+        } else {
+            1.0 / self.cluster.workers.max(1) as f32
+        }
     }
 
     /// Input width and class count of the model: from `[model]` when given, else from the dataset kind.

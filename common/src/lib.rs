@@ -8,6 +8,7 @@ pub mod logging;
 pub mod metrics;
 pub mod net;
 pub mod numeric;
+pub mod optim;
 pub mod pki;
 pub mod protocol;
 pub mod report;

@@ -6,7 +6,7 @@ pub mod checkpoint;
 pub mod clock;
 pub mod error;
 pub mod node;
-pub mod optim;
+pub use tether_common::optim;
 pub mod protocol;
 pub mod public;
 pub mod session;

@@ -89,7 +89,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         shard: opts.shard,
         shards,
         seed: cfg.model.seed,
-        optimizer: cfg.optimizer.clone(),
+        optimizer: cfg.shard_optimizer(),
         staleness: cfg.cluster.staleness,
         worker_timeout_ms: cfg.cluster.worker_timeout_ms,
         spike_factor: opts.spike_factor,
@@ -125,6 +125,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         (opts.shard, core.version()),
     );
     core.set_public(cfg.compression.pull_codec(), lineage);
+    core.set_push_scale(cfg.push_scale());
     let tls = match opts.tls {
         Some(t) => t,
         None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,

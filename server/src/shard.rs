@@ -310,6 +310,8 @@ pub struct ShardCore {
     pull_codec: CodecConfig,
     /// This incarnation's public-copy lineage.
     lineage: u64,
+    /// Every push's step is multiplied by this (1/workers in local-step rounds).
+    push_scale: f32,
 }
 
 /// Parameters to build a shard.
@@ -353,6 +355,7 @@ impl ShardCore {
             public: None,
             pull_codec: default_pull_codec(),
             lineage: layout.hash() ^ u64::from(spec.shard),
+            push_scale: 1.0,
             weights,
         }
     }
@@ -363,6 +366,12 @@ impl ShardCore {
         self.pull_codec = codec;
         self.lineage = lineage;
         self.public = None;
+    }
+
+    /// Multiplies every push's step by `scale` (local-step rounds: 1/workers, so that a round of pushes adds up to
+    /// the outer step on the mean pseudo-gradient).
+    pub fn set_push_scale(&mut self, scale: f32) {
+        self.push_scale = scale;
     }
 
     /// The public copy, once a delta pull created it.
@@ -582,7 +591,7 @@ impl ShardCore {
             1.0 / (staleness.max(1) as f32)
         } else {
             1.0
-        };
+        } * self.push_scale;
         self.optimizer.step(&mut self.weights, &self.scratch, scale);
         self.version += 1;
         self.stats.updates_applied += 1;

@@ -27,6 +27,7 @@ fn cfg(kind: OptimizerKind, wd: f32) -> OptimizerConfig {
         weight_decay: wd,
         schedule: Schedule::Constant,
         staleness_aware: false,
+        ..OptimizerConfig::default()
     }
 }
 

@@ -123,8 +123,6 @@ pub struct Driver {
     pub reconnects: u64,
     /// Bytes of every pull reply received (frame bodies, used or not).
     pub bytes_pulled: u64,
-    /// What the used replies would have weighed as f32 values.
-    pub fp32_bytes_pulled: u64,
     /// Replies that said "not modified".
     pub not_modified: u64,
     /// The public copy of every shard this worker holds (delta pulls; empty otherwise).
@@ -188,7 +186,6 @@ impl Driver {
             refused: Vec::new(),
             reconnects: 0,
             bytes_pulled: 0,
-            fp32_bytes_pulled: 0,
             not_modified: 0,
             public: Vec::new(),
             stage: Vec::new(),
@@ -520,7 +517,6 @@ impl Driver {
         if !used {
             return Ok(());
         }
-        self.fp32_bytes_pulled += 4 * (range.1 - range.0);
         let dst = &mut params[range.0 as usize..range.1 as usize];
         match reply.precision() {
             Precision::F32 => {
@@ -583,7 +579,6 @@ impl Driver {
         }
         self.public[start..end].copy_from_slice(&self.stage[start..end]);
         params[start..end].copy_from_slice(&self.public[start..end]);
-        self.fp32_bytes_pulled += 4 * (range.1 - range.0);
         if view.kind() == DeltaKind::NotModified {
             self.not_modified += 1;
         }

@@ -6,7 +6,9 @@
 use std::ops::Range;
 
 use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder, ErrorFeedback};
+use tether_common::config::OptimizerConfig;
 use tether_common::numeric::sum_of_squares;
+use tether_common::optim::Optimizer;
 
 use crate::model::Model;
 
@@ -42,6 +44,8 @@ pub struct StepEngine {
     faults: Vec<GradientFault>,
     /// Decodes undelivered frames for [`StepEngine::credit_undelivered`] (sized on first use).
     decoder: Option<(Decoder, Vec<f32>)>,
+    /// The inner optimizer of local-step rounds (its state persists across rounds, as in DiLoCo).
+    inner: Option<Optimizer>,
 }
 
 impl StepEngine {
@@ -67,7 +71,30 @@ impl StepEngine {
             clip_norm,
             faults: Vec::new(),
             decoder: None,
+            inner: None,
         })
+    }
+
+    /// Local-step rounds: inner steps apply `cfg` to the worker's own copy of the parameters.
+    pub fn with_inner(mut self, cfg: &OptimizerConfig) -> Self {
+        self.inner = Some(Optimizer::new(cfg, self.grad.len()));
+        self
+    }
+
+    /// One inner step: the inner optimizer applies the last computed gradient to `params` (a no-op without one).
+    pub fn inner_step(&mut self, params: &mut [f32]) {
+        if let Some(opt) = self.inner.as_mut() {
+            opt.step(params, &self.grad, 1.0);
+        }
+    }
+
+    /// Makes the pseudo-gradient `start − end` of a local-step round the gradient that [`StepEngine::encode_shard`]
+    /// encodes; returns whether it is finite.
+    pub fn set_pseudo_gradient(&mut self, start: &[f32], end: &[f32]) -> bool {
+        for ((g, s), e) in self.grad.iter_mut().zip(start).zip(end) {
+            *g = s - e;
+        }
+        sum_of_squares(&self.grad).is_finite()
     }
 
     /// Injects faults at given steps.

@@ -87,11 +87,11 @@ pub struct WorkerReport {
     pub accuracy_curve: Vec<(u64, f64, f64)>,
     /// Encoded push bytes.
     pub wire_bytes_pushed: u64,
-    /// fp32 size of the same pushes.
+    /// What per-step f32 synchronization would have pushed for the same steps.
     pub fp32_bytes_pushed: u64,
     /// Bytes of pull replies received.
     pub wire_bytes_pulled: u64,
-    /// f32 size of the used pull replies.
+    /// What per-step f32 synchronization would have pulled for the same steps.
     pub fp32_bytes_pulled: u64,
     /// Largest clock lead seen in a pull answer.
     pub max_clock_lead: u64,
@@ -160,6 +160,19 @@ impl Message for Compute {
     type Result = Result<Computed, CodecError>;
 }
 
+/// A local-step round: `steps` inner steps from `params` (θ_start, returned unchanged), then the pseudo-gradient
+/// θ_start − θ_end encoded into `frames`.
+struct LocalRound {
+    first_step: u64,
+    steps: u64,
+    params: Vec<f32>,
+    frames: Vec<Vec<u8>>,
+}
+
+impl Message for LocalRound {
+    type Result = Result<Computed, CodecError>;
+}
+
 struct Evaluate {
     params: Vec<f32>,
 }
@@ -207,6 +220,8 @@ pub struct WorkerActor {
     steps_per_epoch: u64,
     xb: Vec<f32>,
     yb: Vec<u32>,
+    /// θ of the local-step round in progress.
+    theta: Vec<f32>,
 }
 
 impl Actor for WorkerActor {
@@ -243,6 +258,44 @@ impl Handler<Compute> for WorkerActor {
         }
         Ok(Computed {
             outcome,
+            params: msg.params,
+            frames: msg.frames,
+        })
+    }
+}
+
+impl Handler<LocalRound> for WorkerActor {
+    type Result = Result<Computed, CodecError>;
+    fn handle(&mut self, mut msg: LocalRound, _: &mut Context<Self>) -> Self::Result {
+        self.theta.resize(msg.params.len(), 0.0);
+        self.theta.copy_from_slice(&msg.params);
+        let (mut loss, mut good) = (0.0f64, 0u64);
+        for step in msg.first_step..msg.first_step + msg.steps {
+            self.load_batch(step);
+            let o = self.engine.compute(step, &self.theta, &self.xb, &self.yb);
+            // A non-finite inner gradient is dropped: that inner step does not happen.
+            if o.finite {
+                self.engine.inner_step(&mut self.theta);
+                loss += f64::from(o.loss);
+                good += 1;
+            }
+        }
+        let finite = good > 0 && self.engine.set_pseudo_gradient(&msg.params, &self.theta);
+        if finite {
+            for (k, out) in msg.frames.iter_mut().enumerate() {
+                self.engine.encode_shard(k, msg.first_step, out)?;
+            }
+        }
+        Ok(Computed {
+            outcome: StepOutcome {
+                loss: if good > 0 {
+                    (loss / good as f64) as f32
+                } else {
+                    f32::NAN
+                },
+                grad_norm: 0.0,
+                finite,
+            },
             params: msg.params,
             frames: msg.frames,
         })
@@ -316,6 +369,11 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     let batch = cfg.train.batch.min(partition.len().max(1));
     let steps_per_epoch = (partition.len() / batch).max(1) as u64;
     let total_steps = steps_per_epoch * u64::from(cfg.train.epochs);
+    let engine = if cfg.train.local_steps > 0 {
+        engine.with_inner(&inner_optimizer(cfg, total_steps))
+    } else {
+        engine
+    };
     let actor = WorkerActor {
         engine,
         train: opts.train.clone(),
@@ -326,6 +384,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         steps_per_epoch,
         xb: vec![0.0; batch * features],
         yb: vec![0; batch],
+        theta: Vec::new(),
     };
     let arbiter = Arbiter::new();
     let addr = WorkerActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
@@ -414,9 +473,19 @@ impl PreparedWorker {
         self.report.max_clock_lead = stats.max_clock_lead;
         self.report.reconnects = self.driver.reconnects;
         self.report.wire_bytes_pulled = self.driver.bytes_pulled;
-        self.report.fp32_bytes_pulled = self.driver.fp32_bytes_pulled;
+        // (fp32_bytes_pulled is counted per step by the training loop: the per-step f32 reference.)
         Ok(self.report)
     }
+}
+
+/// The inner optimizer of local-step rounds: `[optimizer]`, with a warmup-cosine schedule stretched over this
+/// worker's own inner steps (the schedule's `total` counts shard updates in per-step mode).
+fn inner_optimizer(cfg: &Config, total_steps: u64) -> tether_common::config::OptimizerConfig {
+    let mut inner = cfg.optimizer.clone();
+    if let tether_common::config::Schedule::WarmupCosine { total, .. } = &mut inner.schedule {
+        *total = total_steps;
+    }
+    inner
 }
 
 /// Applies the residual policy to the pushes the shards refused since the last call: good gradients that were not
@@ -459,17 +528,33 @@ async fn train_loop(
     let mut frames: Vec<Vec<u8>> = vec![Vec::new(); shards];
     let mut step = 0u64;
     let mut last_log = Instant::now();
+    let local = u64::from(opts.config.train.local_steps);
     while step < total_steps {
         let t0 = Instant::now();
         d.pull(&mut params).await?;
-        let computed = d
-            .while_running(addr.send(Compute {
+        // One push round: one step, or in local-step rounds up to `local` inner steps.
+        let n = if local > 0 {
+            local.min(total_steps - step)
+        } else {
+            1
+        };
+        let computed = if local > 0 {
+            d.while_running(addr.send(LocalRound {
+                first_step: step,
+                steps: n,
+                params,
+                frames,
+            }))
+            .await?
+        } else {
+            d.while_running(addr.send(Compute {
                 step,
                 params,
                 frames,
             }))
             .await?
-            .map_err(|_| WorkerError::ActorGone)??;
+        }
+        .map_err(|_| WorkerError::ActorGone)??;
         params = computed.params;
         frames = computed.frames;
         let outcome = computed.outcome;
@@ -477,7 +562,9 @@ async fn train_loop(
             d.while_running(tokio::time::sleep(opts.step_delay)).await?;
         }
         let wire: u64 = frames.iter().map(|f| f.len() as u64).sum();
-        let fp32: u64 = 4 * n_params as u64;
+        // The fp32 reference is per-step synchronization: every step pushes and pulls the whole model in f32.
+        let fp32: u64 = 4 * n_params as u64 * n;
+        report.fp32_bytes_pulled += fp32;
         if outcome.finite {
             d.session
                 .push(&mut frames, outcome.loss)
@@ -499,7 +586,7 @@ async fn train_loop(
             })?;
         }
         credit_refused(d, addr);
-        step += 1;
+        step += n;
         let secs = started.elapsed().as_secs_f64();
         if outcome.finite {
             report
@@ -509,7 +596,7 @@ async fn train_loop(
         let mut accuracy = None;
         if opts.test.is_some()
             && eval_every > 0
-            && step.is_multiple_of(eval_every)
+            && step / eval_every > (step - n) / eval_every
             && step < total_steps
         {
             let (acc, p) = evaluate(d, addr, params).await?;
@@ -557,6 +644,7 @@ async fn train_loop(
     if opts.test.is_some() {
         // The final model: one more pull (it waits, as any pull, until the others are within the bound).
         d.pull(&mut params).await?;
+        report.fp32_bytes_pulled += 4 * n_params as u64;
         let (acc, p) = evaluate(d, addr, params).await?;
         params = p;
         report

@@ -1,4 +1,4 @@
-//! The optimizer math a shard applies to its parameter range: update rules, their state slots and the learning-rate
+//! The optimizer math applied to a parameter range (by a shard, or by a worker between local-step rounds): update rules, their state slots and the learning-rate
 //! schedule. Pure and deterministic: no allocation, no I/O, no clocks; the same inputs give the same bits on a given
 //! build (the kernels use plain IEEE mul/add/div/sqrt with no fused multiply-add, so the AVX2 path and the portable
 //! path produce identical results).
@@ -29,7 +29,7 @@
 
 use std::f64::consts::PI;
 
-use tether_common::config::{OptimizerConfig, OptimizerKind, Schedule};
+use crate::config::{OptimizerConfig, OptimizerKind, Schedule};
 
 /// Errors restoring optimizer state.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
