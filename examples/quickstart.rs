@@ -29,9 +29,10 @@ struct Args {
     /// Number of parameter shards.
     #[arg(long, default_value_t = 2)]
     shards: usize,
-    /// Staleness bound: 0 = BSP, N = SSP, inf = fully asynchronous.
-    #[arg(long, default_value = "3")]
-    staleness: Staleness,
+    /// Staleness bound in push rounds: 0 = BSP, N = SSP, inf = fully asynchronous (default: 0 with local steps, whose
+    /// round is 16 steps long; 3 with a push every step).
+    #[arg(long)]
+    staleness: Option<Staleness>,
     /// Gradient compression: none | fp16 | bf16 | q8 | q4 | q2.
     #[arg(long, default_value = "q4")]
     compression: Scheme,
@@ -48,14 +49,15 @@ struct Args {
     /// Codec of pull deltas: q8 | q4 | none.
     #[arg(long, default_value = "q4")]
     pull_scheme: Scheme,
-    /// Local-step rounds (DiLoCo): inner steps per push round (0: push a gradient every step).
-    #[arg(long, default_value_t = 0)]
+    /// Local-step rounds (DiLoCo): inner steps per push round (0: push a gradient every step). The default, 16, is
+    /// what one 100 Mbit/s link shared by the whole run needs to stay compute-bound (README: "Both directions").
+    #[arg(long, default_value_t = 16)]
     local_steps: u32,
-    /// Outer learning rate of local-step rounds.
+    /// Outer (Nesterov) learning rate of local-step rounds.
     #[arg(long, default_value_t = 0.7)]
     outer_lr: f32,
-    /// Outer (Nesterov) momentum of local-step rounds.
-    #[arg(long, default_value_t = 0.9)]
+    /// Outer (Nesterov) momentum of local-step rounds (DiLoCo's 0.9 measured worse here at H = 4..64; README).
+    #[arg(long, default_value_t = 0.5)]
     outer_momentum: f32,
     /// Epochs (passes over each worker's partition).
     #[arg(long, default_value_t = 30)]
@@ -106,7 +108,11 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let mut cfg = Config::with_servers(loopback_servers(args.shards.max(1)));
     cfg.cluster.workers = args.workers.max(1);
-    cfg.cluster.staleness = args.staleness;
+    cfg.cluster.staleness = args.staleness.unwrap_or(if args.local_steps > 0 {
+        Staleness::Bounded(0)
+    } else {
+        Staleness::Bounded(3)
+    });
     cfg.compression.scheme = args.compression;
     cfg.compression.error_feedback = !args.no_error_feedback;
     cfg.compression.zstd = !args.no_zstd;
@@ -158,8 +164,16 @@ fn main() -> Result<()> {
     std::fs::create_dir_all(&work_dir)
         .with_context(|| format!("cannot create {}", work_dir.display()))?;
 
+    let sync = if cfg.train.local_steps > 0 {
+        format!(
+            "local steps: {} inner steps per round (DiLoCo), outer nesterov lr {} momentum {}",
+            cfg.train.local_steps, cfg.optimizer.outer.lr, cfg.optimizer.outer.momentum
+        )
+    } else {
+        "a gradient push every step".to_string()
+    };
     println!(
-        "Tether quickstart: {} workers, {} shards, staleness {}, compression {}{}{}, {} pulls, {} epochs",
+        "Tether quickstart: {} workers, {} shards, staleness {}, {sync}, compression {}{}{}, {} pulls, {} epochs",
         cfg.cluster.workers,
         cfg.cluster.servers.len(),
         cfg.cluster.staleness,
@@ -281,6 +295,14 @@ fn print_summary(r: &RunReport) {
         ("model", format!("{} ({} params)", r.model, r.params)),
         ("workers x shards", format!("{} x {}", r.workers, r.shards)),
         ("staleness bound", r.staleness_bound.clone()),
+        (
+            "sync",
+            if r.local_steps > 0 {
+                format!("local steps, {} inner steps per push round", r.local_steps)
+            } else {
+                "a push every step".into()
+            },
+        ),
         ("compression", r.compression.clone()),
         ("steps (all workers)", r.steps.to_string()),
         ("wall time", format!("{:.1} s", r.wall_seconds)),
@@ -290,7 +312,7 @@ fn print_summary(r: &RunReport) {
             format!("{:.4}", r.final_test_accuracy),
         ),
         (
-            "pushed: wire vs fp32",
+            "pushed only: wire vs fp32",
             format!(
                 "{:.1} MiB vs {:.1} MiB ({:.1}x fewer)",
                 mib(r.wire_bytes_pushed),
@@ -308,7 +330,7 @@ fn print_summary(r: &RunReport) {
             ),
         ),
         (
-            "both directions vs fp32",
+            "both directions vs fp32 sync",
             format!(
                 "{:.1} MiB vs {:.1} MiB ({:.1}x fewer)",
                 mib(r.wire_bytes_total()),

@@ -103,6 +103,11 @@ impl LocalCluster {
 
     /// Runs to completion on a fresh actix System over a multi-threaded tokio runtime.
     pub fn run(self) -> Result<RunReport, ClusterError> {
+        self.run_with_workers().map(|(report, _)| report)
+    }
+
+    /// As [`LocalCluster::run`], also returning every worker's own report (rank order).
+    pub fn run_with_workers(self) -> Result<(RunReport, Vec<WorkerReport>), ClusterError> {
         let rt = || {
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -114,7 +119,7 @@ impl LocalCluster {
     }
 
     /// Runs to completion; call from inside an actix System whose tokio runtime is multi-threaded.
-    pub async fn run_in_system(self) -> Result<RunReport, ClusterError> {
+    pub async fn run_in_system(self) -> Result<(RunReport, Vec<WorkerReport>), ClusterError> {
         let mut cfg = self.config.clone();
         let started = Instant::now();
         let (train, test, note) = load_data(&mut cfg)?;
@@ -275,7 +280,7 @@ impl LocalCluster {
             report.notes.push(n);
         }
         report.notes.push(format!("final test loss {test_loss:.4}"));
-        Ok(report)
+        Ok((report, reports))
     }
 }
 

@@ -156,3 +156,67 @@ fn q4_with_error_feedback_matches_fp32_within_one_point() {
         fp32.final_test_accuracy
     );
 }
+
+#[test]
+fn delta_pulls_rebuild_the_same_public_copy_on_every_worker() {
+    // BSP: every worker's last pull is answered from the same cut (the minimum clock cannot move before the last
+    // of them pushes), so the copies they rebuilt, each from its own history of deltas and full copies, must be
+    // the same bits. The accuracy and the byte counts must show that the pulls were compressed.
+    let mut cfg = config(Staleness::Bounded(0), Scheme::Q4);
+    cfg.compression.pull = tether::common::config::PullKind::Delta;
+    cfg.compression.zstd = true;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::new(cfg, dir.path().to_path_buf());
+    cluster.eval_during_training = false;
+    let (r, workers) = cluster.run_with_workers().unwrap();
+    check_common(&r, Some(0));
+    assert_eq!(r.pull, "delta q4");
+    let first = &workers[0].final_params;
+    assert!(!first.is_empty());
+    for w in &workers[1..] {
+        let differ = first
+            .iter()
+            .zip(&w.final_params)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "worker {} rebuilt another copy than worker 0",
+            w.rank
+        );
+    }
+    // q4 deltas with zstd: well under a quarter of the f32 pull bytes (headers and full first pulls included).
+    let pull_ratio = r.wire_bytes_pulled as f64 / r.fp32_bytes_pulled as f64;
+    assert!(pull_ratio < 0.25, "pull ratio {pull_ratio:.3}");
+    eprintln!(
+        "delta pulls: pull ratio {pull_ratio:.3}, both directions {:.1}x fewer than fp32",
+        r.total_reduction()
+    );
+}
+
+#[test]
+fn local_step_rounds_train_with_one_push_per_round() {
+    let mut cfg = config(Staleness::Bounded(0), Scheme::Q4);
+    let h = 8u32;
+    cfg.train.local_steps = h;
+    cfg.optimizer.outer.momentum = 0.5;
+    cfg.compression.zstd = true;
+    let r = run(cfg);
+    assert_eq!(r.updates_rejected, 0);
+    assert_eq!(r.local_steps, h);
+    // One push per shard per round of up to h inner steps.
+    let per_worker = r.steps / 3;
+    let rounds = per_worker.div_ceil(u64::from(h));
+    assert_eq!(r.updates_applied, 2 * 3 * rounds, "{} steps", r.steps);
+    assert!(
+        r.final_test_accuracy >= accuracy_floor(&r),
+        "accuracy {} too low",
+        r.final_test_accuracy
+    );
+    // Against per-step f32 sync of the same steps: h rounds fewer, and q4 both ways.
+    assert!(
+        r.total_reduction() > 4.0 * f64::from(h),
+        "only {:.1}x fewer bytes than fp32",
+        r.total_reduction()
+    );
+}

@@ -115,6 +115,7 @@ impl RunReport {
             } else {
                 "full f32".into()
             },
+            local_steps: cfg.train.local_steps,
             epochs: cfg.train.epochs,
             final_train_loss: f64::NAN,
             final_test_accuracy: f64::NAN,
