@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Side-by-side timing on this machine: wall time to a target test accuracy (default 0.885) on Fashion-MNIST for
-# scikit-learn's MLPClassifier (256,128) and for the Tether quickstart (4 workers, 2 shards, q4 + EF, SSP s=3).
+# scikit-learn's MLPClassifier (256,128) and for the Tether quickstart with its defaults (4 workers, 2 shards, local-step
+# rounds of 16 steps, q4 + EF pushes, q4 delta pulls). Extra arguments after the epochs go to the quickstart.
 # sklearn evaluates after every epoch, Tether twice per epoch (rank 0 every 58 of its steps; 117 = one pass).
-# Usage: scripts/compare_sklearn.sh [TARGET] [EPOCHS]
+# Usage: scripts/compare_sklearn.sh [TARGET] [EPOCHS] [QUICKSTART ARGS...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=${1:-0.885}
 epochs=${2:-20}
+shift 2 || shift $#
 data=/usr/share/datasets/fashion-mnist
 [ -d "$data" ] || { echo "needs $data (apt-get install dataset-fashion-mnist)"; exit 1; }
 python3 -c 'import sklearn' 2>/dev/null || python3 -m pip install --quiet scikit-learn
@@ -17,8 +19,8 @@ trap 'rm -rf "$out"' EXIT
 echo "== scikit-learn MLPClassifier(256,128), adam, batch 128"
 python3 scripts/compare_sklearn.py "$data" "$target" "$epochs" > "$out/sk.json"
 
-echo "== Tether quickstart (4 workers, 2 shards, q4 + EF + zstd, SSP s=3)"
-target/release/examples/quickstart --epochs "$epochs" --eval-every 58 --report "$out/tether.json" | tail -n 16
+echo "== Tether quickstart ${*:-(defaults)}"
+target/release/examples/quickstart --epochs "$epochs" --eval-every 58 --report "$out/tether.json" "$@" | tail -n 20
 
 python3 - "$out/sk.json" "$out/tether.json" "$target" <<'PY'
 import json, sys

@@ -1,12 +1,18 @@
 //! Feeds arbitrary bytes to every wire decoder: the framing reader (slice and async), bincode control
-//! messages and validated rkyv bulk frames. Any panic is a finding; errors must carry a wire code.
+//! messages, validated rkyv bulk frames and delta replies (header, frame list, and the codec frames they carry).
+//! Any panic is a finding; errors must carry a wire code.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use rkyv::util::AlignedVec;
 use tether_common::protocol::*;
 
-const ALL: [FrameKind; 3] = [FrameKind::Control, FrameKind::Push, FrameKind::Params];
+const ALL: [FrameKind; 4] = [
+    FrameKind::Control,
+    FrameKind::Push,
+    FrameKind::Params,
+    FrameKind::Delta,
+];
 
 fn decode_body(kind: FrameKind, body: &[u8]) {
     match kind {
@@ -34,6 +40,24 @@ fn decode_body(kind: FrameKind, body: &[u8]) {
                 let _ = view.precision();
                 let _ = view.check_shape(0, 1000);
                 decode_params(body).expect("validated reply must deserialize");
+            }
+        }
+        FrameKind::Delta => {
+            let mut aligned = AlignedVec::<16>::with_capacity(body.len());
+            aligned.extend_from_slice(body);
+            if let Ok(view) = access_delta(&aligned, 0, 1000) {
+                let total: usize = view.frames().map(<[u8]>::len).sum();
+                assert_eq!(total, view.payload.len());
+                if view.kind() == DeltaKind::Deltas {
+                    let chunk = (view.header.chunk.to_native() as usize).min(1000);
+                    let mut dec = tether_common::codec::Decoder::new(chunk);
+                    let mut out = vec![0.0f32; chunk];
+                    for (i, f) in view.frames().enumerate() {
+                        let per_cut = 1000usize.div_ceil(chunk);
+                        let at = (i % per_cut) * chunk;
+                        let _ = dec.decode(f, &mut out[..(at + chunk).min(1000) - at]);
+                    }
+                }
             }
         }
     }

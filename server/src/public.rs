@@ -14,6 +14,7 @@
 //! reply that needs it (`Bytes`, no copy per worker).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -56,7 +57,8 @@ pub enum Answer {
 
 /// The public copy of one shard and its delta log.
 pub struct PublicCopy {
-    values: Vec<f32>,
+    /// Shared with the full-copy replies in flight; a cut copies it only while one is (copy on write).
+    values: Arc<Vec<f32>>,
     lineage: u64,
     seq: u64,
     cut_version: u64,
@@ -64,7 +66,6 @@ pub struct PublicCopy {
     log: VecDeque<Cut>,
     log_bytes: usize,
     log_budget: usize,
-    full: Option<(u64, Bytes)>,
     encoder: Encoder,
     decoder: Decoder,
     delta: Vec<f32>,
@@ -97,7 +98,7 @@ impl PublicCopy {
     ) -> Result<PublicCopy, CodecError> {
         let chunk = DELTA_CHUNK.min(weights.len().max(1));
         Ok(PublicCopy {
-            values: weights.to_vec(),
+            values: Arc::new(weights.to_vec()),
             lineage,
             seq: 0,
             cut_version: version,
@@ -105,7 +106,6 @@ impl PublicCopy {
             log: VecDeque::new(),
             log_bytes: 0,
             log_budget,
-            full: None,
             encoder: Encoder::new(codec)?,
             decoder: Decoder::new(chunk),
             delta: vec![0.0; chunk],
@@ -138,9 +138,9 @@ impl PublicCopy {
         self.cuts_taken
     }
 
-    /// Bytes the delta log and the cached full copy hold.
+    /// Bytes the delta log holds.
     pub fn held_bytes(&self) -> usize {
-        self.log_bytes + self.full.as_ref().map_or(0, |(_, b)| b.len())
+        self.log_bytes
     }
 
     /// Whether the policy wants a new cut before answering: the weights moved, and the minimum clock advanced or
@@ -175,10 +175,11 @@ impl PublicCopy {
             lens.push(self.frame.len() as u32);
         }
         // Then apply exactly what a worker will decode, with the decoder workers use.
+        let values = Arc::make_mut(&mut self.values);
         let mut at = 0usize;
         for (i, len) in lens.iter().enumerate() {
             let start = i * chunk;
-            let end = (start + chunk).min(self.values.len());
+            let end = (start + chunk).min(values.len());
             let frame = &bytes[at..at + *len as usize];
             at += *len as usize;
             let out = &mut self.decoded[..end - start];
@@ -188,10 +189,9 @@ impl PublicCopy {
                 self.lineage = self.lineage.wrapping_add(1);
                 self.log.clear();
                 self.log_bytes = 0;
-                self.full = None;
                 return Err(e);
             }
-            for (p, d) in self.values[start..end].iter_mut().zip(out.iter()) {
+            for (p, d) in values[start..end].iter_mut().zip(out.iter()) {
                 *p += d;
             }
         }
@@ -199,7 +199,6 @@ impl PublicCopy {
         self.cut_version = version;
         self.cut_min_clock = min_clock;
         self.cuts_taken += 1;
-        self.full = None;
         self.log_bytes += bytes.len();
         self.log.push_back(Cut {
             seq,
@@ -246,25 +245,35 @@ impl PublicCopy {
                 }
             }
         }
-        let seq = self.seq;
-        match &self.full {
-            Some((s, b)) if *s == seq => Answer::Full(b.clone()),
-            _ => {
-                let mut out = Vec::with_capacity(4 * self.values.len());
-                for v in &self.values {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-                let b = Bytes::from(out);
-                self.full = Some((seq, b.clone()));
-                Answer::Full(b)
-            }
+        Answer::Full(full_bytes(&self.values))
+    }
+}
+
+/// The public values as little-endian f32 bytes without a copy: the reply shares the `Arc` (a cut taken while it is
+/// in flight copies the values instead, `Arc::make_mut`).
+#[cfg(target_endian = "little")]
+fn full_bytes(values: &Arc<Vec<f32>>) -> Bytes {
+    struct F32Le(Arc<Vec<f32>>);
+    impl AsRef<[u8]> for F32Le {
+        fn as_ref(&self) -> &[u8] {
+            let v = self.0.as_slice();
+            // SAFETY: f32 has no padding and no invalid bit patterns as bytes, u8 needs no alignment, and the slice
+            // covers exactly the vector's initialised elements, borrowed for as long as `self` (which owns the Arc).
+            // On a little-endian target these are the little-endian bytes the wire wants.
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
         }
     }
+    Bytes::from_owner(F32Le(Arc::clone(values)))
+}
 
-    /// Drops the cached full copy (once every worker that needed it has it, it is only memory).
-    pub fn drop_full(&mut self) {
-        self.full = None;
+/// The public values as little-endian f32 bytes (a copy: this target is big-endian).
+#[cfg(not(target_endian = "little"))]
+fn full_bytes(values: &Arc<Vec<f32>>) -> Bytes {
+    let mut out = Vec::with_capacity(4 * values.len());
+    for v in values.iter() {
+        out.extend_from_slice(&v.to_le_bytes());
     }
+    Bytes::from(out)
 }
 
 #[cfg(test)]
