@@ -39,6 +39,8 @@ pub struct ServerMetrics {
     pub checkpoint_seconds: FloatGauge,
     /// `tether_checkpoint_last_version`.
     pub checkpoint_last_version: Gauge,
+    /// `tether_shard_version`: the shard's current version (its checkpoint age is this minus the last version).
+    pub version: Gauge,
 }
 
 impl ServerMetrics {
@@ -53,6 +55,7 @@ impl ServerMetrics {
             workers_live: Gauge::default(),
             checkpoint_seconds: FloatGauge::default(),
             checkpoint_last_version: Gauge::default(),
+            version: Gauge::default(),
         };
         registry.register(
             "tether_updates_applied",
@@ -93,6 +96,11 @@ impl ServerMetrics {
             "tether_checkpoint_last_version",
             "Version of the last checkpoint",
             m.checkpoint_last_version.clone(),
+        );
+        registry.register(
+            "tether_shard_version",
+            "Current shard version (updates applied over the shard's life, restored ones included)",
+            m.version.clone(),
         );
         m
     }

@@ -22,7 +22,7 @@ use tether_common::protocol::{
 use crate::checkpoint::CheckpointStore;
 use crate::protocol::{Action, ConnId, Joined, Round, ShardProtocol};
 use crate::public::Answer;
-use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats};
+use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REASONS};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
 pub const MAILBOX: usize = 64;
@@ -181,6 +181,16 @@ impl ShardActor {
         metrics: Option<ServerMetrics>,
     ) -> Self {
         let last = core.version();
+        if let Some(m) = &metrics {
+            // Every labelled series exists from the start, at 0 (rates and alerts need a first sample).
+            for reason in REJECT_REASONS {
+                m.updates_rejected.get_or_create(&vec![("reason", reason)]);
+            }
+            for kind in ["wire", "fp32"] {
+                m.bytes_received.get_or_create(&vec![("kind", kind)]);
+            }
+            m.version.set(last as i64);
+        }
         Self {
             proto: ShardProtocol::new(core),
             started: Instant::now(),
@@ -441,6 +451,7 @@ impl Handler<ApplyPush> for ShardActor {
             match &applied {
                 Ok(Some(a)) => {
                     m.updates_applied.inc();
+                    m.version.set(a.version as i64);
                     m.staleness.observe(a.staleness as f64);
                 }
                 Err(e) => {

@@ -158,6 +158,21 @@ impl ShardError {
     }
 }
 
+/// Every label [`reject_reason`] returns (the metric's series are created at start, at 0, so that rates and alerts
+/// see them before the first rejection).
+pub const REJECT_REASONS: [&str; 10] = [
+    "wrong_shard",
+    "bad_range",
+    "bad_frame",
+    "non_finite",
+    "clock_from_future",
+    "replay",
+    "version_from_future",
+    "not_member",
+    "norm_spike",
+    "overloaded",
+];
+
 /// Why a push was rejected, as a metric label.
 pub fn reject_reason(e: &ShardError) -> &'static str {
     match e {
@@ -645,5 +660,48 @@ impl ShardCore {
             self.clocks.restore(w, c, now_ms);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rejection_label_is_listed() {
+        let errors = [
+            ShardError::WrongShard {
+                expected: 0,
+                found: 1,
+            },
+            ShardError::BadRange {
+                expected: 0..1,
+                found: 0..2,
+            },
+            ShardError::Codec(String::new()),
+            ShardError::NonFinite(0),
+            ShardError::ClockFromFuture {
+                worker: 0,
+                expected: 0,
+                found: 1,
+            },
+            ShardError::Replay {
+                worker: 0,
+                expected: 1,
+                found: 0,
+            },
+            ShardError::VersionFromFuture {
+                current: 0,
+                found: 1,
+            },
+            ShardError::NotMember(0),
+            ShardError::NormSpike {
+                norm: 1.0,
+                limit: 0.5,
+            },
+            ShardError::Overloaded,
+        ];
+        let labels: Vec<&str> = errors.iter().map(reject_reason).collect();
+        assert_eq!(labels, REJECT_REASONS);
     }
 }
