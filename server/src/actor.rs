@@ -184,10 +184,14 @@ impl ShardActor {
         if let Some(m) = &metrics {
             // Every labelled series exists from the start, at 0 (rates and alerts need a first sample).
             for reason in REJECT_REASONS {
-                m.updates_rejected.get_or_create(&vec![("reason", reason)]).inc_by(0);
+                m.updates_rejected
+                    .get_or_create(&vec![("reason", reason)])
+                    .inc_by(0);
             }
             for kind in ["wire", "fp32"] {
-                m.bytes_received.get_or_create(&vec![("kind", kind)]).inc_by(0);
+                m.bytes_received
+                    .get_or_create(&vec![("kind", kind)])
+                    .inc_by(0);
             }
             m.version.set(last as i64);
         }
