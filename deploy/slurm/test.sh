@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Runs deploy/slurm/tether.sbatch on a real one-node Slurm cluster on this machine (Debian's slurmctld, slurmd and
+# munge, configured here with 2 CPUs and oversubscription), twice:
+#   1. the job runs to the end: exit 0, every worker's report, rank 0's accuracy above a floor, every push applied;
+#   2. the worker step is cancelled mid-run (`scancel JOB.STEP`): the script starts it again, the workers rejoin, and
+#      the job still finishes with every report.
+# Starts the daemons when none run (and stops what it started); every wait is bounded. Needs root and the packages
+# (apt-get install slurmctld slurmd slurm-client munge).
+#
+# Usage: deploy/slurm/test.sh          (TETHER_BIN=DIR to use binaries other than target/release)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root=$(pwd)
+bin=${TETHER_BIN:-${CARGO_TARGET_DIR:-$root/target}/release}
+[ -x "$bin/tether-server" ] && [ -x "$bin/tether-worker" ] || cargo build --release -q -p tether-server -p tether-worker
+work=$(mktemp -d "${TMPDIR:-/tmp}/tether-slurm.XXXXXX")
+chmod 755 "$work"
+started=()
+t0=$(date +%s)
+say() { echo "slurm: [$(($(date +%s) - t0)) s] $*"; }
+fail() { echo "slurm: FAIL: $*" >&2; exit 1; }
+cleanup() {
+  local rc=$?
+  scancel --user=root >/dev/null 2>&1 || true
+  if [ "$rc" != 0 ]; then
+    for f in "$work"/*/tether-*.out "$work"/*/*.log /var/log/slurm/slurmctld.log; do
+      [ -f "$f" ] && { echo "--- $f" >&2; tail -n 12 "$f" >&2; }
+    done
+  fi
+  for p in "${started[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# --- a one-node cluster --------------------------------------------------------------------------------------------
+if ! sinfo -h >/dev/null 2>&1; then
+  h=$(hostname -s)
+  mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge
+  cat > /etc/slurm/slurm.conf <<CONF
+ClusterName=tether
+SlurmctldHost=$h
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SlurmUser=root
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MinJobAge=600
+NodeName=$h CPUs=$(nproc) Sockets=1 CoresPerSocket=$(nproc) ThreadsPerCore=1 RealMemory=4000 State=UNKNOWN
+PartitionName=main Nodes=$h Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
+CONF
+  [ -f /etc/munge/munge.key ] || dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key status=none
+  chown -R munge:munge /etc/munge /var/log/munge /var/lib/munge /run/munge
+  chmod 400 /etc/munge/munge.key
+  if ! pgrep -x munged >/dev/null; then
+    runuser -u munge -- munged
+    started+=("$(pgrep -x munged | head -n 1)")
+  fi
+  slurmctld
+  slurmd
+  for i in $(seq 60); do [ -f /run/slurmctld.pid ] && [ -f /run/slurmd.pid ] && break; sleep 0.5; done
+  started+=("$(cat /run/slurmd.pid)" "$(cat /run/slurmctld.pid)")
+fi
+for i in $(seq 60); do sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)' && break; sleep 1; done
+sinfo -h -o %t | grep -qE '^(idle|mix|alloc)' || fail "the node did not come up: $(sinfo -h 2>&1)"
+say "cluster up: $(sinfo -h -o '%P %D %t %c CPUs')"
+
+# Digits and a small MLP; the second run is longer (400 epochs, about 25 s), so that its worker step is cancelled
+# well before the end.
+cat > "$work/base.toml" <<'EOF'
+[model]
+hidden = [64]
+[data]
+dataset = "digits"
+[train]
+epochs = 120
+batch = 32
+eval_every = 0
+[checkpoint]
+every_updates = 300
+EOF
+
+sed 's/^epochs = 120$/epochs = 400/' "$work/base.toml" > "$work/long.toml"
+
+submit() { # submit NAME PORT CONFIG: starts the job in $work/NAME; prints its id
+  mkdir -p "$work/$1"
+  (cd "$work/$1" && TETHER_BIN="$bin" TETHER_WORK="$work/$1" TETHER_CONFIG="$work/$3.toml" TETHER_PORT="$2" \
+    TETHER_SHARDS=2 TETHER_WORKERS=3 sbatch --parsable --ntasks=5 "$root/deploy/slurm/tether.sbatch")
+}
+wait_gone() { # wait_gone JOB SECONDS
+  local deadline=$(($(date +%s) + $2))
+  while squeue -h -j "$1" 2>/dev/null | grep -q .; do
+    [ "$(date +%s)" -lt "$deadline" ] || fail "job $1 still running after $2 s"
+    sleep 1
+  done
+}
+check_run() { # check_run NAME JOB: exit 0, reports, accuracy, every push applied
+  local dir=$work/$1 state
+  state=$(scontrol show job "$2" 2>/dev/null | grep -o 'JobState=[A-Z]*' || true)
+  [ "$state" = "JobState=COMPLETED" ] || fail "job $2 ended as ${state:-unknown}"
+  grep -q "shards finished" "$dir"/tether-*.out || fail "job $2 did not finish its shards"
+  for f in worker-0 worker-1 worker-2 server-0 server-1; do [ -s "$dir/$f.json" ] || fail "no $f.json"; done
+  python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+w = [json.load(open(f"{d}/worker-{r}.json")) for r in range(3)]
+s = [json.load(open(f"{d}/server-{k}.json")) for k in range(2)]
+acc = w[0]["final_test_accuracy"]
+print(f"slurm:   rank 0 accuracy {acc:.4f}, steps {[x['steps'] for x in w]}, shard updates {[x['updates_applied'] for x in s]}")
+assert acc >= 0.85, f"accuracy {acc}"
+assert all(x["steps"] == w[0]["steps"] for x in w), "a worker did not run its whole schedule"
+PY
+}
+
+# --- 1. the whole job ---------------------------------------------------------------------------------------------
+job=$(submit full 17400 base)
+say "job $job submitted (2 shards + 3 workers)"
+wait_gone "$job" 300
+check_run full "$job"
+say "job $job completed"
+
+# --- 2. cancel the worker step mid-run ----------------------------------------------------------------------------
+job=$(submit cancel 17500 long)
+say "job $job submitted"
+step=""
+for i in $(seq 120); do
+  if grep -qs "progress" "$work/cancel/worker-0.log"; then
+    step=$(squeue -h -s -j "$job" -o '%i %j' | awk '$2 == "workers" {print $1}' | head -n 1)
+    [ -n "$step" ] && break
+  fi
+  sleep 0.5
+done
+[ -n "$step" ] || fail "no running worker step to cancel"
+done_before=$(grep -h "progress" "$work/cancel/worker-0.log" | tail -n 1 | sed 's/.*step=\([0-9]*\).*/\1/')
+scancel "$step"
+say "cancelled worker step $step mid-run (rank 0 had logged step ${done_before:-?})"
+wait_gone "$job" 300
+grep -q "starting it again" "$work/cancel"/tether-*.out || fail "the worker step was not started again"
+check_run cancel "$job"
+grep -h "reconnected\|rejoin" "$work/cancel"/worker-*.log | head -n 2 | sed 's/^/slurm:   /'
+say "job $job completed after the cancel"
+echo "slurm: PASS"
