@@ -397,9 +397,16 @@ pub struct CheckpointConfig {
     /// Checkpoint every this many applied updates (default 500; 0 = only on shutdown).
     #[serde(default = "d_every_updates")]
     pub every_updates: u64,
-    /// Checkpoints kept per shard (default 3).
+    /// Checkpoints kept per shard (default 3), locally and in the object store.
     #[serde(default = "d_keep")]
     pub keep: usize,
+    /// Object storage for checkpoints, `s3://bucket/prefix` (default none). Endpoint, region and credentials come
+    /// from the `AWS_*` environment variables. Uploads run in the background after each local write.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Keep the local copy of checkpoints when `url` is set (default true: restoring from it is fast).
+    #[serde(default = "d_true")]
+    pub local: bool,
 }
 
 impl Default for ModelConfig {
@@ -456,6 +463,8 @@ impl Default for CheckpointConfig {
             dir: d_ckpt_dir(),
             every_updates: d_every_updates(),
             keep: d_keep(),
+            url: None,
+            local: true,
         }
     }
 }
@@ -765,6 +774,14 @@ impl Config {
         }
         if !(0.0..1.0).contains(&self.optimizer.outer.momentum) {
             return bad("optimizer.outer.momentum", "must be in [0, 1)");
+        }
+        if let Some(url) = &self.checkpoint.url {
+            let ok = url
+                .strip_prefix("s3://")
+                .is_some_and(|rest| !rest.is_empty() && !rest.starts_with('/'));
+            if !ok {
+                return bad("checkpoint.url", "must be s3://bucket[/prefix]");
+            }
         }
         if self.checkpoint.keep == 0 {
             return bad("checkpoint.keep", "must be at least 1");

@@ -22,6 +22,7 @@ use tether_common::protocol::{
 use crate::checkpoint::CheckpointStore;
 use crate::protocol::{Action, ConnId, Joined, Round, ShardProtocol};
 use crate::public::Answer;
+use crate::remote::RemoteStore;
 use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REASONS};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
@@ -164,6 +165,10 @@ pub struct ShardActor {
     waiting: HashMap<u64, (Instant, oneshot::Sender<Result<PullReply, ShardError>>)>,
     kicks: HashMap<ConnId, oneshot::Sender<Option<ErrorCode>>>,
     store: Option<Arc<CheckpointStore>>,
+    /// Object storage the checkpoints are uploaded to after each local write, and whether local copies are kept.
+    remote: Option<(Arc<RemoteStore>, bool)>,
+    /// One upload at a time, in version order.
+    uploading: Arc<tokio::sync::Mutex<()>>,
     every_updates: u64,
     last_checkpoint_version: u64,
     writing: bool,
@@ -201,12 +206,21 @@ impl ShardActor {
             waiting: HashMap::new(),
             kicks: HashMap::new(),
             store: store.map(Arc::new),
+            remote: None,
+            uploading: Arc::new(tokio::sync::Mutex::new(())),
             every_updates,
             last_checkpoint_version: last,
             writing: false,
             metrics,
             tick_ms: (worker_timeout_ms / 4).clamp(10, 1000),
         }
+    }
+
+    /// Uploads every checkpoint to `remote` in the background once it is written locally; without `keep_local` the
+    /// local copy is removed after its upload.
+    pub fn with_remote(mut self, remote: Option<Arc<RemoteStore>>, keep_local: bool) -> Self {
+        self.remote = remote.map(|r| (r, keep_local));
+        self
     }
 
     /// Starts the actor on a new Arbiter (its own thread) with a bounded mailbox.
@@ -299,7 +313,7 @@ impl ShardActor {
             return;
         }
         if self.proto.core().version() >= self.last_checkpoint_version + self.every_updates {
-            let fut = self.spawn_checkpoint();
+            let fut = self.spawn_checkpoint(false);
             ctx.spawn(fut.into_actor(self).map(|_, act, _| act.writing = false));
         }
     }
@@ -307,8 +321,11 @@ impl ShardActor {
     /// Snapshots now and returns a future that writes it off the actor thread.
     fn spawn_checkpoint(
         &mut self,
+        wait_upload: bool,
     ) -> impl std::future::Future<Output = Result<Option<u64>, String>> + 'static {
         let store = self.store.clone();
+        let remote = self.remote.clone();
+        let uploading = self.uploading.clone();
         let snap = store.as_ref().map(|_| self.proto.core().snapshot());
         let version = self.proto.core().version();
         let metrics = self.metrics.clone();
@@ -330,6 +347,15 @@ impl ShardActor {
                     if let Some(m) = metrics {
                         m.checkpoint_seconds.set(secs);
                         m.checkpoint_last_version.set(version as i64);
+                    }
+                    if let Some((remote, keep_local)) = remote {
+                        // Training never waits for the upload; a final checkpoint (wait_upload) does.
+                        let upload = tokio::spawn(upload(
+                            remote, uploading, path, version, keep_local, shard,
+                        ));
+                        if wait_upload {
+                            let _ = upload.await;
+                        }
                     }
                     Ok(Some(version))
                 }
@@ -510,12 +536,42 @@ impl Handler<GetWeights> for ShardActor {
 impl Handler<CheckpointNow> for ShardActor {
     type Result = ResponseFuture<Result<Option<u64>, String>>;
     fn handle(&mut self, _: CheckpointNow, ctx: &mut Context<Self>) -> Self::Result {
-        let fut = self.spawn_checkpoint();
+        let fut = self.spawn_checkpoint(true);
         let me = ctx.address();
         Box::pin(async move {
             let r = fut.await;
             let _ = me.send(CheckpointDone).await;
             r
         })
+    }
+}
+
+/// Uploads the checkpoint at `path` (one upload at a time); without `keep_local`, removes the local copy afterwards.
+async fn upload(
+    remote: Arc<RemoteStore>,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    path: std::path::PathBuf,
+    version: u64,
+    keep_local: bool,
+    shard: u32,
+) {
+    let _one_at_a_time = lock.lock().await;
+    let t0 = Instant::now();
+    match remote.upload(&path, version).await {
+        Ok(()) => {
+            info!(
+                shard,
+                version,
+                secs = t0.elapsed().as_secs_f64(),
+                "checkpoint uploaded"
+            );
+            if !keep_local {
+                if let Err(e) = std::fs::remove_dir_all(&path) {
+                    warn!(shard, version, error = %e, "cannot remove the local copy after its upload");
+                }
+            }
+        }
+        // The local copy stays; the next checkpoint is uploaded as usual.
+        Err(e) => warn!(shard, version, error = %e, "checkpoint upload failed"),
     }
 }

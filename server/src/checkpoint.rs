@@ -218,12 +218,14 @@ fn data_file_names(slots: usize) -> Vec<String> {
 }
 
 /// Directory name of a checkpoint version.
-fn version_dir_name(version: u64) -> String {
+/// The directory name of checkpoint `version` (`v` and 20 digits).
+pub fn version_dir_name(version: u64) -> String {
     format!("v{version:020}")
 }
 
 /// The version encoded in a directory name, if it is one.
-fn parse_version_dir(name: &str) -> Option<u64> {
+/// The version a checkpoint directory name denotes, if it is one.
+pub fn parse_version_dir(name: &str) -> Option<u64> {
     let digits = name.strip_prefix('v')?;
     if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -519,6 +521,24 @@ fn encode_manifest(body: &ManifestBody) -> serde_json::Result<Vec<u8>> {
 }
 
 /// Reads and verifies one checkpoint directory against what this shard expects.
+/// Largest stored file a checkpoint of a range of `elements` values can hold (a data file's zstd bound, or the
+/// manifest limit): the bound on any object fetched for it.
+pub fn max_stored_bytes(elements: u64) -> u64 {
+    stored_bound(elements).max(MAX_MANIFEST_BYTES)
+}
+
+/// Verifies checkpoint directory `path` of `version` exactly as [`CheckpointStore::load_latest`] does (manifest and
+/// file checksums, zstd checksums, layout hash, shard and range) and returns its snapshot.
+pub fn verify_dir(
+    path: &Path,
+    version: u64,
+    layout_hash: u64,
+    shard: u32,
+    range: (u64, u64),
+) -> Result<ShardSnapshot, CheckpointError> {
+    load_dir(path, version, layout_hash, shard, range)
+}
+
 fn load_dir(
     dir: &Path,
     dir_version: u64,

@@ -27,6 +27,9 @@ pub enum Error {
     /// Writing or loading a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The object store of remote checkpoints failed.
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
     /// A peer's bytes or message order violated the protocol.
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
@@ -61,7 +64,11 @@ impl Error {
             Error::Protocol(e) => Some(e.code()),
             Error::Net(e) => e.code(),
             Error::ActorGone => Some(ErrorCode::Shutdown),
-            Error::Optim(_) | Error::Checkpoint(_) | Error::Config(_) | Error::Address(_) => None,
+            Error::Optim(_)
+            | Error::Checkpoint(_)
+            | Error::Remote(_)
+            | Error::Config(_)
+            | Error::Address(_) => None,
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod node;
 pub use tether_common::optim;
 pub mod protocol;
 pub mod public;
+pub mod remote;
 pub mod session;
 pub mod shard;
 

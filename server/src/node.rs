@@ -20,6 +20,7 @@ use tether_common::report::RunReport;
 use crate::actor::{CheckpointNow, GetStats, ShardActor};
 use crate::checkpoint::CheckpointStore;
 use crate::error::Error;
+use crate::remote::RemoteStore;
 use crate::session::{serve_connection, SessionContext};
 use crate::shard::{ShardCore, ShardSpec, ShardStats};
 
@@ -99,9 +100,36 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         cfg.checkpoint.dir.join(format!("shard-{}", opts.shard)),
         cfg.checkpoint.keep,
     );
+    let remote = match &cfg.checkpoint.url {
+        Some(url) => Some(Arc::new(RemoteStore::from_url(
+            url,
+            opts.shard,
+            cfg.checkpoint.keep,
+        )?)),
+        None => None,
+    };
     let mut resumed_from = None;
     if opts.resume {
         let r = core.range();
+        if let Some(remote) = &remote {
+            // The newest remote checkpoint that verifies joins the local ones; the newest of all is then used.
+            match remote
+                .restore_into(store.dir(), layout.hash(), opts.shard, (r.start, r.end))
+                .await
+            {
+                Ok(Some((v, skipped))) => {
+                    for (version, why) in &skipped {
+                        warn!(shard = opts.shard, version, reason = %why, "skipped unusable remote checkpoint");
+                    }
+                    info!(shard = opts.shard, version = v, "fetched remote checkpoint");
+                }
+                Ok(None) => info!(shard = opts.shard, "no remote checkpoint"),
+                // A store that is unreachable or holds only bad checkpoints must not hide good local ones.
+                Err(e) => {
+                    warn!(shard = opts.shard, error = %e, "cannot restore from the object store")
+                }
+            }
+        }
         match store.load_latest(layout.hash(), opts.shard, (r.start, r.end))? {
             Some((snap, skipped)) => {
                 for (path, why) in &skipped {
@@ -147,7 +175,8 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         cfg.checkpoint.every_updates,
         cfg.cluster.worker_timeout_ms,
         opts.metrics.clone(),
-    );
+    )
+    .with_remote(remote, cfg.checkpoint.local);
     let (addr, arbiter) = actor.start_on_own_arbiter();
     let ctx = Arc::new(SessionContext {
         shard_actor: addr.clone(),
