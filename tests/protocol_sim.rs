@@ -29,11 +29,11 @@ use tether::common::codec::{CodecConfig, Encoder, Scheme};
 use tether::common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether::common::layout::{Init, Layout, TensorSpec};
 use tether::common::protocol::{
-    access_delta, access_push, encode_delta_preamble, Control, DeltaHeader, DeltaKind, Outcome,
-    Precision, PublicRef, PullMode, Welcome,
+    access_delta, access_push, encode_delta_preamble, Control, Outcome, Precision, PublicRef,
+    PullMode, Welcome,
 };
 use tether::server::protocol::{Action, ConnId, Round, ShardProtocol};
-use tether::server::public::{Answer, DELTA_CHUNK};
+use tether::server::public::{delta_reply, ReplyTo};
 use tether::server::shard::{ShardCore, ShardSpec};
 use tether::worker::session::{rebuild_public, DeltaDecoder, Event, Transmit, WorkerSession};
 
@@ -585,32 +585,14 @@ impl Sim {
                         .values()
                         .to_vec();
                     let min_clock = proto.core().clocks().min_clock();
-                    let (kind, base, frames, chunks) = match a.answer {
-                        Answer::NotModified => {
-                            (DeltaKind::NotModified, a.newest.seq, vec![], vec![])
-                        }
-                        Answer::Full(b) => {
-                            (DeltaKind::Full, a.newest.seq, vec![b.len() as u32], vec![b])
-                        }
-                        Answer::Deltas { base, cuts, lens } => {
-                            (DeltaKind::Deltas, base, lens, cuts)
-                        }
-                    };
-                    let header = DeltaHeader {
+                    let to = ReplyTo {
                         shard: k as u32,
                         request: p.request,
                         clock: p.clock,
-                        version: a.version,
                         min_clock,
-                        range_start: start as u64,
-                        range_end: end as u64,
-                        lineage: a.newest.lineage,
-                        base,
-                        seq: a.newest.seq,
-                        kind,
-                        chunk: DELTA_CHUNK.min(end - start) as u32,
-                        frames,
+                        range: (start as u64, end as u64),
                     };
+                    let (header, chunks) = delta_reply(to, a.version, a.newest, a.answer);
                     let mut body = rkyv::util::AlignedVec::new();
                     body.extend_from_slice(
                         &encode_delta_preamble(&header).map_err(|e| e.to_string())?,

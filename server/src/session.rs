@@ -18,15 +18,15 @@ use tether_common::net::{
     ControlChannel, ControlReceiver, ControlSender, NetError,
 };
 use tether_common::protocol::{
-    access_push, encode_delta_preamble, encode_params, Control, DeltaHeader, DeltaKind, ErrorCode,
-    FrameKind, FrameLimits, Outcome, ParamReply, ProtocolError, PullMode, Welcome,
+    access_push, encode_delta_preamble, encode_params, Control, ErrorCode, FrameKind, FrameLimits,
+    Outcome, ParamReply, ProtocolError, PullMode, Welcome,
 };
 
 use crate::actor::{
     ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, PullReply, ReplyBody, ShardActor,
 };
 use crate::protocol::ConnId;
-use crate::public::{Answer, DELTA_CHUNK};
+use crate::public::{delta_reply, ReplyTo};
 
 /// A peer must finish the handshake within this time.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -327,28 +327,14 @@ async fn send_reply(
             send_bulk(conn, FrameKind::Params, &encode_params(&frame)?).await
         }
         ReplyBody::Public(a) => {
-            let (kind, base, frames, mut chunks) = match a.answer {
-                Answer::NotModified => {
-                    (DeltaKind::NotModified, a.newest.seq, Vec::new(), Vec::new())
-                }
-                Answer::Full(b) => (DeltaKind::Full, a.newest.seq, vec![b.len() as u32], vec![b]),
-                Answer::Deltas { base, cuts, lens } => (DeltaKind::Deltas, base, lens, cuts),
-            };
-            let header = DeltaHeader {
+            let to = ReplyTo {
                 shard,
                 request: reply.request,
                 clock: reply.clock,
-                version: reply.version,
                 min_clock: reply.min_clock,
-                range_start: range.0,
-                range_end: range.1,
-                lineage: a.newest.lineage,
-                base,
-                seq: a.newest.seq,
-                kind,
-                chunk: DELTA_CHUNK.min((range.1 - range.0).max(1) as usize) as u32,
-                frames,
+                range,
             };
+            let (header, mut chunks) = delta_reply(to, reply.version, a.newest, a.answer);
             chunks.insert(0, encode_delta_preamble(&header)?);
             send_bulk_chunks(conn, FrameKind::Delta, chunks).await
         }
