@@ -9,7 +9,7 @@ set -euo pipefail
 
 image=${1:?usage: build-rootfs.sh IMAGE [BIN_DIR]}
 root_dir=$(cd "$(dirname "$0")/.." && pwd)
-bin_dir=${2:-$root_dir/target/release}
+bin_dir=${2:-${CARGO_TARGET_DIR:-$root_dir/target}/release}
 dataset=${TETHER_DATASET_DIR:-/usr/share/datasets/fashion-mnist}
 uid=10001
 
