@@ -13,7 +13,7 @@ use tracing::info;
 use tether_common::config::{Config, Schedule};
 use tether_common::net::TlsFiles;
 use tether_common::report::RunReport;
-use tether_server::actor::GetWeights;
+use tether_server::actor::{GetPublic, GetWeights};
 use tether_server::node::{start_shard, RunningShard, ShardOptions};
 use tether_server::shard::ShardStats;
 use tether_worker::model;
@@ -61,6 +61,9 @@ pub enum ClusterError {
     },
 }
 
+/// A shard's newest public-copy cut and its values at the end of a run (`None` without delta pulls).
+pub type ShardPublic = Option<(tether_common::protocol::PublicRef, Vec<f32>)>;
+
 /// A cluster of `config.cluster.servers.len()` shards and `config.cluster.workers` workers in this process.
 pub struct LocalCluster {
     /// The configuration; `cluster.servers` only sets the shard count (shards bind ephemeral loopback ports).
@@ -103,11 +106,13 @@ impl LocalCluster {
 
     /// Runs to completion on a fresh actix System over a multi-threaded tokio runtime.
     pub fn run(self) -> Result<RunReport, ClusterError> {
-        self.run_with_workers().map(|(report, _)| report)
+        self.run_with_workers().map(|(report, _, _)| report)
     }
 
-    /// As [`LocalCluster::run`], also returning every worker's own report (rank order).
-    pub fn run_with_workers(self) -> Result<(RunReport, Vec<WorkerReport>), ClusterError> {
+    /// As [`LocalCluster::run`], also returning every worker's own report and each shard's final public copy.
+    pub fn run_with_workers(
+        self,
+    ) -> Result<(RunReport, Vec<WorkerReport>, Vec<ShardPublic>), ClusterError> {
         let rt = || {
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -119,7 +124,9 @@ impl LocalCluster {
     }
 
     /// Runs to completion; call from inside an actix System whose tokio runtime is multi-threaded.
-    pub async fn run_in_system(self) -> Result<(RunReport, Vec<WorkerReport>), ClusterError> {
+    pub async fn run_in_system(
+        self,
+    ) -> Result<(RunReport, Vec<WorkerReport>, Vec<ShardPublic>), ClusterError> {
         let mut cfg = self.config.clone();
         let started = Instant::now();
         let (train, test, note) = load_data(&mut cfg)?;
@@ -243,6 +250,15 @@ impl LocalCluster {
                 .map_err(|_| ClusterError::Runtime("shard gone".into()))?;
             params.extend_from_slice(&w);
         }
+        let mut publics = Vec::with_capacity(shards.len());
+        for s in &shards {
+            publics.push(
+                s.actor
+                    .send(GetPublic)
+                    .await
+                    .map_err(|_| ClusterError::Runtime("shard gone".into()))?,
+            );
+        }
         let mut shard_stats = Vec::with_capacity(shards.len());
         for s in shards {
             let (_, stats) = s.shutdown(false).await?;
@@ -280,7 +296,7 @@ impl LocalCluster {
             report.notes.push(n);
         }
         report.notes.push(format!("final test loss {test_loss:.4}"));
-        Ok((report, reports))
+        Ok((report, reports, publics))
     }
 }
 

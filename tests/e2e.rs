@@ -158,32 +158,52 @@ fn q4_with_error_feedback_matches_fp32_within_one_point() {
 }
 
 #[test]
-fn delta_pulls_rebuild_the_same_public_copy_on_every_worker() {
-    // BSP: every worker's last pull is answered from the same cut (the minimum clock cannot move before the last
-    // of them pushes), so the copies they rebuilt, each from its own history of deltas and full copies, must be
-    // the same bits. The accuracy and the byte counts must show that the pulls were compressed.
+fn delta_pulls_rebuild_the_shards_public_copy_bit_for_bit() {
+    // Cuts happen only while a pull is answered, so the last worker answered by a shard holds that shard's newest
+    // cut. Every worker holding it (at least that one) must have rebuilt it, from its own history of deltas and full
+    // copies, to the shard's exact bits. The byte counts must show that the pulls were compressed.
     let mut cfg = config(Staleness::Bounded(0), Scheme::Q4);
     cfg.compression.pull = tether::common::config::PullKind::Delta;
     cfg.compression.zstd = true;
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::new(cfg, dir.path().to_path_buf());
     cluster.eval_during_training = false;
-    let (r, workers) = cluster.run_with_workers().unwrap();
+    let (r, workers, publics) = cluster.run_with_workers().unwrap();
     check_common(&r, Some(0));
     assert_eq!(r.pull, "delta q4");
-    let first = &workers[0].final_params;
-    assert!(!first.is_empty());
-    for w in &workers[1..] {
-        let differ = first
+    let layout_len = workers[0].final_params.len();
+    let ranges: Vec<(usize, usize)> = (0..2)
+        .map(|k| {
+            let rr = tether::common::layout::shard_range(layout_len, k, 2);
+            (rr.start, rr.end)
+        })
+        .collect();
+    for (k, public) in publics.iter().enumerate() {
+        let (newest, values) = public
+            .as_ref()
+            .expect("delta pulls created the public copy");
+        let (start, end) = ranges[k];
+        assert_eq!(values.len(), end - start);
+        let holders: Vec<&tether::worker::trainer::WorkerReport> = workers
             .iter()
-            .zip(&w.final_params)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        assert_eq!(
-            differ, 0,
-            "worker {} rebuilt another copy than worker 0",
-            w.rank
+            .filter(|w| w.final_public.get(k).copied().flatten() == Some(*newest))
+            .collect();
+        assert!(
+            !holders.is_empty(),
+            "shard {k}: no worker holds the newest cut {newest:?}"
         );
+        for w in holders {
+            let differ = w.final_params[start..end]
+                .iter()
+                .zip(values)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "worker {} rebuilt shard {k}'s cut {newest:?} with {differ} other values",
+                w.rank
+            );
+        }
     }
     // q4 deltas with zstd: well under a quarter of the f32 pull bytes (headers and full first pulls included).
     let pull_ratio = r.wire_bytes_pulled as f64 / r.fp32_bytes_pulled as f64;

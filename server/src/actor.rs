@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 use rkyv::util::AlignedVec;
 use tether_common::metrics::ServerMetrics;
 use tether_common::protocol::{
-    access_push, ErrorCode, Outcome, Precision, ProtocolError, PullMode,
+    access_push, ErrorCode, Outcome, Precision, ProtocolError, PublicRef, PullMode,
 };
 
 use crate::checkpoint::CheckpointStore;
@@ -157,6 +157,11 @@ pub struct CheckpointNow;
 #[derive(Message)]
 #[rtype(result = "(u64, Vec<f32>)")]
 pub struct GetWeights;
+
+/// The newest cut of the public copy and its values, once a delta pull created one (for tests and checks).
+#[derive(Message)]
+#[rtype(result = "Option<(PublicRef, Vec<f32>)>")]
+pub struct GetPublic;
 
 /// One shard of the parameter server.
 pub struct ShardActor {
@@ -522,6 +527,18 @@ impl Handler<GetStats> for ShardActor {
     fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
         let core = self.proto.core();
         MessageResult((core.version(), core.stats().clone(), core.clocks().live()))
+    }
+}
+
+impl Handler<GetPublic> for ShardActor {
+    type Result = MessageResult<GetPublic>;
+    fn handle(&mut self, _: GetPublic, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(
+            self.proto
+                .core()
+                .public()
+                .map(|p| (p.newest(), p.values().to_vec())),
+        )
     }
 }
 

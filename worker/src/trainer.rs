@@ -107,6 +107,8 @@ pub struct WorkerReport {
     pub wall_seconds: f64,
     /// The last parameters pulled.
     pub final_params: Vec<f32>,
+    /// Per shard, the public copy the worker held at the end (delta pulls).
+    pub final_public: Vec<Option<tether_common::protocol::PublicRef>>,
 }
 
 /// Everything a worker needs to run.
@@ -472,6 +474,9 @@ impl PreparedWorker {
         self.report.stale_replies_dropped = stats.stale_replies;
         self.report.max_clock_lead = stats.max_clock_lead;
         self.report.reconnects = self.driver.reconnects;
+        self.report.final_public = (0..self.driver.session.shards())
+            .map(|k| self.driver.session.public(k))
+            .collect();
         self.report.wire_bytes_pulled = self.driver.bytes_pulled;
         // (fp32_bytes_pulled is counted per step by the training loop: the per-step f32 reference.)
         Ok(self.report)
