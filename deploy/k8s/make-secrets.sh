@@ -9,7 +9,7 @@ shards=${1:?shards}
 workers=${2:?workers}
 ca_dir=${3:-./tether-ca}
 here=$(cd "$(dirname "$0")" && pwd)
-bin=${TETHER_BIN:-$here/../../target/release}
+bin=${TETHER_BIN:-${CARGO_TARGET_DIR:-$here/../../target}/release}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$bin/tether-server" keygen --out "$out" --ca-dir "$ca_dir" --hosts "$(
