@@ -71,7 +71,6 @@ pub struct PublicCopy {
     delta: Vec<f32>,
     decoded: Vec<f32>,
     frame: Vec<u8>,
-    cuts_taken: u64,
 }
 
 impl std::fmt::Debug for PublicCopy {
@@ -111,7 +110,6 @@ impl PublicCopy {
             delta: vec![0.0; chunk],
             decoded: vec![0.0; chunk],
             frame: Vec::new(),
-            cuts_taken: 0,
         })
     }
 
@@ -131,11 +129,6 @@ impl PublicCopy {
     /// Shard version at the newest cut.
     pub fn cut_version(&self) -> u64 {
         self.cut_version
-    }
-
-    /// Cuts taken so far.
-    pub fn cuts_taken(&self) -> u64 {
-        self.cuts_taken
     }
 
     /// Bytes the delta log holds.
@@ -198,7 +191,6 @@ impl PublicCopy {
         self.seq = seq;
         self.cut_version = version;
         self.cut_min_clock = min_clock;
-        self.cuts_taken += 1;
         self.log_bytes += bytes.len();
         self.log.push_back(Cut {
             seq,

@@ -18,8 +18,8 @@ use tether_common::net::{
     NetError,
 };
 use tether_common::protocol::{
-    access_delta, access_params, Control, DeltaKind, FrameHeader, FrameKind, FrameLimits, Outcome,
-    Precision, ProtocolError, PublicRef, PullMode, Welcome,
+    access_delta, access_params, Control, FrameHeader, FrameKind, FrameLimits, Outcome, Precision,
+    ProtocolError, PublicRef, PullMode, Welcome,
 };
 
 use crate::session::{rebuild_public, DeltaDecoder, Event, Transmit, WorkerSession};
@@ -123,8 +123,6 @@ pub struct Driver {
     pub reconnects: u64,
     /// Bytes of every pull reply received (frame bodies, used or not).
     pub bytes_pulled: u64,
-    /// Replies that said "not modified".
-    pub not_modified: u64,
     /// The public copy of every shard this worker holds (delta pulls; empty otherwise).
     public: Vec<f32>,
     /// A reply's values are assembled here before they are committed (a bad frame changes nothing).
@@ -186,7 +184,6 @@ impl Driver {
             refused: Vec::new(),
             reconnects: 0,
             bytes_pulled: 0,
-            not_modified: 0,
             public: Vec::new(),
             stage: Vec::new(),
             delta_decoder: None,
@@ -579,9 +576,6 @@ impl Driver {
         }
         self.public[start..end].copy_from_slice(&self.stage[start..end]);
         params[start..end].copy_from_slice(&self.public[start..end]);
-        if view.kind() == DeltaKind::NotModified {
-            self.not_modified += 1;
-        }
         Ok(())
     }
 
