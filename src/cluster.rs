@@ -19,7 +19,7 @@ use tether_server::shard::ShardStats;
 use tether_worker::model;
 use tether_worker::step::GradientFault;
 use tether_worker::trainer::{
-    load_data, prepare_worker, ModelFactory, Progress, WorkerOptions, WorkerReport,
+    load_data, prepare_worker, ModelFactory, Progress, Straggle, WorkerOptions, WorkerReport,
 };
 
 /// Errors running a local cluster.
@@ -76,6 +76,8 @@ pub struct LocalCluster {
     pub faults: Vec<(u32, GradientFault)>,
     /// Extra per-step delay per worker rank (stragglers).
     pub delays: Vec<(u32, Duration)>,
+    /// Straggler emulation per worker rank.
+    pub straggle: Vec<(u32, Straggle)>,
     /// Spike-guard factor of the shards (0 = off).
     pub spike_factor: f32,
     /// Evaluate every `train.eval_every` steps on rank 0 (the final accuracy is always measured).
@@ -98,6 +100,7 @@ impl LocalCluster {
             progress: None,
             faults: Vec::new(),
             delays: Vec::new(),
+            straggle: Vec::new(),
             spike_factor: 0.0,
             eval_during_training: true,
             model: None,
@@ -209,6 +212,11 @@ impl LocalCluster {
                     .find(|(r, _)| *r == rank)
                     .map(|(_, d)| *d)
                     .unwrap_or_default(),
+                straggle: self
+                    .straggle
+                    .iter()
+                    .find(|(r, _)| *r == rank)
+                    .map(|(_, s)| *s),
                 model: self.model.clone(),
             };
             let prepared =
@@ -364,6 +372,8 @@ pub fn build_report(
         pushes_refused: workers.iter().map(|w| w.pushes_refused).sum(),
         stale_replies_dropped: workers.iter().map(|w| w.stale_replies_dropped).sum(),
         reconnects: workers.iter().map(|w| w.reconnects).sum(),
+        pull_wait_seconds: workers.iter().map(|w| w.pull_wait_seconds).sum(),
+        compute_seconds: workers.iter().map(|w| w.compute_seconds).sum(),
         ..RunReport::for_config(cfg)
     }
 }

@@ -173,8 +173,11 @@ fn killed_server_resumes_from_checkpoint_and_loses_at_most_one_interval() {
 fn partitioned_worker_heals_and_ssp_bound_holds() {
     let _serial = serial();
     let c = Cluster::new(spec());
-    let proxy = UdpProxy::start(c.servers[0]);
-    let via_proxy = c.write_config("cluster-proxy.toml", &[proxy.addr, c.servers[1]]);
+    // The worker is cut off from both shards (its link to the cluster fails), so both evict it. A worker cut off
+    // from one shard only keeps heartbeating the other, which keeps waiting for it: per-shard membership makes the
+    // survivors stall for such a partial partition's length, not the timeout (README, "Known limits").
+    let proxies = [UdpProxy::start(c.servers[0]), UdpProxy::start(c.servers[1])];
+    let via_proxy = c.write_config("cluster-proxy.toml", &[proxies[0].addr, proxies[1].addr]);
     let via_proxy = via_proxy.display().to_string();
     let mut servers = c.servers(&[]);
     let mut w0 = c.worker(0, &worker_args("w0.json"));
@@ -190,11 +193,14 @@ fn partitioned_worker_heals_and_ssp_bound_holds() {
         ],
     );
     std::thread::sleep(Duration::from_millis(800));
-    proxy.set_cut(true);
-    // Longer than the eviction timeout: the shard evicts the silent worker and the other worker goes on.
+    proxies.iter().for_each(|p| p.set_cut(true));
+    // Longer than the eviction timeout: the shards evict the silent worker and the other worker goes on.
     std::thread::sleep(Duration::from_millis(2 * c.spec.worker_timeout_ms));
-    proxy.set_cut(false);
-    let dropped = proxy.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    proxies.iter().for_each(|p| p.set_cut(false));
+    let dropped: u64 = proxies
+        .iter()
+        .map(|p| p.dropped.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
     w0.wait_success(Duration::from_secs(90));
     w1.wait_success(Duration::from_secs(90));
     for s in &mut servers {
@@ -218,7 +224,11 @@ fn partitioned_worker_heals_and_ssp_bound_holds() {
         "the proxy dropped nothing: the partition did not happen"
     );
     assert_eq!(num(&r1, "steps"), c.steps_per_worker() as f64);
-    assert!(max_step_gap(&r0) <= c.spec.worker_timeout_ms as f64 / 1000.0 * 1.25 + 1.0);
+    let stall = max_step_gap(&r0);
+    assert!(
+        stall <= c.spec.worker_timeout_ms as f64 / 1000.0 * 1.25 + 1.0,
+        "the survivor stalled {stall:.2} s"
+    );
     for k in 0..2 {
         let s = c.report(&format!("server-{k}.json"));
         assert!(
@@ -227,11 +237,13 @@ fn partitioned_worker_heals_and_ssp_bound_holds() {
         );
     }
     // After the heal the worker's pushes count again: it was not silently refused for the rest of the run.
-    let refused = num(&s0, "updates_rejected");
-    assert!(
-        refused <= 3.0,
-        "shard 0 refused {refused} pushes of the healed worker"
-    );
+    for k in 0..2 {
+        let refused = num(&c.report(&format!("server-{k}.json")), "updates_rejected");
+        assert!(
+            refused <= 3.0,
+            "shard {k} refused {refused} pushes of the healed worker"
+        );
+    }
 }
 
 #[test]

@@ -85,6 +85,12 @@ pub struct RunReport {
     /// Extension: inner steps per outer round (0: a push every step).
     #[serde(default)]
     pub local_steps: u32,
+    /// Extension: seconds the workers spent waiting for pulls, summed over workers (stall time).
+    #[serde(default)]
+    pub pull_wait_seconds: f64,
+    /// Extension: seconds the workers spent computing rounds, summed over workers.
+    #[serde(default)]
+    pub compute_seconds: f64,
     /// Extension: free-form notes (e.g. "fashion-mnist not found, trained on digits").
     #[serde(default)]
     pub notes: Vec<String>,

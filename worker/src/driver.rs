@@ -123,6 +123,10 @@ pub struct Driver {
     pub reconnects: u64,
     /// Bytes of every pull reply received (frame bodies, used or not).
     pub bytes_pulled: u64,
+    /// Push → outcome round trips (send to `PushOutcome`, µs), one per settled push that was sent on a live link.
+    pub push_latency_us: Vec<u32>,
+    /// Pushes written to a link and not yet settled: (shard, clock, when).
+    in_flight: std::collections::VecDeque<(usize, u64, Instant)>,
     /// The public copy of every shard this worker holds (delta pulls; empty otherwise).
     public: Vec<f32>,
     /// A reply's values are assembled here before they are committed (a bad frame changes nothing).
@@ -184,6 +188,8 @@ impl Driver {
             refused: Vec::new(),
             reconnects: 0,
             bytes_pulled: 0,
+            push_latency_us: Vec::new(),
+            in_flight: std::collections::VecDeque::new(),
             public: Vec::new(),
             stage: Vec::new(),
             delta_decoder: None,
@@ -302,7 +308,24 @@ impl Driver {
                 progressed = true;
                 let (shard, out) = match t {
                     Transmit::Control { shard, msg } => (shard, Outgoing::Control(msg)),
-                    Transmit::Push { shard, bytes, .. } => (shard, Outgoing::Push(bytes)),
+                    Transmit::Push {
+                        shard,
+                        clock,
+                        bytes,
+                    } => {
+                        // A resend keeps the first send time (the round trip then includes the reconnect).
+                        let known = self
+                            .in_flight
+                            .iter()
+                            .any(|&(s, c, _)| s == shard && c == clock);
+                        if self.links[shard].is_some() && !known {
+                            if self.in_flight.len() >= 4096 {
+                                self.in_flight.pop_front();
+                            }
+                            self.in_flight.push_back((shard, clock, Instant::now()));
+                        }
+                        (shard, Outgoing::Push(bytes))
+                    }
                 };
                 // A link that is down drops the message; the session resends what matters after the reconnect.
                 if let Some(io) = &self.links[shard] {
@@ -319,6 +342,18 @@ impl Driver {
                         outcome,
                         frame,
                     } => {
+                        if let Some(i) = self
+                            .in_flight
+                            .iter()
+                            .position(|&(s, c, _)| s == shard && c == clock)
+                        {
+                            // `position` found it, so `remove` returns it.
+                            if let Some((_, _, sent)) = self.in_flight.remove(i) {
+                                self.push_latency_us.push(
+                                    sent.elapsed().as_micros().min(u128::from(u32::MAX)) as u32,
+                                );
+                            }
+                        }
                         if let Outcome::Refused(code) = outcome {
                             warn!(rank = self.rank, shard, clock, ?code, "push refused");
                             self.refused.push(Refused {

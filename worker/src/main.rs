@@ -18,7 +18,7 @@ use tether_common::net::TlsFiles;
 use tether_common::report::RunReport;
 use tether_worker::backend::{self, Device};
 use tether_worker::step::GradientFault;
-use tether_worker::trainer::{load_data, prepare_worker, WorkerOptions};
+use tether_worker::trainer::{load_data, prepare_worker, Straggle, WorkerOptions};
 
 /// Run one Tether training worker.
 #[derive(Parser, Debug)]
@@ -48,6 +48,9 @@ struct Cli {
     /// Sleep this many milliseconds after each step (simulate a straggler).
     #[arg(long, default_value_t = 0)]
     step_delay_ms: u64,
+    /// Straggler emulation `P:F`: with probability P a round takes F × its compute time (`1:2` = always 2× slow).
+    #[arg(long, value_parser = parse_straggle)]
+    straggle: Option<Straggle>,
     /// Fault injection for tests: `nan@STEP` or `scale@STEP:FACTOR` (repeatable).
     #[arg(long)]
     inject: Vec<String>,
@@ -59,6 +62,11 @@ fn main() {
         eprintln!("tether-worker: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn parse_straggle(s: &str) -> Result<Straggle, String> {
+    Straggle::parse(s)
+        .ok_or_else(|| format!("`{s}`: expected P:F with P in [0, 1] and F ≥ 1 (e.g. 0.1:3)"))
 }
 
 fn parse_fault(s: &str) -> Result<GradientFault> {
@@ -153,6 +161,7 @@ fn run() -> Result<()> {
             metrics: Some(worker_metrics),
             reconnect_deadline: Duration::from_secs(cli.reconnect_deadline_s),
             step_delay: Duration::from_millis(cli.step_delay_ms),
+            straggle: cli.straggle,
             model,
         };
         let prepared = prepare_worker(opts)?;

@@ -105,6 +105,14 @@ pub struct WorkerReport {
     pub stale_replies_dropped: u64,
     /// Wall time.
     pub wall_seconds: f64,
+    /// Time spent waiting for pulls (the SSP gate, the network and the replies' decoding).
+    pub pull_wait_seconds: f64,
+    /// Time spent computing rounds (straggler waits included).
+    pub compute_seconds: f64,
+    /// Each pull's wait, µs (request to a complete answer from every shard).
+    pub pull_latency_us: Vec<u32>,
+    /// Each settled push's round trip, µs (sent to its outcome).
+    pub push_latency_us: Vec<u32>,
     /// The last parameters pulled.
     pub final_params: Vec<f32>,
     /// Per shard, the public copy the worker held at the end (delta pulls).
@@ -139,8 +147,48 @@ pub struct WorkerOptions {
     pub reconnect_deadline: Duration,
     /// Sleep this long after each compute (simulates a straggler).
     pub step_delay: Duration,
+    /// Transient or persistent stragglers: some steps take `factor` × their compute time.
+    pub straggle: Option<Straggle>,
     /// A user model to train instead of the one `[model]` describes (the shards must use its layout).
     pub model: Option<ModelFactory>,
+}
+
+/// Straggler emulation: with `probability`, a round is stretched to `factor` × its compute time (the worker waits
+/// the difference, keeping the protocol alive). `probability = 1` is a persistently slow worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Straggle {
+    /// Chance that a round is slow, in [0, 1].
+    pub probability: f64,
+    /// How much slower a slow round is (≥ 1).
+    pub factor: f64,
+}
+
+impl Straggle {
+    /// Parses `P:F` (e.g. `0.1:3`, `1:2`).
+    pub fn parse(s: &str) -> Option<Straggle> {
+        let (p, f) = s.split_once(':')?;
+        let (probability, factor) = (p.trim().parse::<f64>().ok()?, f.trim().parse::<f64>().ok()?);
+        ((0.0..=1.0).contains(&probability) && factor.is_finite() && factor >= 1.0).then_some(
+            Straggle {
+                probability,
+                factor,
+            },
+        )
+    }
+
+    /// The extra wait after a round of `compute` at `round` for `rank` (deterministic per rank and round).
+    pub fn extra(&self, rank: u32, round: u64, compute: Duration) -> Duration {
+        let mut z = (u64::from(rank) << 40 ^ round).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+        if u < self.probability {
+            compute.mul_f64(self.factor - 1.0)
+        } else {
+            Duration::ZERO
+        }
+    }
 }
 
 /// Builds a fresh instance of a user's model (one per worker, plus one for evaluation).
@@ -478,6 +526,7 @@ impl PreparedWorker {
             .map(|k| self.driver.session.public(k))
             .collect();
         self.report.wire_bytes_pulled = self.driver.bytes_pulled;
+        self.report.push_latency_us = std::mem::take(&mut self.driver.push_latency_us);
         // (fp32_bytes_pulled is counted per step by the training loop: the per-step f32 reference.)
         Ok(self.report)
     }
@@ -537,6 +586,12 @@ async fn train_loop(
     while step < total_steps {
         let t0 = Instant::now();
         d.pull(&mut params).await?;
+        let pulled = Instant::now();
+        let wait = pulled - t0;
+        report.pull_wait_seconds += wait.as_secs_f64();
+        report
+            .pull_latency_us
+            .push(wait.as_micros().min(u128::from(u32::MAX)) as u32);
         // One push round: one step, or in local-step rounds up to `local` inner steps.
         let n = if local > 0 {
             local.min(total_steps - step)
@@ -563,9 +618,16 @@ async fn train_loop(
         params = computed.params;
         frames = computed.frames;
         let outcome = computed.outcome;
+        if let Some(s) = opts.straggle {
+            let extra = s.extra(rank, step, pulled.elapsed());
+            if !extra.is_zero() {
+                d.while_running(tokio::time::sleep(extra)).await?;
+            }
+        }
         if !opts.step_delay.is_zero() {
             d.while_running(tokio::time::sleep(opts.step_delay)).await?;
         }
+        report.compute_seconds += pulled.elapsed().as_secs_f64();
         let wire: u64 = frames.iter().map(|f| f.len() as u64).sum();
         // The fp32 reference is per-step synchronization: every step pushes and pulls the whole model in f32.
         let fp32: u64 = 4 * n_params as u64 * n;
@@ -707,6 +769,41 @@ pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::repor
         pushes_refused: r.pushes_refused,
         stale_replies_dropped: r.stale_replies_dropped,
         reconnects: r.reconnects,
+        pull_wait_seconds: r.pull_wait_seconds,
+        compute_seconds: r.compute_seconds,
         ..tether_common::report::RunReport::for_config(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Straggle;
+    use std::time::Duration;
+
+    #[test]
+    fn straggle_parses_and_stretches_the_asked_share_of_rounds() {
+        assert_eq!(
+            Straggle::parse("0.1:3"),
+            Some(Straggle {
+                probability: 0.1,
+                factor: 3.0
+            })
+        );
+        for bad in ["", "0.1", "1.5:3", "0.1:0.5", "x:2", "0.1:inf", "-0.1:2"] {
+            assert_eq!(Straggle::parse(bad), None, "{bad}");
+        }
+        let s = Straggle::parse("0.1:3").unwrap();
+        let step = Duration::from_millis(10);
+        let slow = (0..10_000)
+            .filter(|&r| s.extra(1, r, step) == Duration::from_millis(20))
+            .count();
+        assert!((800..1200).contains(&slow), "{slow} of 10,000 rounds slow");
+        // Deterministic per (rank, round), and different across ranks.
+        assert_eq!(s.extra(1, 7, step), s.extra(1, 7, step));
+        let a: Vec<_> = (0..200).map(|r| s.extra(0, r, step)).collect();
+        let b: Vec<_> = (0..200).map(|r| s.extra(1, r, step)).collect();
+        assert_ne!(a, b);
+        let always = Straggle::parse("1:2").unwrap();
+        assert!((0..100).all(|r| always.extra(0, r, step) == step));
     }
 }
