@@ -1,6 +1,7 @@
 //! `tether-bench floors`: what each ingest figure sits against, measured in the same process — memcpy of the
 //! shard's fp32 bytes, the optimizer's memory kernel (`Optimizer::step` over the shard), the shard's whole apply
-//! path (`ShardCore::apply`: validate, decode, finiteness and norm, optimizer), the codec alone, and raw quinn on
+//! path (`ShardCore::apply`: validate, decode, finiteness and norm, optimizer), the codec alone, the delta cut of
+//! a pull reply (`PublicCopy::cut`; its figure includes adding a step to the weights, a memory pass), and raw quinn on
 //! the endpoint configuration the shards use (uni streams of one push frame each, mutual TLS, loopback).
 
 use std::hint::black_box;
@@ -161,6 +162,24 @@ pub fn run(a: &FloorArgs) -> Result<Vec<Floor>> {
             };
             clock += 1;
             black_box(core.apply(&push, 0).ok());
+        },
+    ));
+    // The delta cut a pull reply needs (encode w − public, decode it back, add): once per shard version moved.
+    let mut weights = noise(n, 21, 0.1);
+    let mut public = tether_server::public::PublicCopy::new(&weights, 1, 0, 0, codec, 1 << 30)?;
+    let mut version = 0u64;
+    let step = noise(n, 23, 1e-3);
+    out.push(timed(
+        "delta cut (PublicCopy::cut, q4)",
+        fp32,
+        fp32,
+        a.seconds,
+        || {
+            version += 1;
+            for (w, d) in weights.iter_mut().zip(&step) {
+                *w += d;
+            }
+            black_box(public.cut(&weights, version, version).ok());
         },
     ));
     out.push(raw_quinn(&codec, frame.len(), fp32, a.seconds)?);

@@ -130,8 +130,20 @@ pub fn run(a: &IngestArgs) -> Result<IngestReport> {
     let layout = cfg.layout()?;
     let server_bin = sibling("tether-server")?;
     let mut shards = Vec::new();
+    // TETHER_BENCH_PERF=FILE profiles shard 0 with `perf record` (flat, 999 Hz) into FILE.
+    let perf = std::env::var_os("TETHER_BENCH_PERF");
     for k in 0..a.shards {
-        let mut cmd = Command::new(&server_bin);
+        let mut cmd = match (&perf, k) {
+            (Some(out), 0) => {
+                let mut c = Command::new("perf");
+                c.args(["record", "-q", "-F", "999", "-o"])
+                    .arg(out)
+                    .arg("--")
+                    .arg(&server_bin);
+                c
+            }
+            _ => Command::new(&server_bin),
+        };
         cmd.current_dir(dir.path()).args([
             "--config",
             "cluster.toml",

@@ -9,7 +9,6 @@
 mod cluster;
 mod floors;
 mod ingest;
-mod netns;
 mod plot;
 mod study;
 

@@ -1,34 +1,69 @@
 //! The link harness: a star of network namespaces joined by veth pairs to a bridge in a hub namespace, each node's
-//! link shaped with `tc tbf` in both directions (egress on the node's end, ingress as egress on the hub's end).
-//! This kernel has no netem, so no delay is added (the study says so). Every namespace and link is the harness's
-//! own: created by [`Star::up`], deleted on drop; addresses are 10.203.0.0/24 inside those namespaces only. Needs
-//! root.
+//! link shaped with `tc tbf` in both directions (egress on the node's end, ingress as egress on the hub's end), or
+//! one namespace with its loopback shaped. This kernel has no netem, so no delay is added (the study says so).
+//! Every namespace and link is the harness's own: created by [`Star::up`] / [`Loop::up`], deleted on drop;
+//! addresses are 10.203.0.0/24 inside those namespaces only. Needs root.
 
 use std::process::Command;
 
-use anyhow::{bail, Context, Result};
-
-/// A link rate: `None` is unshaped.
-pub type Rate = Option<u64>;
-
-/// `tc` rate text of `bits_per_s`.
-fn tc_rate(bps: u64) -> String {
-    format!("{}kbit", bps / 1000)
+/// A harness command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// `ip` or `tc` could not run, or refused.
+    #[error("{command}: {reason}")]
+    Command {
+        /// What ran.
+        command: String,
+        /// Its stderr, or why it did not start.
+        reason: String,
+    },
+    /// A request out of range.
+    #[error("link harness: {0}")]
+    Invalid(&'static str),
 }
 
-fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip").args(args).output().context("run ip")?;
+type Result<T> = std::result::Result<T, HarnessError>;
+
+/// A link rate in bits/s: `None` is unshaped.
+pub type Rate = Option<u64>;
+
+/// Runs `program args`, turning a failure into a [`HarnessError`].
+fn run(program: &str, args: &[&str]) -> Result<()> {
+    let command = || format!("{program} {}", args.join(" "));
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| HarnessError::Command {
+            command: command(),
+            reason: e.to_string(),
+        })?;
     if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        return Err(HarnessError::Command {
+            command: command(),
+            reason: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(())
 }
 
-/// Whether this kernel has the netem qdisc (it decides whether the harness can add delay).
+fn ip(args: &[&str]) -> Result<()> {
+    run("ip", args)
+}
+
+/// `tc qdisc add dev DEV root tbf` at `bps` inside namespace `ns`. Bucket: 4 ms of traffic, at least 64 KiB (tbf
+/// needs at least one packet; QUIC datagrams are ≤ 1,500 B).
+fn shape(ns: &str, dev: &str, bps: u64) -> Result<()> {
+    let burst = (bps / 8 / 250).max(64 * 1024).to_string();
+    let rate = format!("{}kbit", bps / 1000);
+    #[rustfmt::skip]
+    let args = [
+        "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        "rate", &rate, "burst", &burst, "latency", "50ms",
+    ];
+    run("ip", &args)
+}
+
+/// Whether this kernel has the netem qdisc (it decides whether the harness could add delay).
 pub fn has_netem() -> bool {
     std::path::Path::new("/sys/module/sch_netem").exists()
         || Command::new("modprobe")
@@ -38,7 +73,12 @@ pub fn has_netem() -> bool {
             .unwrap_or(false)
 }
 
-/// A star of `nodes` namespaces.
+/// A namespace name unique to this process and `kind`.
+fn tag(kind: &str) -> String {
+    format!("t{kind}{}", std::process::id() % 100_000)
+}
+
+/// A star of `nodes` namespaces around a bridge.
 pub struct Star {
     tag: String,
     nodes: usize,
@@ -48,11 +88,13 @@ impl Star {
     /// Creates the hub and `nodes` node namespaces, each with its link shaped to `rate`.
     pub fn up(nodes: usize, rate: Rate) -> Result<Star> {
         if nodes == 0 || nodes > 200 {
-            bail!("link harness: 1..=200 nodes");
+            return Err(HarnessError::Invalid("1..=200 nodes"));
         }
-        let tag = format!("tb{}", std::process::id() % 100_000);
-        let star = Star { tag, nodes: 0 };
-        let mut star = star;
+        // From here on, drop deletes whatever was created.
+        let mut star = Star {
+            tag: tag("b"),
+            nodes: 0,
+        };
         let hub = star.hub();
         ip(&["netns", "add", &hub])?;
         ip(&["-n", &hub, "link", "set", "lo", "up"])?;
@@ -63,11 +105,9 @@ impl Star {
             ip(&["netns", "add", &ns])?;
             star.nodes = i + 1;
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
-            let (end, peer) = ("e0".to_string(), format!("h{i}"));
-            ip(&[
-                "link", "add", &end, "netns", &ns, "type", "veth", "peer", "name", &peer, "netns",
-                &hub,
-            ])?;
+            let peer = format!("h{i}");
+            #[rustfmt::skip]
+            ip(&["link", "add", "e0", "netns", &ns, "type", "veth", "peer", "name", &peer, "netns", &hub])?;
             ip(&[
                 "-n",
                 &ns,
@@ -75,31 +115,14 @@ impl Star {
                 "add",
                 &format!("{}/24", Self::addr(i)),
                 "dev",
-                &end,
+                "e0",
             ])?;
-            ip(&["-n", &ns, "link", "set", &end, "up"])?;
+            ip(&["-n", &ns, "link", "set", "e0", "up"])?;
             ip(&["-n", &hub, "link", "set", &peer, "master", "br0"])?;
             ip(&["-n", &hub, "link", "set", &peer, "up"])?;
             if let Some(bps) = rate {
-                // Bucket: 4 ms of traffic, at least 64 KiB (tbf needs ≥ one packet; QUIC datagrams are ≤ 1,500 B).
-                let burst = format!("{}", (bps / 8 / 250).max(64 * 1024));
-                for (netns, dev) in [(&ns, &end), (&hub, &peer)] {
-                    let out = Command::new("ip")
-                        .args([
-                            "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "root",
-                            "tbf", "rate",
-                        ])
-                        .arg(tc_rate(bps))
-                        .args(["burst", &burst, "latency", "50ms"])
-                        .output()
-                        .context("run tc")?;
-                    if !out.status.success() {
-                        bail!(
-                            "tc on {netns}/{dev}: {}",
-                            String::from_utf8_lossy(&out.stderr).trim()
-                        );
-                    }
-                }
+                shape(&ns, "e0", bps)?;
+                shape(&hub, &peer, bps)?;
             }
         }
         Ok(star)
@@ -124,6 +147,13 @@ impl Star {
         c.args(["netns", "exec", &self.node(i)]).arg(program);
         c
     }
+
+    /// The namespaces this star holds (hub first).
+    pub fn namespaces(&self) -> Vec<String> {
+        std::iter::once(self.hub())
+            .chain((0..self.nodes).map(|i| self.node(i)))
+            .collect()
+    }
 }
 
 impl Drop for Star {
@@ -132,5 +162,38 @@ impl Drop for Star {
             let _ = ip(&["netns", "del", &self.node(i)]);
         }
         let _ = ip(&["netns", "del", &self.hub()]);
+    }
+}
+
+/// One namespace whose loopback is shaped to `rate`: every process inside shares that one bucket (a single-host
+/// cluster behind one link). Deleted on drop.
+pub struct Loop {
+    name: String,
+}
+
+impl Loop {
+    /// Creates it.
+    pub fn up(rate: Rate) -> Result<Loop> {
+        let name = tag("l");
+        ip(&["netns", "add", &name])?;
+        let l = Loop { name };
+        ip(&["-n", &l.name, "link", "set", "lo", "up"])?;
+        if let Some(bps) = rate {
+            shape(&l.name, "lo", bps)?;
+        }
+        Ok(l)
+    }
+
+    /// A command running `program` inside.
+    pub fn command(&self, program: &std::path::Path) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.name]).arg(program);
+        c
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.name]);
     }
 }

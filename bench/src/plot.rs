@@ -7,6 +7,23 @@ use plotters::prelude::*;
 
 use crate::study::PredictionRow;
 
+/// Registers DejaVu Sans as `sans-serif` once (plotters' ab_glyph backend has no font of its own).
+fn ensure_font() -> Result<()> {
+    static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *FONT.get_or_init(|| {
+        let Ok(bytes) = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf") else {
+            return false;
+        };
+        let leaked: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+        plotters::style::register_font("sans-serif", FontStyle::Normal, leaked).is_ok()
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(anyhow!("plots need /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf (apt-get install fonts-dejavu-core)"))
+    }
+}
+
 /// One named series of (x, y) points.
 pub type Series = (String, Vec<(f64, f64)>);
 
@@ -24,6 +41,7 @@ pub fn lines(
         .flat_map(|s| s.1.iter().copied())
         .filter(|p| p.0.is_finite() && p.1.is_finite())
         .collect();
+    ensure_font()?;
     if pts.is_empty() {
         return Err(anyhow!("plot {title}: no finite points"));
     }

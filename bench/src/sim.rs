@@ -53,6 +53,21 @@ pub struct SimConfig {
     pub latency_s: f64,
     /// Seed of the compute-time draws.
     pub seed: u64,
+    /// Cores shared by every worker's and shard's CPU work (one machine, as the study's runs); `None`: each node
+    /// has its own (a real cluster).
+    #[serde(default)]
+    pub cores: Option<u32>,
+    /// Fixed cost of a pull reply beyond bytes and CPU (request handling, wake-ups), seconds.
+    #[serde(default)]
+    pub pull_overhead_s: f64,
+    /// Worker CPU per round off the critical path (transport threads), seconds: it takes a core from the shared
+    /// pool (with `cores`) but nothing waits for it.
+    #[serde(default)]
+    pub worker_io_s: f64,
+    /// Shard CPU per pushed parameter off the actor's critical path (its transport threads), ns: it takes a core
+    /// from the shared pool but nothing waits for it.
+    #[serde(default)]
+    pub shard_io_ns_per_param: f64,
 }
 
 impl Default for SimConfig {
@@ -76,6 +91,10 @@ impl Default for SimConfig {
             link_bps: 1e9,
             latency_s: 50e-6,
             seed: 1,
+            cores: None,
+            pull_overhead_s: 0.0,
+            worker_io_s: 0.0,
+            shard_io_ns_per_param: 0.0,
         }
     }
 }
@@ -131,6 +150,9 @@ impl SimConfig {
             ("serve_ns_per_param", self.serve_ns_per_param),
             ("cpu_ns_per_byte", self.cpu_ns_per_byte),
             ("latency_s", self.latency_s),
+            ("pull_overhead_s", self.pull_overhead_s),
+            ("worker_io_s", self.worker_io_s),
+            ("shard_io_ns_per_param", self.shard_io_ns_per_param),
         ];
         for (field, v) in nonneg {
             if !(v.is_finite() && v >= 0.0) {
@@ -147,6 +169,11 @@ impl SimConfig {
                     format!("{p}:{f}"),
                     "needs P in [0, 1] and F ≥ 1",
                 );
+            }
+        }
+        if let Some(c) = self.cores {
+            if c == 0 || c > 4096 {
+                return bad("cores", c.to_string(), "must be 1..=4096");
             }
         }
         if let Some(f) = self.slow_worker {
@@ -246,6 +273,40 @@ fn transfer(out: &mut Fifo, inn: &mut Fifo, t: f64, d: f64) -> f64 {
     start + d
 }
 
+/// Cores shared by every CPU activity (each activity also holds its own node's serial `Fifo`): a job arriving at
+/// `t` takes the core that frees first, in arrival order.
+struct Pool {
+    free: Vec<f64>,
+}
+
+impl Pool {
+    fn run(&mut self, t: f64, d: f64, serial: &mut Fifo) -> f64 {
+        let (i, f) = self
+            .free
+            .iter()
+            .copied()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .unwrap_or((0, 0.0));
+        let start = t.max(f).max(serial.free);
+        let end = start + d;
+        if let Some(c) = self.free.get_mut(i) {
+            *c = end;
+        }
+        serial.free = end;
+        serial.busy += d;
+        end
+    }
+}
+
+/// Runs `d` seconds of CPU on `serial` (a node's own CPU), on the shared pool when there is one.
+fn cpu(pool: &mut Option<Pool>, serial: &mut Fifo, t: f64, d: f64) -> f64 {
+    match pool {
+        Some(p) => p.run(t, d, serial),
+        None => serial.reserve(t, d),
+    }
+}
+
 struct Rng(u64);
 
 impl Rng {
@@ -272,12 +333,15 @@ struct Worker {
     stalled: f64,
     computing: f64,
     finished: Option<f64>,
+    cpu: Fifo,
+    io: Fifo,
     nic_out: Fifo,
     nic_in: Fifo,
 }
 
 struct Shard {
     cpu: Fifo,
+    io: Fifo,
     nic_out: Fifo,
     nic_in: Fifo,
     /// Applied rounds per worker (the clock table row).
@@ -298,6 +362,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
     let pull_bytes = cfg.pull_bytes_per_param * shard_params;
     let apply_cost =
         (cfg.apply_ns_per_param * shard_params + cfg.cpu_ns_per_byte * push_bytes) * 1e-9;
+    let shard_io = cfg.shard_io_ns_per_param * shard_params * 1e-9;
     let serve_cost =
         (cfg.serve_ns_per_param * shard_params + cfg.cpu_ns_per_byte * pull_bytes) * 1e-9;
     let worker_cpu = (cfg.worker_ns_per_param * cfg.params as f64
@@ -307,6 +372,9 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
     let sigma2 = (1.0 + cfg.compute_cv * cfg.compute_cv).ln();
     let mu = cfg.compute_s.max(1e-12).ln() - sigma2 / 2.0;
     let mut rng = Rng(cfg.seed);
+    let mut pool = cfg.cores.map(|c| Pool {
+        free: vec![0.0; c as usize],
+    });
 
     let mut workers: Vec<Worker> = (0..nw)
         .map(|_| Worker {
@@ -316,6 +384,8 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
             stalled: 0.0,
             computing: 0.0,
             finished: None,
+            cpu: Fifo::default(),
+            io: Fifo::default(),
             nic_out: Fifo::default(),
             nic_in: Fifo::default(),
         })
@@ -323,6 +393,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
     let mut shards: Vec<Shard> = (0..ns)
         .map(|_| Shard {
             cpu: Fifo::default(),
+            io: Fifo::default(),
             nic_out: Fifo::default(),
             nic_in: Fifo::default(),
             clocks: vec![0; nw],
@@ -361,13 +432,18 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
     // Serves one pull at shard `k` (gate open): CPU, then the reply's transfer.
     let serve = |heap: &mut BinaryHeap<Timed>,
                  push: &mut dyn FnMut(&mut BinaryHeap<Timed>, f64, Ev),
+                 pool: &mut Option<Pool>,
                  s: &mut Shard,
                  w: &mut Worker,
                  wi: u32,
                  t: f64| {
-        let ready = s.cpu.reserve(t, serve_cost);
+        let ready = cpu(pool, &mut s.cpu, t, serve_cost);
         let done = transfer(&mut s.nic_out, &mut w.nic_in, ready, secs(pull_bytes));
-        push(heap, done + cfg.latency_s, Ev::ReplyArrive { w: wi });
+        push(
+            heap,
+            done + cfg.latency_s + cfg.pull_overhead_s,
+            Ev::ReplyArrive { w: wi },
+        );
     };
     let gate = |s: &Shard, c: u64| -> bool {
         match cfg.staleness {
@@ -384,7 +460,15 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
                 if gate(s, c) {
                     let m = s.clocks.iter().copied().min().unwrap_or(0);
                     lead_histogram[(c.saturating_sub(m) as usize).min(LEAD_BUCKETS - 1)] += 1;
-                    serve(&mut heap, &mut push, s, &mut workers[w as usize], w, t);
+                    serve(
+                        &mut heap,
+                        &mut push,
+                        &mut pool,
+                        s,
+                        &mut workers[w as usize],
+                        w,
+                        t,
+                    );
                 } else {
                     s.parked.push((w, c));
                 }
@@ -405,11 +489,17 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
                     }
                     let d = compute + worker_cpu;
                     wk.computing += d;
-                    push(&mut heap, t + d, Ev::ComputeDone { w });
+                    let end = cpu(&mut pool, &mut wk.cpu, t, d);
+                    push(&mut heap, end, Ev::ComputeDone { w });
                 }
             }
             Ev::ComputeDone { w } => {
                 let wk = &mut workers[w as usize];
+                if cfg.worker_io_s > 0.0 {
+                    if let Some(p) = &mut pool {
+                        p.run(t, cfg.worker_io_s, &mut wk.io);
+                    }
+                }
                 for (k, s) in shards.iter_mut().enumerate() {
                     let done = transfer(&mut wk.nic_out, &mut s.nic_in, t, secs(push_bytes));
                     push(
@@ -426,7 +516,13 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
                 }
             }
             Ev::PushArrive { w, k } => {
-                let done = shards[k as usize].cpu.reserve(t, apply_cost);
+                let s = &mut shards[k as usize];
+                if shard_io > 0.0 {
+                    if let Some(p) = &mut pool {
+                        p.run(t, shard_io, &mut s.io);
+                    }
+                }
+                let done = cpu(&mut pool, &mut s.cpu, t, apply_cost);
                 push(&mut heap, done, Ev::Applied { w, k });
             }
             Ev::Applied { w, k } => {
@@ -442,7 +538,15 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
                         let m = s.clocks.iter().copied().min().unwrap_or(0);
                         lead_histogram
                             [(pc.saturating_sub(m.min(pc)) as usize).min(LEAD_BUCKETS - 1)] += 1;
-                        serve(&mut heap, &mut push, s, &mut workers[pw as usize], pw, t);
+                        serve(
+                            &mut heap,
+                            &mut push,
+                            &mut pool,
+                            s,
+                            &mut workers[pw as usize],
+                            pw,
+                            t,
+                        );
                     } else {
                         s.parked.push((pw, pc));
                     }
@@ -624,6 +728,24 @@ mod tests {
         };
         let (bsp, ssp) = (run(0), run(3));
         assert!(bsp > ssp * 1.1, "BSP {bsp} vs SSP {ssp}");
+    }
+
+    #[test]
+    fn shared_cores_slow_oversubscribed_workers() {
+        // Eight workers of 10 ms compute on 2 cores: each round of all eight takes 40 ms instead of 10.
+        let own = simulate(&SimConfig {
+            workers: 8,
+            ..base()
+        })
+        .unwrap();
+        let shared = simulate(&SimConfig {
+            workers: 8,
+            cores: Some(2),
+            ..base()
+        })
+        .unwrap();
+        assert!((own.wall_s - 0.5).abs() < 1e-9, "{own:?}");
+        assert!((shared.wall_s - 2.0).abs() < 0.02, "{shared:?}");
     }
 
     #[test]
