@@ -147,7 +147,12 @@ fn real_run(env: &Env, s: &Spec, target: f64) -> Result<Outcome> {
             "epochs = {}\nbatch = {}\neval_every = {}\nlocal_steps = {}",
             s.epochs, env.batch, 24, s.local_steps
         ),
-        optimizer: "kind = \"adam\"\nlr = 0.001".into(),
+        // Local-step rounds as the quickstart runs them: the shards' outer Nesterov at lr 0.7, momentum 0.5.
+        optimizer: if s.local_steps > 0 {
+            "kind = \"adam\"\nlr = 0.001\n[optimizer.outer]\nkind = \"nesterov\"\nlr = 0.7\nmomentum = 0.5".into()
+        } else {
+            "kind = \"adam\"\nlr = 0.001".into()
+        },
         compression: format!(
             "scheme = \"{}\"\nerror_feedback = {}\nzstd = true\n{}",
             s.scheme,
@@ -652,6 +657,19 @@ fn calibrate(env: &Env, a: &StudyArgs, log: &mut Vec<String>) -> Result<Calibrat
     Ok(cal)
 }
 
+/// The study's ingest run: one shard of a 4M-parameter layout fed by two synthetic workers for 60 rounds.
+const INGEST_RUN: [&str; 9] = [
+    "ingest",
+    "--workers",
+    "2",
+    "--shards",
+    "1",
+    "--params",
+    "4000000",
+    "--rounds",
+    "60",
+];
+
 /// A flat `perf` profile of shard 0 during a q4 ingest run (top 15 symbols), when `perf` is installed.
 fn profile_shard(me: &Path) -> Result<Option<String>> {
     if Command::new("perf")
@@ -664,17 +682,7 @@ fn profile_shard(me: &Path) -> Result<Option<String>> {
     let dir = tempfile::tempdir()?;
     let data = dir.path().join("perf.data");
     let out = Command::new(me)
-        .args([
-            "ingest",
-            "--workers",
-            "2",
-            "--shards",
-            "1",
-            "--params",
-            "4000000",
-            "--rounds",
-            "60",
-        ])
+        .args(INGEST_RUN)
         .env("TETHER_BENCH_PERF", &data)
         .output()?;
     if !out.status.success() || !data.exists() {
@@ -700,7 +708,8 @@ fn profile_shard(me: &Path) -> Result<Option<String>> {
         .lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
         .take(15)
-        .map(|l| l.trim_end())
+        // perf pads the symbol column and appends empty "-  -" columns.
+        .map(|l| l.trim_end().trim_end_matches(['-', ' ']))
         .collect();
     Ok(Some(top.join("\n") + "\n"))
 }
@@ -833,17 +842,7 @@ pub fn run(a: &StudyArgs) -> Result<()> {
                     let json = dir.path().join("ingest.json");
                     let out = ns
                         .command(&me)
-                        .args([
-                            "ingest",
-                            "--workers",
-                            "2",
-                            "--shards",
-                            "1",
-                            "--params",
-                            "4000000",
-                            "--rounds",
-                            "60",
-                        ])
+                        .args(INGEST_RUN)
                         .args(["--scheme", scheme, "--json"])
                         .arg(&json)
                         .output()?;
@@ -925,7 +924,7 @@ pub fn run(a: &StudyArgs) -> Result<()> {
             ("q2", "q2", true, 0),
             ("q4, no EF", "q4", false, 0),
             ("q2, no EF", "q2", false, 0),
-            ("q4 + local steps 8", "q4", true, 8),
+            ("q4 + local steps 8 (BSP rounds)", "q4", true, 8),
         ];
         let mut grid: Vec<Measured> = Vec::new();
         for rate in rates {
@@ -934,6 +933,8 @@ pub fn run(a: &StudyArgs) -> Result<()> {
                     scheme: scheme.to_string(),
                     error_feedback: *ef,
                     local_steps: *h,
+                    // Local-step rounds are synchronous (BSP), as in the quickstart.
+                    staleness: if *h > 0 { "0".into() } else { "3".into() },
                     rate,
                     ..base_spec(a)
                 };
@@ -943,7 +944,7 @@ pub fn run(a: &StudyArgs) -> Result<()> {
         let _ = writeln!(md, "## Push schemes across link speeds\n");
         let _ = writeln!(
             md,
-            "Time to {:.2} test accuracy (worker 0 evaluates every 25 rounds), final accuracy after {} epochs, and bytes \
+            "Time to {:.2} test accuracy (worker 0 evaluates every 24 steps), final accuracy after {} epochs, and bytes \
              on the wire (pushes + pulls, all workers). SSP s = 3, per-step pushes unless said.\n",
             a.target, a.epochs
         );

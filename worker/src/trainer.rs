@@ -178,10 +178,7 @@ impl Straggle {
 
     /// The extra wait after a round of `compute` at `round` for `rank` (deterministic per rank and round).
     pub fn extra(&self, rank: u32, round: u64, compute: Duration) -> Duration {
-        let mut z = (u64::from(rank) << 40 ^ round).wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z = tether_common::layout::splitmix64(u64::from(rank) << 40 ^ round);
         let u = (z >> 11) as f64 / (1u64 << 53) as f64;
         if u < self.probability {
             compute.mul_f64(self.factor - 1.0)
