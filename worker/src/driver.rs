@@ -87,6 +87,9 @@ struct Outage {
     connecting: bool,
 }
 
+/// Latency samples a report keeps (the first ones; 4 MiB at most per vector).
+pub const LATENCY_SAMPLES: usize = 1 << 20;
+
 /// A settled push the trainer must act on (the residual policy).
 #[derive(Debug, Clone)]
 pub struct Refused {
@@ -123,7 +126,8 @@ pub struct Driver {
     pub reconnects: u64,
     /// Bytes of every pull reply received (frame bodies, used or not).
     pub bytes_pulled: u64,
-    /// Push → outcome round trips (send to `PushOutcome`, µs), one per settled push that was sent on a live link.
+    /// Push → outcome round trips (send to `PushOutcome`, µs), one per settled push that was sent on a live link
+    /// (the first [`LATENCY_SAMPLES`]).
     pub push_latency_us: Vec<u32>,
     /// Pushes written to a link and not yet settled: (shard, clock, when).
     in_flight: std::collections::VecDeque<(usize, u64, Instant)>,
@@ -349,9 +353,11 @@ impl Driver {
                         {
                             // `position` found it, so `remove` returns it.
                             if let Some((_, _, sent)) = self.in_flight.remove(i) {
-                                self.push_latency_us.push(
-                                    sent.elapsed().as_micros().min(u128::from(u32::MAX)) as u32,
-                                );
+                                if self.push_latency_us.len() < LATENCY_SAMPLES {
+                                    self.push_latency_us
+                                        .push(sent.elapsed().as_micros().min(u128::from(u32::MAX))
+                                            as u32);
+                                }
                             }
                         }
                         if let Outcome::Refused(code) = outcome {

@@ -109,9 +109,9 @@ pub struct WorkerReport {
     pub pull_wait_seconds: f64,
     /// Time spent computing rounds (straggler waits included).
     pub compute_seconds: f64,
-    /// Each pull's wait, µs (request to a complete answer from every shard).
+    /// Each pull's wait, µs (request to a complete answer from every shard; the first `driver::LATENCY_SAMPLES`).
     pub pull_latency_us: Vec<u32>,
-    /// Each settled push's round trip, µs (sent to its outcome).
+    /// Each settled push's round trip, µs (sent to its outcome; the first `driver::LATENCY_SAMPLES`).
     pub push_latency_us: Vec<u32>,
     /// The last parameters pulled.
     pub final_params: Vec<f32>,
@@ -586,9 +586,11 @@ async fn train_loop(
         let pulled = Instant::now();
         let wait = pulled - t0;
         report.pull_wait_seconds += wait.as_secs_f64();
-        report
-            .pull_latency_us
-            .push(wait.as_micros().min(u128::from(u32::MAX)) as u32);
+        if report.pull_latency_us.len() < crate::driver::LATENCY_SAMPLES {
+            report
+                .pull_latency_us
+                .push(wait.as_micros().min(u128::from(u32::MAX)) as u32);
+        }
         // One push round: one step, or in local-step rounds up to `local` inner steps.
         let n = if local > 0 {
             local.min(total_steps - step)
