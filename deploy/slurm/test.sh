@@ -73,8 +73,8 @@ for i in $(seq 60); do sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'
 sinfo -h -o %t | grep -qE '^(idle|mix|alloc)' || fail "the node did not come up: $(sinfo -h 2>&1)"
 say "cluster up: $(sinfo -h -o '%P %D %t %c CPUs')"
 
-# Digits and a small MLP; the second run is longer (400 epochs, about 25 s), so that its worker step is cancelled
-# well before the end.
+# Digits and a small MLP; the second run is longer (2,000 epochs: about 20 s on an idle 2-core VM, more under load),
+# so that its worker step is cancelled well before the end.
 cat > "$work/base.toml" <<'EOF'
 [model]
 hidden = [64]
@@ -88,7 +88,7 @@ eval_every = 0
 every_updates = 300
 EOF
 
-sed 's/^epochs = 120$/epochs = 400/' "$work/base.toml" > "$work/long.toml"
+sed 's/^epochs = 120$/epochs = 2000/' "$work/base.toml" > "$work/long.toml"
 
 submit() { # submit NAME PORT CONFIG: starts the job in $work/NAME; prints its id
   mkdir -p "$work/$1"
@@ -131,15 +131,19 @@ say "job $job completed"
 job=$(submit cancel 17500 long)
 say "job $job submitted"
 step=""
+# Once rank 0 is connected to both shards and training (its first log line is the connection), give it a second.
 for i in $(seq 120); do
-  if grep -qs "progress" "$work/cancel/worker-0.log"; then
+  connected=$(grep -cs "reconnected" "$work/cancel/worker-0.log" || true)
+  if [ "${connected:-0}" -ge 2 ]; then
     step=$(squeue -h -s -j "$job" -o '%i %j' | awk '$2 == "workers" {print $1}' | head -n 1)
     [ -n "$step" ] && break
   fi
   sleep 0.5
 done
 [ -n "$step" ] || fail "no running worker step to cancel"
-done_before=$(grep -h "progress" "$work/cancel/worker-0.log" | tail -n 1 | sed 's/.*step=\([0-9]*\).*/\1/')
+sleep 1
+grep -qs "final evaluation" "$work/cancel/worker-0.log" && fail "the worker step ended before it could be cancelled"
+done_before=$( (grep -h "progress" "$work/cancel/worker-0.log" || true) | tail -n 1 | sed 's/.*step=\([0-9]*\).*/\1/')
 scancel "$step"
 say "cancelled worker step $step mid-run (rank 0 had logged step ${done_before:-?})"
 wait_gone "$job" 300
