@@ -9,4 +9,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "study.sh: needs root (ip netns, tc)" >&2; exit 1; }
 cargo build --release -p tether-bench -p tether-server -p tether-worker
-exec target/release/tether-bench study --out BENCHMARKS.md --plots bench/plots --repeats 3 --epochs 4 --target 0.80 "$@"
+exec "${CARGO_TARGET_DIR:-target}/release/tether-bench" study --out BENCHMARKS.md --plots bench/plots --repeats 3 --epochs 4 --target 0.80 "$@"
