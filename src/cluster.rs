@@ -64,6 +64,18 @@ pub enum ClusterError {
 /// A shard's newest public-copy cut and its values at the end of a run (`None` without delta pulls).
 pub type ShardPublic = Option<(tether_common::protocol::PublicRef, Vec<f32>)>;
 
+/// Runs `fut` to completion on a fresh actix System over a 2-thread tokio runtime (what workers and shards need).
+pub fn block_on_system<F: std::future::Future>(fut: F) -> F::Output {
+    let rt = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("cannot build a tokio runtime") // only fails when the OS refuses threads
+    };
+    actix_rt::System::with_tokio_rt(rt).block_on(fut)
+}
+
 /// A cluster of `config.cluster.servers.len()` shards and `config.cluster.workers` workers in this process.
 pub struct LocalCluster {
     /// The configuration; `cluster.servers` only sets the shard count (shards bind ephemeral loopback ports).
@@ -116,14 +128,7 @@ impl LocalCluster {
     pub fn run_with_workers(
         self,
     ) -> Result<(RunReport, Vec<WorkerReport>, Vec<ShardPublic>), ClusterError> {
-        let rt = || {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("cannot build a tokio runtime") // only fails when the OS refuses threads
-        };
-        actix_rt::System::with_tokio_rt(rt).block_on(self.run_in_system())
+        block_on_system(self.run_in_system())
     }
 
     /// Runs to completion; call from inside an actix System whose tokio runtime is multi-threaded.

@@ -4,7 +4,9 @@
 
 pub mod cluster;
 
-pub use cluster::{build_report, loopback_servers, ClusterError, LocalCluster, ShardPublic};
+pub use cluster::{
+    block_on_system, build_report, loopback_servers, ClusterError, LocalCluster, ShardPublic,
+};
 pub use tether_common as common;
 pub use tether_server as server;
 pub use tether_worker as worker;

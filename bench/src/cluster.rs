@@ -51,6 +51,15 @@ pub fn free_port(ip: &str) -> Result<u16> {
     Ok(s.local_addr()?.port())
 }
 
+/// The `[compression]` pull keys of pull `mode` (`delta` | `bf16` | `f32`); deltas use `delta_scheme`.
+pub fn pull_lines(mode: &str, delta_scheme: &str) -> String {
+    match mode {
+        "f32" => "pull = \"full\"".into(),
+        "bf16" => "pull = \"full\"\npull_bf16 = true".into(),
+        _ => format!("pull = \"delta\"\npull_scheme = \"{delta_scheme}\""),
+    }
+}
+
 /// The `[cluster]`…`[checkpoint]` text of a run.
 #[derive(Debug, Clone)]
 pub struct RunConfig {

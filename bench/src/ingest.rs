@@ -17,7 +17,8 @@ use tether_common::net::TlsFiles;
 use tether_worker::trainer::{prepare_worker, WorkerOptions, WorkerReport};
 
 use crate::cluster::{
-    certificates, cpu_seconds, free_port, hidden_for, sibling, Proc, RunConfig, Synthetic,
+    certificates, cpu_seconds, free_port, hidden_for, pull_lines, sibling, Proc, RunConfig,
+    Synthetic,
 };
 
 /// What to run.
@@ -89,15 +90,12 @@ pub struct IngestReport {
 }
 
 fn compression_lines(a: &IngestArgs) -> String {
-    let pull = match a.pull.as_str() {
-        "delta" => "pull = \"delta\"",
-        "bf16" => "pull = \"full\"\npull_bf16 = true",
-        "f32" => "pull = \"full\"",
-        other => other,
-    };
     format!(
-        "scheme = \"{}\"\nbucket = {}\nerror_feedback = true\nzstd = {}\n{pull}",
-        a.scheme, a.bucket, a.zstd
+        "scheme = \"{}\"\nbucket = {}\nerror_feedback = true\nzstd = {}\n{}",
+        a.scheme,
+        a.bucket,
+        a.zstd,
+        pull_lines(&a.pull, "q4")
     )
 }
 
@@ -227,14 +225,7 @@ pub fn run_workers(
     factory: tether_worker::trainer::ModelFactory,
     workers: u32,
 ) -> Result<Vec<WorkerReport>> {
-    let rt = || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("cannot build a tokio runtime") // only fails when the OS refuses threads
-    };
-    actix_rt::System::with_tokio_rt(rt).block_on(async {
+    tether::block_on_system(async {
         let mut tasks = Vec::new();
         for rank in 0..workers {
             let opts = WorkerOptions {

@@ -17,7 +17,7 @@ use serde::Serialize;
 use tether_bench::sim::{simulate, SimConfig};
 use tether_bench::stats::{relative_error, time_to, Spread};
 
-use crate::cluster::{certificates, cpu_seconds, sibling, Proc, RunConfig};
+use crate::cluster::{certificates, cpu_seconds, pull_lines, sibling, Proc, RunConfig};
 use crate::plot::{lines, Series};
 use tether_bench::netns::{has_netem, Rate, Star};
 
@@ -110,23 +110,22 @@ struct Env {
     train_len: u64,
 }
 
-/// How a run with push `scheme` pulls: fp32 pushes with fp32 pulls (the per-step fp32 reference), bf16 with bf16
-/// pulls, q8 with q8 deltas, q4 and q2 with q4 deltas (the default).
-fn pull_lines(scheme: &str) -> &'static str {
+/// How a run with push `scheme` pulls (`pull_lines` mode, delta scheme): fp32 pushes with fp32 pulls (the per-step
+/// fp32 reference), bf16 with bf16 pulls, q8 with q8 deltas, q4 and q2 with q4 deltas (the default).
+fn pull_of(scheme: &str) -> (&'static str, &'static str) {
     match scheme {
-        "none" => "pull = \"full\"",
-        "bf16" | "fp16" => "pull = \"full\"\npull_bf16 = true",
-        "q8" => "pull = \"delta\"\npull_scheme = \"q8\"",
-        _ => "pull = \"delta\"\npull_scheme = \"q4\"",
+        "none" => ("f32", "q4"),
+        "bf16" | "fp16" => ("bf16", "q4"),
+        "q8" => ("delta", "q8"),
+        _ => ("delta", "q4"),
     }
 }
 
-fn pull_name(scheme: &str) -> &'static str {
-    match scheme {
-        "none" => "f32",
-        "bf16" | "fp16" => "bf16",
-        "q8" => "q8 delta",
-        _ => "q4 delta",
+/// The table's name for how a run with push `scheme` pulls (`f32`, `bf16`, `q4 delta`, ...).
+fn pull_name(scheme: &str) -> String {
+    match pull_of(scheme) {
+        ("delta", delta) => format!("{delta} delta"),
+        (mode, _) => mode.to_string(),
     }
 }
 
@@ -157,7 +156,10 @@ fn real_run(env: &Env, s: &Spec, target: f64) -> Result<Outcome> {
             "scheme = \"{}\"\nerror_feedback = {}\nzstd = true\n{}",
             s.scheme,
             s.error_feedback,
-            pull_lines(&s.scheme)
+            {
+                let (mode, delta) = pull_of(&s.scheme);
+                pull_lines(mode, delta)
+            }
         ),
     };
     std::fs::write(dir.path().join("cluster.toml"), rc.text())?;
