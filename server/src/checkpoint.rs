@@ -429,7 +429,7 @@ impl CheckpointStore {
         }
         let mut skipped = Vec::new();
         for (version, path) in versions {
-            match load_dir(&path, version, layout_hash, shard, range) {
+            match verify_dir(&path, version, layout_hash, shard, range) {
                 Ok(snap) => return Ok(Some((snap, skipped))),
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "skipping checkpoint");
@@ -530,16 +530,6 @@ pub fn max_stored_bytes(elements: u64) -> u64 {
 /// Verifies checkpoint directory `path` of `version` exactly as [`CheckpointStore::load_latest`] does (manifest and
 /// file checksums, zstd checksums, layout hash, shard and range) and returns its snapshot.
 pub fn verify_dir(
-    path: &Path,
-    version: u64,
-    layout_hash: u64,
-    shard: u32,
-    range: (u64, u64),
-) -> Result<ShardSnapshot, CheckpointError> {
-    load_dir(path, version, layout_hash, shard, range)
-}
-
-fn load_dir(
     dir: &Path,
     dir_version: u64,
     layout_hash: u64,
