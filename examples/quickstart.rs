@@ -1,5 +1,6 @@
-//! The main job: train an MLP on Fashion-MNIST (or the embedded digits set when it is not installed) with M shards
-//! and N workers in one process, talking over loopback QUIC with mutual TLS, 4-bit gradients with error feedback and
+//! The main job: train an MLP on Fashion-MNIST (or the embedded digits set when it is not installed) — or, with
+//! `--model gpt`, a byte-level GPT on the King James Bible (or its embedded excerpt) — with M shards and N workers in
+//! one process, talking over loopback QUIC with mutual TLS, 4-bit gradients with error feedback and
 //! bounded staleness. Shows progress, ends with a summary table, optionally writes the JSON report and a PNG plot.
 //!
 //! `cargo run --release --example quickstart -- --help`
@@ -15,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::mpsc;
 
 use tether::common::codec::Scheme;
-use tether::common::config::{Config, DatasetKind, OptimizerKind, Schedule, Staleness};
+use tether::common::config::{Config, DatasetKind, ModelKind, OptimizerKind, Schedule, Staleness};
 use tether::common::report::RunReport;
 use tether::{loopback_servers, LocalCluster};
 
@@ -59,36 +60,55 @@ struct Args {
     /// Outer (Nesterov) momentum of local-step rounds (DiLoCo's 0.9 measured worse here at H = 4..64; README).
     #[arg(long, default_value_t = 0.5)]
     outer_momentum: f32,
-    /// Epochs (passes over each worker's partition).
-    #[arg(long, default_value_t = 30)]
-    epochs: u32,
-    /// Dataset: fashion-mnist | digits | idx | csv | libsvm.
-    #[arg(long, default_value = "fashion-mnist")]
-    dataset: DatasetKind,
+    /// Epochs (passes over each worker's partition; default 30, or 1 with --model gpt).
+    #[arg(long)]
+    epochs: Option<u32>,
+    /// Model: mlp | logreg | gpt (a byte-level transformer; see --layers --heads --dim --context --precision).
+    #[arg(long, default_value = "mlp")]
+    model: String,
+    /// GPT: transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// GPT: attention heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// GPT: embedding width.
+    #[arg(long, default_value_t = 128)]
+    dim: usize,
+    /// GPT: context in bytes.
+    #[arg(long, default_value_t = 64)]
+    context: usize,
+    /// Workers' compute precision: f32 | bf16 | f16 (bf16/f16 with dynamic loss scaling; GPT only).
+    #[arg(long, default_value = "f32")]
+    precision: tether::common::config::ComputePrecision,
+    /// Dataset: fashion-mnist | digits | idx | csv | libsvm | kjv | kjv-excerpt | text (default: fashion-mnist, or
+    /// kjv with --model gpt).
+    #[arg(long)]
+    dataset: Option<DatasetKind>,
     /// Dataset directory or file (default: /usr/share/datasets/fashion-mnist).
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Optimizer: sgd | momentum | nesterov | adam | adamw | adagrad.
     #[arg(long, default_value = "adam")]
     optimizer: String,
-    /// Learning rate.
-    #[arg(long, default_value_t = 1e-3)]
-    lr: f32,
+    /// Learning rate (default 1e-3, or 2e-3 with --model gpt).
+    #[arg(long)]
+    lr: Option<f32>,
     /// Weight decay (L2 for adam/sgd-family, decoupled for adamw).
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f32,
     /// Learning-rate schedule: cosine (linear warmup, then cosine decay over the run) or constant.
     #[arg(long, default_value = "cosine")]
     schedule: String,
-    /// Per-worker batch size.
-    #[arg(long, default_value_t = 128)]
-    batch: usize,
+    /// Per-worker batch size (default 128, or 16 windows with --model gpt).
+    #[arg(long)]
+    batch: Option<usize>,
     /// Hidden layer widths, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "256,128")]
     hidden: Vec<usize>,
-    /// Evaluate every this many steps of worker 0.
-    #[arg(long, default_value_t = 100)]
-    eval_every: u64,
+    /// Evaluate every this many steps of worker 0 (default 100, or 128 with --model gpt).
+    #[arg(long)]
+    eval_every: Option<u64>,
     /// Seed of the initial weights.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -106,6 +126,11 @@ struct Args {
 fn main() -> Result<()> {
     tether::common::logging::init("warn");
     let args = Args::parse();
+    let gpt = match args.model.as_str() {
+        "mlp" | "logreg" => false,
+        "gpt" => true,
+        o => anyhow::bail!("unknown model {o:?} (mlp|logreg|gpt)"),
+    };
     let mut cfg = Config::with_servers(loopback_servers(args.shards.max(1)));
     cfg.cluster.workers = args.workers.max(1);
     cfg.cluster.staleness = args.staleness.unwrap_or(if args.local_steps > 0 {
@@ -126,22 +151,37 @@ fn main() -> Result<()> {
         o => anyhow::bail!("unknown pull mode {o:?} (delta|bf16|f32)"),
     }
     cfg.compression.pull_scheme = args.pull_scheme;
-    cfg.train.epochs = args.epochs;
+    cfg.train.epochs = args.epochs.unwrap_or(if gpt { 1 } else { 30 });
     cfg.train.local_steps = args.local_steps;
     cfg.optimizer.outer.lr = args.outer_lr;
     cfg.optimizer.outer.momentum = args.outer_momentum;
-    cfg.train.batch = args.batch;
-    cfg.train.eval_every = args.eval_every;
+    cfg.train.batch = args.batch.unwrap_or(if gpt { 16 } else { 128 });
+    cfg.train.eval_every = args.eval_every.unwrap_or(if gpt { 128 } else { 100 });
+    cfg.train.precision = args.precision;
+    cfg.model.kind = match args.model.as_str() {
+        "gpt" => ModelKind::Gpt,
+        "logreg" => ModelKind::Logreg,
+        _ => ModelKind::Mlp,
+    };
+    cfg.model.layers = args.layers;
+    cfg.model.heads = args.heads;
+    cfg.model.dim = args.dim;
+    cfg.model.context = args.context;
     cfg.model.hidden = args.hidden.clone();
     cfg.model.seed = args.seed;
-    cfg.data.dataset = args.dataset;
+    let dataset = args.dataset.unwrap_or(if gpt {
+        DatasetKind::Kjv
+    } else {
+        DatasetKind::FashionMnist
+    });
+    cfg.data.dataset = dataset;
     if let Some(d) = &args.data_dir {
         cfg.data.path = d.clone();
-    } else if args.dataset == DatasetKind::Digits {
+    } else if dataset == DatasetKind::Digits || dataset.is_text() {
         cfg.data.path = PathBuf::new();
     }
     cfg.optimizer.kind = parse_optimizer(&args.optimizer)?;
-    cfg.optimizer.lr = args.lr;
+    cfg.optimizer.lr = args.lr.unwrap_or(if gpt { 2e-3 } else { 1e-3 });
     cfg.optimizer.weight_decay = args.weight_decay;
     cfg.optimizer.schedule = match args.schedule.as_str() {
         "constant" => Schedule::Constant,
@@ -308,8 +348,34 @@ fn print_summary(r: &RunReport) {
         ("wall time", format!("{:.1} s", r.wall_seconds)),
         ("final train loss", format!("{:.4}", r.final_train_loss)),
         (
-            "final test accuracy",
+            if r.final_bits_per_char.is_some() {
+                "final next-byte accuracy"
+            } else {
+                "final test accuracy"
+            },
             format!("{:.4}", r.final_test_accuracy),
+        ),
+        (
+            "final validation loss",
+            match (r.final_val_loss, r.final_bits_per_char) {
+                (Some(l), Some(b)) => format!("{l:.4} nats/byte = {b:.3} bits per character"),
+                (Some(l), None) => format!("{l:.4}"),
+                _ => "-".into(),
+            },
+        ),
+        (
+            "precision",
+            if r.precision == "f32" || r.precision.is_empty() {
+                "f32".to_string()
+            } else {
+                format!(
+                    "{} (loss scale {}, {} overflow skips, {} growths)",
+                    r.precision,
+                    r.final_loss_scale.unwrap_or(f64::NAN),
+                    r.loss_scale_overflows,
+                    r.loss_scale_growths
+                )
+            },
         ),
         (
             "pushed only: wire vs fp32",
@@ -389,7 +455,7 @@ fn plot(r: &RunReport, path: &Path) -> Result<()> {
     let mut loss = ChartBuilder::on(&left);
     loss.margin(15);
     if has_font {
-        loss.caption("training loss", ("sans-serif", 18))
+        loss.caption("loss: training (blue), validation (red)", ("sans-serif", 18))
             .x_label_area_size(30)
             .y_label_area_size(45);
     }
@@ -401,6 +467,35 @@ fn plot(r: &RunReport, path: &Path) -> Result<()> {
         r.loss_curve.iter().map(|p| (p.1, p.2)),
         &BLUE,
     ))?;
+    // Validation loss (red): the evaluating worker's points and the final model.
+    let val = r.val_loss_curve.iter().filter(|p| p.2.is_finite());
+    loss.draw_series(LineSeries::new(val.clone().map(|p| (p.1, p.2.min(lmax))), &RED))?;
+    loss.draw_series(val.map(|p| Circle::new((p.1, p.2.min(lmax)), 3, RED.filled())))?;
+    if r.final_bits_per_char.is_some() {
+        // Text: bits per character of the validation split.
+        let bpc: Vec<(f64, f64)> = r
+            .val_loss_curve
+            .iter()
+            .filter(|p| p.2.is_finite())
+            .map(|p| (p.1, p.2 / std::f64::consts::LN_2))
+            .collect();
+        let bmax = bpc.iter().map(|p| p.1).fold(1.0, f64::max);
+        let mut b = ChartBuilder::on(&right);
+        b.margin(15);
+        if has_font {
+            b.caption("validation bits per character", ("sans-serif", 18))
+                .x_label_area_size(30)
+                .y_label_area_size(45);
+        }
+        let mut b = b.build_cartesian_2d(0.0..tmax, 0.0..bmax)?;
+        if has_font {
+            b.configure_mesh().x_desc("seconds").draw()?;
+        }
+        b.draw_series(LineSeries::new(bpc.iter().copied(), &RED))?;
+        b.draw_series(bpc.iter().map(|&p| Circle::new(p, 3, RED.filled())))?;
+        root.present()?;
+        return Ok(());
+    }
     let mut acc = ChartBuilder::on(&right);
     acc.margin(15);
     if has_font {

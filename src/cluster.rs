@@ -309,6 +309,10 @@ impl LocalCluster {
             report.notes.push(n);
         }
         report.notes.push(format!("final test loss {test_loss:.4}"));
+        // The final point of the validation curve is the shards' final model (as `final_test_accuracy`).
+        let steps = report.steps;
+        report.val_loss_curve.push((steps, wall, f64::from(test_loss)));
+        report.finish_val_loss(cfg.data.dataset.is_text());
         Ok((report, reports, publics))
     }
 }
@@ -342,16 +346,24 @@ pub fn build_report(
         hist.merge(&s.staleness);
     }
     let workers_n = workers.len() as u64;
-    let accuracy_curve = workers
-        .iter()
-        .find(|w| !w.accuracy_curve.is_empty())
-        .map(|w| {
-            w.accuracy_curve
-                .iter()
-                .map(|&(s, t, a)| (s * workers_n.max(1), t, a))
-                .collect()
-        })
-        .unwrap_or_default();
+    // The evaluating worker's curves, with its steps scaled to the cluster's.
+    let eval_curve = |curve: fn(&WorkerReport) -> &Vec<(u64, f64, f64)>| -> Vec<(u64, f64, f64)> {
+        workers
+            .iter()
+            .find(|w| !curve(w).is_empty())
+            .map(|w| {
+                curve(w)
+                    .iter()
+                    .map(|&(s, t, a)| (s * workers_n.max(1), t, a))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let accuracy_curve = eval_curve(|w| &w.accuracy_curve);
+    // The last point of each is the worker's own final evaluation; the caller adds the shards' final model.
+    let mut val_loss_curve = eval_curve(|w| &w.val_loss_curve);
+    val_loss_curve.pop();
+    let precision: Vec<_> = workers.iter().filter_map(|w| w.precision).collect();
     RunReport {
         steps: workers.iter().map(|w| w.steps).sum(),
         wall_seconds,
@@ -373,6 +385,13 @@ pub fn build_report(
         staleness_histogram: hist.report_buckets(),
         loss_curve,
         accuracy_curve,
+        val_loss_curve,
+        loss_scale_overflows: precision.iter().map(|p| p.overflows).sum(),
+        loss_scale_growths: precision.iter().map(|p| p.growths).sum(),
+        final_loss_scale: precision
+            .iter()
+            .map(|p| f64::from(p.loss_scale))
+            .reduce(f64::min),
         nonfinite_skipped: workers.iter().map(|w| w.nonfinite_skipped).sum(),
         pushes_refused: workers.iter().map(|w| w.pushes_refused).sum(),
         stale_replies_dropped: workers.iter().map(|w| w.stale_replies_dropped).sum(),

@@ -160,6 +160,43 @@ pub enum ModelKind {
     Mlp,
     /// Multinomial logistic regression.
     Logreg,
+    /// Decoder-only byte-level transformer (candle; `[model] layers heads dim context`), trained on a text dataset.
+    Gpt,
+}
+
+/// Arithmetic of a worker's forward and backward pass (`train.precision`); the shards always keep fp32 weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputePrecision {
+    /// fp32 throughout.
+    #[default]
+    F32,
+    /// bfloat16 matmuls and activations; layer norms, softmax statistics and the loss in fp32; dynamic loss scaling.
+    Bf16,
+    /// IEEE half precision, same policy as bf16 (loss scaling matters here: f16 overflows at 65504).
+    F16,
+}
+
+impl FromStr for ComputePrecision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" | "fp32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            "f16" | "fp16" => Ok(Self::F16),
+            o => Err(format!("unknown precision {o:?} (f32|bf16|f16)")),
+        }
+    }
+}
+
+impl fmt::Display for ComputePrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        })
+    }
 }
 
 /// `[model]`: what is trained.
@@ -182,6 +219,18 @@ pub struct ModelConfig {
     /// Number of classes (default 10 for the built-in datasets; required for csv/libsvm).
     #[serde(default)]
     pub classes: Option<usize>,
+    /// GPT: transformer blocks (default 4).
+    #[serde(default = "d_gpt_layers")]
+    pub layers: usize,
+    /// GPT: attention heads per block (default 4; must divide `dim`).
+    #[serde(default = "d_gpt_heads")]
+    pub heads: usize,
+    /// GPT: embedding width (default 128).
+    #[serde(default = "d_gpt_dim")]
+    pub dim: usize,
+    /// GPT: context length in bytes (default 64).
+    #[serde(default = "d_gpt_context")]
+    pub context: usize,
 }
 
 /// Supported dataset sources.
@@ -203,6 +252,23 @@ pub enum DatasetKind {
     /// libsvm / svmlight sparse text.
     #[serde(rename = "libsvm")]
     Libsvm,
+    /// The King James Bible (public domain) from Debian's `bible-kjv-text`, decoded by its `bible` program; the
+    /// embedded excerpt when the package is not installed. Byte-level language modelling (GPT).
+    #[serde(rename = "kjv")]
+    Kjv,
+    /// Always the embedded KJV excerpt (the Pentateuch, ~0.9 MB), identical on every machine (tests).
+    #[serde(rename = "kjv-excerpt")]
+    KjvExcerpt,
+    /// Any text file at `data.path`, byte-level (GPT).
+    #[serde(rename = "text")]
+    Text,
+}
+
+impl DatasetKind {
+    /// Whether this is a byte-level text corpus (for language models) rather than labelled rows.
+    pub fn is_text(self) -> bool {
+        matches!(self, Self::Kjv | Self::KjvExcerpt | Self::Text)
+    }
 }
 
 impl FromStr for DatasetKind {
@@ -214,8 +280,11 @@ impl FromStr for DatasetKind {
             "idx" => Ok(Self::Idx),
             "csv" => Ok(Self::Csv),
             "libsvm" => Ok(Self::Libsvm),
+            "kjv" => Ok(Self::Kjv),
+            "kjv-excerpt" => Ok(Self::KjvExcerpt),
+            "text" => Ok(Self::Text),
             o => Err(format!(
-                "unknown dataset {o:?} (fashion-mnist|digits|idx|csv|libsvm)"
+                "unknown dataset {o:?} (fashion-mnist|digits|idx|csv|libsvm|kjv|kjv-excerpt|text)"
             )),
         }
     }
@@ -229,6 +298,9 @@ impl fmt::Display for DatasetKind {
             Self::Idx => "idx",
             Self::Csv => "csv",
             Self::Libsvm => "libsvm",
+            Self::Kjv => "kjv",
+            Self::KjvExcerpt => "kjv-excerpt",
+            Self::Text => "text",
         })
     }
 }
@@ -272,6 +344,15 @@ pub struct TrainConfig {
     /// round (default 0: a gradient push every step, `[optimizer]` on the shards).
     #[serde(default)]
     pub local_steps: u32,
+    /// Arithmetic of the workers' forward/backward (default f32; bf16 and f16 for candle models, the GPT).
+    #[serde(default)]
+    pub precision: ComputePrecision,
+    /// Initial dynamic loss scale for bf16/f16 (default 65536 = 2^16).
+    #[serde(default = "d_loss_scale")]
+    pub loss_scale: f32,
+    /// Clean steps after which the loss scale doubles (default 200).
+    #[serde(default = "d_loss_scale_window")]
+    pub loss_scale_window: u32,
 }
 
 /// Optimizer families applied by the server shards.
@@ -417,6 +498,10 @@ impl Default for ModelConfig {
             seed: d_seed(),
             features: None,
             classes: None,
+            layers: d_gpt_layers(),
+            heads: d_gpt_heads(),
+            dim: d_gpt_dim(),
+            context: d_gpt_context(),
         }
     }
 }
@@ -438,6 +523,9 @@ impl Default for TrainConfig {
             clip_norm: d_clip_norm(),
             seed: d_data_seed(),
             local_steps: 0,
+            precision: ComputePrecision::default(),
+            loss_scale: d_loss_scale(),
+            loss_scale_window: d_loss_scale_window(),
         }
     }
 }
@@ -503,6 +591,24 @@ fn d_hidden() -> Vec<usize> {
 }
 fn d_seed() -> u64 {
     42
+}
+fn d_gpt_layers() -> usize {
+    4
+}
+fn d_gpt_heads() -> usize {
+    4
+}
+fn d_gpt_dim() -> usize {
+    128
+}
+fn d_gpt_context() -> usize {
+    64
+}
+fn d_loss_scale() -> f32 {
+    65536.0
+}
+fn d_loss_scale_window() -> u32 {
+    200
 }
 fn d_data_path() -> PathBuf {
     default_data_dir()
@@ -789,6 +895,24 @@ impl Config {
         if self.model.kind == ModelKind::Mlp && self.model.hidden.contains(&0) {
             return bad("model.hidden", "layer widths must be positive");
         }
+        if self.model.kind == ModelKind::Gpt {
+            let m = &self.model;
+            if m.layers == 0 || m.layers > 64 || m.context == 0 || m.context > 4096 {
+                return bad("model.layers/context", "need 1..=64 layers and a context of 1..=4096");
+            }
+            if m.heads == 0 || m.dim == 0 || m.dim % m.heads != 0 || m.dim > 8192 {
+                return bad("model.heads/dim", "dim must be a positive multiple of heads, at most 8192");
+            }
+            if !self.data.dataset.is_text() {
+                return bad("data.dataset", "a GPT trains on a text dataset (kjv, kjv-excerpt, text)");
+            }
+        }
+        if !(self.train.loss_scale >= 1.0 && self.train.loss_scale <= 1.0e30) {
+            return bad("train.loss_scale", "must be in [1, 1e30]");
+        }
+        if self.train.loss_scale_window == 0 {
+            return bad("train.loss_scale_window", "must be at least 1");
+        }
         if self.model.features == Some(0) || self.model.classes.is_some_and(|c| c < 2) {
             return bad(
                 "model.features/classes",
@@ -828,10 +952,20 @@ impl Config {
 
     /// Input width and class count of the model: from `[model]` when given, else from the dataset kind.
     pub fn model_io(&self) -> Result<(usize, usize), ConfigError> {
+        if self.model.kind == ModelKind::Gpt {
+            // A GPT reads `context` byte tokens and predicts one of 256 bytes.
+            return Ok((self.model.context, 256));
+        }
         let (f, c) = match self.data.dataset {
             DatasetKind::FashionMnist | DatasetKind::Idx => (Some(784), Some(10)),
             DatasetKind::Digits => (Some(64), Some(10)),
             DatasetKind::Csv | DatasetKind::Libsvm => (None, None),
+            DatasetKind::Kjv | DatasetKind::KjvExcerpt | DatasetKind::Text => {
+                return Err(ConfigError::Invalid {
+                    key: "model.kind",
+                    reason: format!("dataset {} is text: it needs model.kind = \"gpt\"", self.data.dataset),
+                })
+            }
         };
         let features = self.model.features.or(f).ok_or(ConfigError::Invalid {
             key: "model.features",
@@ -857,7 +991,21 @@ impl Config {
 
     /// The parameter layout of the configured model (servers and workers must agree on it).
     pub fn layout(&self) -> Result<crate::layout::Layout, ConfigError> {
+        if self.model.kind == ModelKind::Gpt {
+            return Ok(crate::layout::gpt_layout(&self.gpt_shape()));
+        }
         Ok(crate::layout::mlp_layout(&self.model_dims()?))
+    }
+
+    /// The GPT's shape from `[model]` (byte vocabulary).
+    pub fn gpt_shape(&self) -> crate::layout::GptShape {
+        crate::layout::GptShape {
+            vocab: 256,
+            context: self.model.context,
+            layers: self.model.layers,
+            heads: self.model.heads,
+            dim: self.model.dim,
+        }
     }
 
     /// A default configuration for the given server addresses.

@@ -17,6 +17,16 @@ pub enum Init {
         /// Half-width of the interval.
         bound: f32,
     },
+    /// Normal with mean 0 and this standard deviation (transformer weights, candle's `Randn`).
+    Normal {
+        /// Standard deviation.
+        std: f32,
+    },
+    /// Every value equal to `value` (layer-norm gains are ones).
+    Const {
+        /// The value.
+        value: f32,
+    },
 }
 
 /// One named tensor of the layout.
@@ -116,6 +126,14 @@ impl Layout {
                     h.write(&[1]);
                     h.write(&bound.to_le_bytes());
                 }
+                Init::Normal { std } => {
+                    h.write(&[2]);
+                    h.write(&std.to_le_bytes());
+                }
+                Init::Const { value } => {
+                    h.write(&[3]);
+                    h.write(&value.to_le_bytes());
+                }
             }
         }
         h.finish()
@@ -155,6 +173,18 @@ impl Layout {
                         *v = (2.0 * u - 1.0) * bound;
                     }
                 }
+                Init::Normal { std } => {
+                    for (k, v) in dst.iter_mut().enumerate() {
+                        let idx = (lo + k) as u64;
+                        let r = splitmix64(seed ^ splitmix64((ti as u64) << 40 ^ idx));
+                        // Box–Muller on two 32-bit halves: u1 in (0, 1], u2 in [0, 1).
+                        let u1 = ((r >> 32) as f64 + 1.0) / (1u64 << 32) as f64;
+                        let u2 = (r & 0xffff_ffff) as f64 / (1u64 << 32) as f64;
+                        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+                        *v = (z * f64::from(std)) as f32;
+                    }
+                }
+                Init::Const { value } => dst.fill(value),
             }
         }
     }
@@ -185,6 +215,66 @@ pub fn mlp_layout(dims: &[usize]) -> Layout {
             Init::Zeros,
         ));
     }
+    Layout::new(specs)
+}
+
+/// Shape of the built-in GPT (nanoGPT's naming): a byte-level decoder-only transformer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptShape {
+    /// Vocabulary size (256: bytes).
+    pub vocab: usize,
+    /// Context length in tokens.
+    pub context: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads per block (divides `dim`).
+    pub heads: usize,
+    /// Embedding width.
+    pub dim: usize,
+}
+
+impl GptShape {
+    /// Number of parameters: `layers × (12·dim² + 13·dim) + (vocab + context + 2)·dim`.
+    pub fn params(&self) -> usize {
+        let c = self.dim;
+        self.layers * (12 * c * c + 13 * c) + (self.vocab + self.context + 2) * c
+    }
+}
+
+/// The layout of the built-in GPT. Weights are `[in, out]` (`y = x·W + b`), normal(0, 0.02) like GPT-2, with the
+/// residual projections (`attn.proj`, `mlp.proj`) scaled by 1/√(2·layers); biases zero; layer-norm gains one. The
+/// output head is tied to `wte` (no separate tensor). Servers and workers both build the GPT's layout from this
+/// function; the candle model checks every tensor it creates against it.
+pub fn gpt_layout(g: &GptShape) -> Layout {
+    let c = g.dim;
+    let w = Init::Normal { std: 0.02 };
+    let proj = Init::Normal {
+        std: (0.02 / (2.0 * g.layers as f64).sqrt()) as f32,
+    };
+    let (zeros, ones) = (Init::Zeros, Init::Const { value: 1.0 });
+    let mut specs = vec![
+        TensorSpec::new("wte", &[g.vocab, c], w),
+        TensorSpec::new("wpe", &[g.context, c], w),
+    ];
+    for l in 0..g.layers {
+        let t = |s: &str| format!("h.{l}.{s}");
+        specs.extend([
+            TensorSpec::new(t("ln_1.weight"), &[c], ones),
+            TensorSpec::new(t("ln_1.bias"), &[c], zeros),
+            TensorSpec::new(t("attn.qkv.weight"), &[c, 3 * c], w),
+            TensorSpec::new(t("attn.qkv.bias"), &[3 * c], zeros),
+            TensorSpec::new(t("attn.proj.weight"), &[c, c], proj),
+            TensorSpec::new(t("attn.proj.bias"), &[c], zeros),
+            TensorSpec::new(t("ln_2.weight"), &[c], ones),
+            TensorSpec::new(t("ln_2.bias"), &[c], zeros),
+            TensorSpec::new(t("mlp.fc.weight"), &[c, 4 * c], w),
+            TensorSpec::new(t("mlp.fc.bias"), &[4 * c], zeros),
+            TensorSpec::new(t("mlp.proj.weight"), &[4 * c, c], proj),
+            TensorSpec::new(t("mlp.proj.bias"), &[c], zeros),
+        ]);
+    }
+    specs.push(TensorSpec::new("ln_f.weight", &[c], ones));
+    specs.push(TensorSpec::new("ln_f.bias", &[c], zeros));
     Layout::new(specs)
 }
 

@@ -91,6 +91,28 @@ pub struct RunReport {
     /// Extension: seconds the workers spent computing rounds, summed over workers.
     #[serde(default)]
     pub compute_seconds: f64,
+    /// Extension: mean loss on the test/validation set over time: `[step, seconds, loss]` (nats per prediction).
+    #[serde(default)]
+    pub val_loss_curve: Vec<(u64, f64, f64)>,
+    /// Extension: validation loss of the final model (nats per prediction).
+    #[serde(default)]
+    pub final_val_loss: Option<f64>,
+    /// Extension: text models: the final validation loss in bits per character (byte), `final_val_loss / ln 2`.
+    #[serde(default)]
+    pub final_bits_per_char: Option<f64>,
+    /// Extension: the workers' compute precision (`f32`, `bf16`, `f16`).
+    #[serde(default)]
+    pub precision: String,
+    /// Extension: steps skipped because the loss-scaled gradient overflowed (each halved the scale), summed over
+    /// workers.
+    #[serde(default)]
+    pub loss_scale_overflows: u64,
+    /// Extension: times a worker's loss scale doubled after a clean window, summed over workers.
+    #[serde(default)]
+    pub loss_scale_growths: u64,
+    /// Extension: the loss scale at the end (the smallest over workers).
+    #[serde(default)]
+    pub final_loss_scale: Option<f64>,
     /// Extension: free-form notes (e.g. "fashion-mnist not found, trained on digits").
     #[serde(default)]
     pub notes: Vec<String>,
@@ -106,9 +128,19 @@ impl RunReport {
             .iter()
             .map(|d| d.to_string())
             .collect();
+        let model = if cfg.model.kind == crate::config::ModelKind::Gpt {
+            let m = &cfg.model;
+            format!(
+                "gpt {}L {}H {}d ctx{} (bytes)",
+                m.layers, m.heads, m.dim, m.context
+            )
+        } else {
+            format!("{:?} {}", cfg.model.kind, dims.join("-")).to_lowercase()
+        };
         RunReport {
             dataset: cfg.data.dataset.to_string(),
-            model: format!("{:?} {}", cfg.model.kind, dims.join("-")).to_lowercase(),
+            model,
+            precision: cfg.train.precision.to_string(),
             params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
             workers: cfg.cluster.workers,
             shards: cfg.cluster.servers.len() as u32,
@@ -127,6 +159,15 @@ impl RunReport {
             final_test_accuracy: f64::NAN,
             ..RunReport::default()
         }
+    }
+
+    /// Sets `final_val_loss` and, for text corpora, `final_bits_per_char` from the last point of `val_loss_curve`.
+    pub fn finish_val_loss(&mut self, text: bool) {
+        self.final_val_loss = self.val_loss_curve.last().map(|v| v.2);
+        self.final_bits_per_char = self
+            .final_val_loss
+            .filter(|_| text)
+            .map(|l| l / std::f64::consts::LN_2);
     }
 
     /// Wire bytes pushed as a fraction of fp32 (0 when nothing was pushed).

@@ -85,6 +85,10 @@ pub struct WorkerReport {
     pub loss_curve: Vec<(u64, f64, f64)>,
     /// `(step, seconds, accuracy)` for every evaluation.
     pub accuracy_curve: Vec<(u64, f64, f64)>,
+    /// `(step, seconds, mean loss on the test/validation set)` for every evaluation.
+    pub val_loss_curve: Vec<(u64, f64, f64)>,
+    /// Mixed-precision statistics of the model (bf16/f16 candle models).
+    pub precision: Option<model::PrecisionStats>,
     /// Encoded push bytes.
     pub wire_bytes_pushed: u64,
     /// What per-step f32 synchronization would have pushed for the same steps.
@@ -253,7 +257,28 @@ impl Handler<Credit> for WorkerActor {
 }
 
 impl Message for Evaluate {
-    type Result = (f32, Vec<f32>);
+    type Result = Evaluated;
+}
+
+/// What an evaluation measured, and the parameter buffer back.
+struct Evaluated {
+    accuracy: f32,
+    loss: f32,
+    params: Vec<f32>,
+}
+
+/// The model's mixed-precision statistics.
+struct PrecisionQuery;
+
+impl Message for PrecisionQuery {
+    type Result = Option<model::PrecisionStats>;
+}
+
+impl Handler<PrecisionQuery> for WorkerActor {
+    type Result = Option<model::PrecisionStats>;
+    fn handle(&mut self, _: PrecisionQuery, _: &mut Context<Self>) -> Self::Result {
+        self.engine.model_mut().precision_stats()
+    }
 }
 
 /// The compute side of a worker, on its own Arbiter: model, data partition, error feedback, encoders.
@@ -352,11 +377,23 @@ impl Handler<LocalRound> for WorkerActor {
 impl Handler<Evaluate> for WorkerActor {
     type Result = MessageResult<Evaluate>;
     fn handle(&mut self, msg: Evaluate, _: &mut Context<Self>) -> Self::Result {
-        let acc = match &self.test {
-            Some(t) => model::accuracy(self.engine.model_mut(), &msg.params, &t.x, &t.y, 1000),
-            None => f32::NAN,
+        let (accuracy, loss) = match &self.test {
+            Some(t) => {
+                // Chunks of 256 rows bound the activations of large models (a GPT's are rows × context wide).
+                let chunk = if self.train.features > 256 { 1000 } else { 256 };
+                let m = self.engine.model_mut();
+                (
+                    model::accuracy(m, &msg.params, &t.x, &t.y, chunk),
+                    model::mean_loss(m, &msg.params, &t.x, &t.y, chunk),
+                )
+            }
+            None => (f32::NAN, f32::NAN),
         };
-        MessageResult((acc, msg.params))
+        MessageResult(Evaluated {
+            accuracy,
+            loss,
+            params: msg.params,
+        })
     }
 }
 
@@ -377,10 +414,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     let cfg = &opts.config;
     let model: Box<dyn Model> = match &opts.model {
         Some(factory) => factory(),
-        None => {
-            let (features, classes) = cfg.model_io()?;
-            model::build(&cfg.model, features, classes)
-        }
+        None => model::build_for(cfg).map_err(|e| WorkerError::Data(format!("model: {e}")))?,
     };
     let (features, classes) = (model.features(), model.classes());
     if opts.train.features != features || opts.train.classes > classes {
@@ -557,7 +591,7 @@ async fn evaluate(
     d: &mut Driver,
     addr: &Addr<WorkerActor>,
     params: Vec<f32>,
-) -> Result<(f32, Vec<f32>), WorkerError> {
+) -> Result<Evaluated, WorkerError> {
     d.while_running(addr.send(Evaluate { params }))
         .await?
         .map_err(|_| WorkerError::ActorGone)
@@ -665,12 +699,12 @@ async fn train_loop(
             && step / eval_every > (step - n) / eval_every
             && step < total_steps
         {
-            let (acc, p) = evaluate(d, addr, params).await?;
-            params = p;
-            report
-                .accuracy_curve
-                .push((step, started.elapsed().as_secs_f64(), f64::from(acc)));
-            accuracy = Some(acc);
+            let e = evaluate(d, addr, params).await?;
+            params = e.params;
+            let secs = started.elapsed().as_secs_f64();
+            report.accuracy_curve.push((step, secs, f64::from(e.accuracy)));
+            report.val_loss_curve.push((step, secs, f64::from(e.loss)));
+            accuracy = Some(e.accuracy);
         }
         let (wire, fp32) = if outcome.finite { (wire, fp32) } else { (0, 0) };
         if let Some(m) = &opts.metrics {
@@ -711,13 +745,17 @@ async fn train_loop(
         // The final model: one more pull (it waits, as any pull, until the others are within the bound).
         d.pull(&mut params).await?;
         report.fp32_bytes_pulled += 4 * n_params as u64;
-        let (acc, p) = evaluate(d, addr, params).await?;
-        params = p;
-        report
-            .accuracy_curve
-            .push((step, started.elapsed().as_secs_f64(), f64::from(acc)));
-        info!(rank, step, accuracy = acc, "final evaluation");
+        let e = evaluate(d, addr, params).await?;
+        params = e.params;
+        let secs = started.elapsed().as_secs_f64();
+        report.accuracy_curve.push((step, secs, f64::from(e.accuracy)));
+        report.val_loss_curve.push((step, secs, f64::from(e.loss)));
+        info!(rank, step, accuracy = e.accuracy, val_loss = e.loss, "final evaluation");
     }
+    report.precision = d
+        .while_running(addr.send(PrecisionQuery))
+        .await?
+        .map_err(|_| WorkerError::ActorGone)?;
     report.steps = step;
     report.wall_seconds = started.elapsed().as_secs_f64();
     report.final_params = params;
@@ -730,6 +768,24 @@ async fn train_loop(
 pub fn load_data(
     cfg: &mut Config,
 ) -> Result<(Dataset, Dataset, Option<String>), crate::data::DataError> {
+    if cfg.data.dataset.is_text() {
+        return match crate::data::load_text(&cfg.data, cfg.model.context) {
+            Ok((train, val, _)) => Ok((train, val, None)),
+            Err(crate::data::DataError::NotFound { path, .. })
+                if cfg.data.dataset == tether_common::config::DatasetKind::Kjv =>
+            {
+                let note = format!(
+                    "the KJV is not installed ({} missing; apt-get install bible-kjv bible-kjv-text); training on \
+                     the embedded excerpt (Genesis–Deuteronomy, 0.8 MB) instead",
+                    path.display()
+                );
+                cfg.data.dataset = tether_common::config::DatasetKind::KjvExcerpt;
+                let (train, val, _) = crate::data::load_text(&cfg.data, cfg.model.context)?;
+                Ok((train, val, Some(note)))
+            }
+            Err(e) => Err(e),
+        };
+    }
     match crate::data::load(&cfg.data) {
         Ok((train, test, _)) => Ok((train, test, None)),
         Err(crate::data::DataError::NotFound { .. })
@@ -752,7 +808,7 @@ pub fn load_data(
 /// A run report holding one worker's view (shard-side counters are in the servers' reports).
 pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::report::RunReport {
     let final_train_loss = tether_common::report::final_loss(&r.loss_curve);
-    tether_common::report::RunReport {
+    let mut report = tether_common::report::RunReport {
         steps: r.steps,
         wall_seconds: r.wall_seconds,
         final_train_loss,
@@ -764,6 +820,10 @@ pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::repor
         max_clock_lead_observed: r.max_clock_lead,
         loss_curve: r.loss_curve.clone(),
         accuracy_curve: r.accuracy_curve.clone(),
+        val_loss_curve: r.val_loss_curve.clone(),
+        loss_scale_overflows: r.precision.map_or(0, |p| p.overflows),
+        loss_scale_growths: r.precision.map_or(0, |p| p.growths),
+        final_loss_scale: r.precision.map(|p| f64::from(p.loss_scale)),
         nonfinite_skipped: r.nonfinite_skipped,
         pushes_refused: r.pushes_refused,
         stale_replies_dropped: r.stale_replies_dropped,
@@ -771,7 +831,9 @@ pub fn worker_run_report(cfg: &Config, r: &WorkerReport) -> tether_common::repor
         pull_wait_seconds: r.pull_wait_seconds,
         compute_seconds: r.compute_seconds,
         ..tether_common::report::RunReport::for_config(cfg)
-    }
+    };
+    report.finish_val_loss(cfg.data.dataset.is_text());
+    report
 }
 
 #[cfg(test)]

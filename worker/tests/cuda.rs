@@ -69,6 +69,7 @@ fn without_the_feature_everything_is_not_compiled_with_cuda() {
         seed: 1,
         features: None,
         classes: None,
+        ..Default::default()
     };
     assert!(matches!(
         backend::cuda::model_factory(0, &cfg, 4, 3),

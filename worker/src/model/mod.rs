@@ -4,13 +4,18 @@
 //! caller-owned slice of `layout().len()` values. Results are a deterministic function of (params, x, y): repeated
 //! calls give bit-identical gradients. Users plug in their own gradient computation by implementing [`Model`].
 
+pub mod candle;
+mod gpt;
+mod ops;
 mod logreg;
 mod mlp;
 
+pub use self::candle::{CandleError, CandleModel, CandleModule, LossScaler, PrecisionStats};
+pub use gpt::{gpt_model, Gpt};
 pub use logreg::LogReg;
 pub use mlp::Mlp;
 
-use tether_common::config::{ModelConfig, ModelKind};
+use tether_common::config::{ComputePrecision, Config, ModelConfig, ModelKind};
 use tether_common::layout::Layout;
 
 /// A differentiable model over a flat parameter vector.
@@ -41,6 +46,11 @@ pub trait Model: Send {
     fn loss(&mut self, params: &[f32], x: &[f32], y: &[u32]) -> f32 {
         let mut scratch = vec![0.0; self.layout().len()];
         self.loss_and_grad(params, x, y, &mut scratch)
+    }
+
+    /// Mixed-precision statistics (loss scale, overflows), for models that compute in bf16/f16.
+    fn precision_stats(&self) -> Option<PrecisionStats> {
+        None
     }
 }
 
@@ -88,9 +98,45 @@ pub fn mean_loss(model: &mut dyn Model, params: &[f32], x: &[f32], y: &[u32], ch
 /// The built-in model named by the `[model]` config section, for `features` inputs and `classes` outputs.
 ///
 /// The initial parameters are `model.layout().init_all(cfg.seed)`.
+/// For the GPT, `features` is the context and `classes` the vocabulary, computing in f32.
 pub fn build(cfg: &ModelConfig, features: usize, classes: usize) -> Box<dyn Model> {
     match cfg.kind {
         ModelKind::Mlp => Box::new(Mlp::new(features, &cfg.hidden, classes)),
         ModelKind::Logreg => Box::new(LogReg::new(features, classes)),
+        ModelKind::Gpt => {
+            let shape = tether_common::layout::GptShape {
+                vocab: classes,
+                context: features,
+                layers: cfg.layers,
+                heads: cfg.heads,
+                dim: cfg.dim,
+            };
+            // The module asks for exactly gpt_layout's tensors (a unit test builds every shape kind), so this
+            // cannot fail for a validated config.
+            Box::new(gpt_model(shape, ComputePrecision::F32).expect("the GPT matches its own layout"))
+        }
     }
+}
+
+/// The model a worker of `cfg` trains: [`build`], with the GPT in `train.precision` and, below f32, dynamic loss
+/// scaling from `train.loss_scale` doubling every `train.loss_scale_window` clean steps.
+pub fn build_for(cfg: &Config) -> Result<Box<dyn Model>, CandleError> {
+    let precision = cfg.train.precision;
+    if cfg.model.kind != ModelKind::Gpt {
+        if precision != ComputePrecision::F32 {
+            return Err(CandleError::Candle(candle_core::Error::Msg(format!(
+                "train.precision = {precision} needs a candle model (model.kind = \"gpt\"); {:?} computes in f32",
+                cfg.model.kind
+            ))));
+        }
+        let (features, classes) = cfg
+            .model_io()
+            .map_err(|e| CandleError::Candle(candle_core::Error::Msg(e.to_string())))?;
+        return Ok(build(&cfg.model, features, classes));
+    }
+    let model = gpt_model(cfg.gpt_shape(), precision)?;
+    Ok(match precision {
+        ComputePrecision::F32 => Box::new(model),
+        _ => Box::new(model.with_loss_scaling(cfg.train.loss_scale, cfg.train.loss_scale_window)),
+    })
 }

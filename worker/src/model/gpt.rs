@@ -1,0 +1,235 @@
+//! The built-in GPT: a decoder-only, byte-level transformer written as an ordinary candle module and trained
+//! through [`CandleModel`]. Token and position embeddings, pre-norm blocks of causal multi-head self-attention and a
+//! GELU (tanh) MLP, a final layer norm and an output head tied to the token embedding; nanoGPT's CPU configuration by
+//! default (4 layers, 4 heads, 128 wide, 64-byte context, 0.83 M parameters). Its tensors are exactly
+//! [`gpt_layout`]'s, which the shards build without candle. A sample is `context` bytes and its label the byte that
+//! follows ([`crate::data::windows`]); the loss is the mean cross-entropy of all `context` next-byte predictions of
+//! the window, the prediction the byte after the window. Mixed precision: matmuls, attention and the MLP run in the
+//! compute dtype; layer norms, the softmax of the attention and the loss in f32.
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::VarBuilder;
+
+use tether_common::config::ComputePrecision;
+use tether_common::layout::{gpt_layout, GptShape};
+
+use super::candle::{CandleError, CandleModel, CandleModule};
+
+/// Layer-norm epsilon (GPT-2's).
+const LN_EPS: f64 = 1e-5;
+
+/// One layer norm's gain and bias.
+struct Norm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Norm {
+    fn new(vb: &VarBuilder<'_>, c: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            weight: vb.get(c, "weight")?,
+            bias: vb.get(c, "bias")?,
+        })
+    }
+
+    /// Normalises the last dimension in f32 and returns the compute dtype.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?;
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let xn = xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
+        xn.broadcast_mul(&self.weight.to_dtype(DType::F32)?)?
+            .broadcast_add(&self.bias.to_dtype(DType::F32)?)?
+            .to_dtype(dtype)
+    }
+}
+
+/// `y = x·W + b` with W `[in, out]`, on rows.
+struct Dense {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Dense {
+    fn new(vb: &VarBuilder<'_>, i: usize, o: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            weight: vb.get((i, o), "weight")?,
+            bias: vb.get(o, "bias")?,
+        })
+    }
+}
+
+impl Module for Dense {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        mm(x, &self.weight)?.broadcast_add(&self.bias)
+    }
+}
+
+/// `a·b` in the operands' dtype. Candle's CPU matmul has no bf16 kernel, so bf16 operands are multiplied as a bf16
+/// tensor core does: the bf16 values exactly, accumulated in f32, the product rounded to bf16 (and so is its
+/// gradient, by the casts' backward).
+fn mm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if a.dtype() == DType::BF16 {
+        a.to_dtype(DType::F32)?
+            .matmul(&b.to_dtype(DType::F32)?)?
+            .to_dtype(DType::BF16)
+    } else {
+        a.matmul(b)
+    }
+}
+
+/// One pre-norm transformer block.
+struct Block {
+    ln_1: Norm,
+    qkv: Dense,
+    proj: Dense,
+    ln_2: Norm,
+    fc: Dense,
+    mlp_proj: Dense,
+}
+
+/// The GPT module.
+pub struct Gpt {
+    shape: GptShape,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: Norm,
+    /// `[context, context]`: 0 on and below the diagonal, −∞ above (f32).
+    mask: Tensor,
+    dtype: DType,
+}
+
+impl Gpt {
+    /// Asks `vb` for the tensors of [`gpt_layout`], in its order.
+    pub fn new(vb: VarBuilder<'_>, shape: GptShape) -> candle_core::Result<Self> {
+        let c = shape.dim;
+        let wte = vb.get((shape.vocab, c), "wte")?;
+        let wpe = vb.get((shape.context, c), "wpe")?;
+        let mut blocks = Vec::with_capacity(shape.layers);
+        for l in 0..shape.layers {
+            let b = vb.pp(format!("h.{l}"));
+            blocks.push(Block {
+                ln_1: Norm::new(&b.pp("ln_1"), c)?,
+                qkv: Dense::new(&b.pp("attn.qkv"), c, 3 * c)?,
+                proj: Dense::new(&b.pp("attn.proj"), c, c)?,
+                ln_2: Norm::new(&b.pp("ln_2"), c)?,
+                fc: Dense::new(&b.pp("mlp.fc"), c, 4 * c)?,
+                mlp_proj: Dense::new(&b.pp("mlp.proj"), 4 * c, c)?,
+            });
+        }
+        let ln_f = Norm::new(&vb.pp("ln_f"), c)?;
+        let t = shape.context;
+        let mask: Vec<f32> = (0..t * t)
+            .map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+        Ok(Self {
+            shape,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            mask,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The model's shape.
+    pub fn shape(&self) -> GptShape {
+        self.shape
+    }
+
+    /// Token ids `[rows, context]` of a batch of windows.
+    fn ids(&self, x: &[f32], rows: usize) -> candle_core::Result<Tensor> {
+        // Window bytes are 0..=255 (data::windows); anything else is clamped into the vocabulary.
+        let v = (self.shape.vocab - 1) as f32;
+        let ids: Vec<u32> = x.iter().map(|&b| b.clamp(0.0, v) as u32).collect();
+        Tensor::from_vec(ids, (rows, self.shape.context), &Device::Cpu)
+    }
+
+    /// The final hidden states `[rows·context, dim]` (compute dtype).
+    fn hidden(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let (c, nh) = (self.shape.dim, self.shape.heads);
+        let hs = c / nh;
+        let tok = self.wte.embedding(&ids.flatten_all()?)?.reshape((b, t, c))?;
+        let mut h = tok.broadcast_add(&self.wpe.narrow(0, 0, t)?)?;
+        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        let scale = 1.0 / (hs as f64).sqrt();
+        for blk in &self.blocks {
+            let a = blk.ln_1.forward(&h)?.reshape((b * t, c))?;
+            let qkv = blk
+                .qkv
+                .forward(&a)?
+                .reshape((b, t, 3, nh, hs))?
+                .permute((2, 0, 3, 1, 4))?;
+            let q = qkv.get(0)?.contiguous()?;
+            let k = qkv.get(1)?.contiguous()?;
+            let v = qkv.get(2)?.contiguous()?;
+            let att = (mm(&q, &k.t()?)? * scale)?
+                .to_dtype(DType::F32)?
+                .broadcast_add(&mask)?;
+            let att = softmax_last(&att)?.to_dtype(self.dtype)?;
+            let y = mm(&att, &v)?
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((b * t, c))?;
+            h = (h + blk.proj.forward(&y)?.reshape((b, t, c))?)?;
+            let m = blk.ln_2.forward(&h)?.reshape((b * t, c))?;
+            let m = blk.mlp_proj.forward(&super::ops::fused_gelu(&blk.fc.forward(&m)?)?)?;
+            h = (h + m.reshape((b, t, c))?)?;
+        }
+        self.ln_f.forward(&h)?.reshape((b * t, c))
+    }
+
+    /// Logits `[rows·context, vocab]` in f32 (the head is `wte`ᵀ).
+    fn logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        mm(&self.hidden(ids)?, &self.wte.t()?)?.to_dtype(DType::F32)
+    }
+}
+
+/// Softmax over the last dimension from differentiable primitives (candle-nn's fused one has no backward); the
+/// shift by the row maximum is detached, which leaves the value and the gradient unchanged.
+fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&s)
+}
+
+impl CandleModule for Gpt {
+    fn loss(&self, x: &[f32], y: &[u32], rows: usize) -> candle_core::Result<Tensor> {
+        let t = self.shape.context;
+        let ids = self.ids(x, rows)?;
+        // Targets: the window shifted by one, then the label.
+        let mut targets = Vec::with_capacity(rows * t);
+        for (r, &label) in y.iter().enumerate() {
+            targets.extend(x[r * t + 1..(r + 1) * t].iter().map(|&b| b.clamp(0.0, 255.0) as u32));
+            targets.push(label.min(self.shape.vocab as u32 - 1));
+        }
+        let targets = Tensor::from_vec(targets, rows * t, &Device::Cpu)?;
+        candle_nn::loss::cross_entropy(&self.logits(&ids)?, &targets)
+    }
+
+    fn predict(&self, x: &[f32], rows: usize, out: &mut [u32]) -> candle_core::Result<()> {
+        let t = self.shape.context;
+        let ids = self.ids(x, rows)?;
+        let h = self.hidden(&ids)?.reshape((rows, t, self.shape.dim))?;
+        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
+        let pred = mm(&last, &self.wte.t()?)?
+            .argmax(D::Minus1)?
+            .to_vec1::<u32>()?;
+        out.copy_from_slice(&pred);
+        Ok(())
+    }
+}
+
+/// The built-in GPT of `shape` as a Tether model, computing in `precision`.
+pub fn gpt_model(shape: GptShape, precision: ComputePrecision) -> Result<CandleModel<Gpt>, CandleError> {
+    CandleModel::with_layout(gpt_layout(&shape), shape.context, shape.vocab, precision, |vb| {
+        Gpt::new(vb, shape)
+    })
+}
