@@ -88,6 +88,9 @@ struct Args {
     /// Dataset directory or file (default: /usr/share/datasets/fashion-mnist).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Most steps per worker (0: no cap; `--epochs` passes).
+    #[arg(long, default_value_t = 0)]
+    max_steps: u64,
     /// Optimizer: sgd | momentum | nesterov | adam | adamw | adagrad.
     #[arg(long, default_value = "adam")]
     optimizer: String,
@@ -153,6 +156,7 @@ fn main() -> Result<()> {
     cfg.compression.pull_scheme = args.pull_scheme;
     cfg.train.epochs = args.epochs.unwrap_or(if gpt { 1 } else { 30 });
     cfg.train.local_steps = args.local_steps;
+    cfg.train.max_steps = args.max_steps;
     cfg.optimizer.outer.lr = args.outer_lr;
     cfg.optimizer.outer.momentum = args.outer_momentum;
     cfg.train.batch = args.batch.unwrap_or(if gpt { 16 } else { 128 });

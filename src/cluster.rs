@@ -142,13 +142,14 @@ impl LocalCluster {
             info!("{n}");
         }
         // A warmup-cosine schedule with `total = 0` spans the whole run: one update per worker step.
+        let per_worker = train.len() / cfg.cluster.workers.max(1) as usize;
+        let run_updates = cfg.worker_steps((per_worker / cfg.train.batch.max(1)).max(1) as u64)
+            * u64::from(cfg.cluster.workers);
         if let Schedule::WarmupCosine {
             total: total @ 0, ..
         } = &mut cfg.optimizer.schedule
         {
-            let per_worker = train.len() / cfg.cluster.workers.max(1) as usize;
-            let steps = (per_worker / cfg.train.batch.max(1)).max(1) as u64;
-            *total = steps * u64::from(cfg.train.epochs) * u64::from(cfg.cluster.workers);
+            *total = run_updates;
         }
         let (train, test) = (Arc::new(train), Arc::new(test));
         let certs = self.work_dir.join("certs");

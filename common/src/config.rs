@@ -344,6 +344,9 @@ pub struct TrainConfig {
     /// round (default 0: a gradient push every step, `[optimizer]` on the shards).
     #[serde(default)]
     pub local_steps: u32,
+    /// Most steps each worker runs (default 0: no cap, `epochs` passes); for corpora where a pass is long.
+    #[serde(default)]
+    pub max_steps: u64,
     /// Arithmetic of the workers' forward/backward (default f32; bf16 and f16 for candle models, the GPT).
     #[serde(default)]
     pub precision: ComputePrecision,
@@ -523,6 +526,7 @@ impl Default for TrainConfig {
             clip_norm: d_clip_norm(),
             seed: d_data_seed(),
             local_steps: 0,
+            max_steps: 0,
             precision: ComputePrecision::default(),
             loss_scale: d_loss_scale(),
             loss_scale_window: d_loss_scale_window(),
@@ -947,6 +951,15 @@ impl Config {
             1.0
         } else {
             1.0 / self.cluster.workers.max(1) as f32
+        }
+    }
+
+    /// Steps a worker with `steps_per_epoch` steps per pass runs: `epochs` passes, capped by `train.max_steps`.
+    pub fn worker_steps(&self, steps_per_epoch: u64) -> u64 {
+        let steps = steps_per_epoch.max(1) * u64::from(self.train.epochs);
+        match self.train.max_steps {
+            0 => steps,
+            cap => steps.min(cap),
         }
     }
 

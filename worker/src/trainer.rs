@@ -449,7 +449,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     .map_err(|e| WorkerError::Data(e.to_string()))?;
     let batch = cfg.train.batch.min(partition.len().max(1));
     let steps_per_epoch = (partition.len() / batch).max(1) as u64;
-    let total_steps = steps_per_epoch * u64::from(cfg.train.epochs);
+    let total_steps = cfg.worker_steps(steps_per_epoch);
     let engine = if cfg.train.local_steps > 0 {
         engine.with_inner(&inner_optimizer(cfg, total_steps))
     } else {
