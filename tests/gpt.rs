@@ -1,7 +1,6 @@
 //! The built-in GPT trained through a whole cluster (`LocalCluster`: loopback QUIC with mutual TLS, real shards and
 //! workers) on the embedded KJV excerpt: the validation loss falls below a stated bound, the run report carries the
-//! validation loss and bits per character, and bf16 compute with dynamic loss scaling reaches the f32 validation
-//! loss within 2 %.
+//! validation loss and bits per character, in f32 and in bf16 with dynamic loss scaling.
 
 use tether::common::codec::Scheme;
 use tether::common::config::{ComputePrecision, Config, DatasetKind, ModelKind, Schedule, Staleness};
@@ -65,7 +64,7 @@ fn run(cfg: Config) -> RunReport {
 }
 
 #[test]
-fn gpt_trains_through_the_cluster_and_bf16_matches_f32_within_two_percent() {
+fn gpt_trains_through_the_cluster_below_the_validation_bound_in_f32_and_bf16() {
     let f32r = run(config(ComputePrecision::F32));
     let val = f32r.final_val_loss.expect("validation loss in the report");
     assert!(val < VAL_LOSS_BOUND, "f32 validation loss {val} ≥ {VAL_LOSS_BOUND}");
@@ -78,13 +77,13 @@ fn gpt_trains_through_the_cluster_and_bf16_matches_f32_within_two_percent() {
     assert_eq!(f32r.precision, "f32");
     assert_eq!(f32r.final_loss_scale, None);
 
+    // bf16 compute through the cluster trains too (the 2 % comparison is deterministic, in worker/tests/gpt.rs:
+    // arrival order makes cluster runs differ by about 1 % from run to run).
     let bf = run(config(ComputePrecision::Bf16));
     let bval = bf.final_val_loss.expect("validation loss in the report");
-    assert!(
-        (bval - val).abs() <= 0.02 * val,
-        "bf16 validation loss {bval} vs f32 {val}: more than 2 % apart"
-    );
+    assert!(bval < VAL_LOSS_BOUND, "bf16 validation loss {bval} ≥ {VAL_LOSS_BOUND}");
     assert_eq!(bf.precision, "bf16");
     // bf16 has f32's exponent range: at the initial scale 2^16 nothing overflows, and the scale grows.
-    assert!(bf.final_loss_scale.is_some_and(|s| s >= 65536.0));
+    assert_eq!(bf.loss_scale_overflows, 0);
+    assert!(bf.final_loss_scale.is_some_and(|s| s > 65536.0));
 }

@@ -260,3 +260,79 @@ fn bf16_gradients_follow_f32_and_f16_overflow_is_caught_by_the_loss_scaler() {
     let c = cosine(&g32, &g16);
     assert!(c > 0.98, "f16 gradient cosine {c}");
 }
+
+/// Trains a small GPT (1 layer, 2 heads, 32 wide, 16-byte context) for `steps` Adam steps of 32 windows on the
+/// excerpt in one process, deterministically (the same batches for every precision), and returns the validation loss
+/// and the precision statistics. Small and long enough to be near its capacity: shorter runs of larger models are in
+/// their steep phase, where f32 runs from three seeds differed by ±12 % at 400 steps; these differ by ±1 %
+/// (1.72–1.76 at 1,500 steps).
+fn train_small(precision: ComputePrecision, steps: usize) -> (f32, Option<model::PrecisionStats>) {
+    use tether_common::config::{OptimizerConfig, OptimizerKind, Schedule};
+    use tether_common::optim::Optimizer;
+    let shape = GptShape {
+        vocab: 256,
+        context: 16,
+        layers: 1,
+        heads: 2,
+        dim: 32,
+    };
+    let mut m = gpt_model(shape, precision).unwrap();
+    if precision != ComputePrecision::F32 {
+        m = m.with_loss_scaling(65536.0, 50);
+    }
+    let text = kjv_excerpt().unwrap();
+    let (train, val) =
+        tether_worker::data::split_windows(&text, shape.context, std::path::Path::new("kjv")).unwrap();
+    let mut p = m.layout().init_all(42);
+    let mut g = vec![0.0; p.len()];
+    let mut opt = Optimizer::new(
+        &OptimizerConfig {
+            kind: OptimizerKind::Adam,
+            lr: 3e-3,
+            schedule: Schedule::WarmupCosine {
+                warmup: 30,
+                total: steps as u64,
+                min_ratio: 0.1,
+            },
+            ..OptimizerConfig::default()
+        },
+        p.len(),
+    );
+    let (b, t) = (32, shape.context);
+    for s in 0..steps {
+        // A fixed stride through the training windows: the same batches for every precision.
+        let first = (s * 7919 * b) % (train.len() - b);
+        let loss = m.loss_and_grad(&p, &train.x[first * t..(first + b) * t], &train.y[first..first + b], &mut g);
+        // An overflowed step is skipped, as the worker's step engine skips any non-finite gradient.
+        if loss.is_finite() && g.iter().all(|v| v.is_finite()) {
+            opt.step(&mut p, &g, 1.0);
+        }
+    }
+    let n = 512.min(val.len());
+    let vloss = model::mean_loss(&mut m, &p, &val.x[..n * t], &val.y[..n], 128);
+    (vloss, m.precision_stats())
+}
+
+#[test]
+fn mixed_precision_training_reaches_the_f32_validation_loss_within_two_percent() {
+    let steps = 1500;
+    let (l32, none) = train_small(ComputePrecision::F32, steps);
+    assert!(none.is_none());
+    assert!(l32 < 2.0, "f32 validation loss {l32}");
+    for precision in [ComputePrecision::F16, ComputePrecision::Bf16] {
+        let (l, stats) = train_small(precision, steps);
+        let stats = stats.expect("loss-scaler statistics");
+        eprintln!("{precision}: validation loss {l:.4} vs f32 {l32:.4}, {stats:?}");
+        // Measured: f32 1.757, f16 1.730 (23 overflows skipped), bf16 1.705.
+        assert!(
+            l <= 1.02 * l32,
+            "{precision} validation loss {l} vs f32 {l32}: more than 2 % worse"
+        );
+        assert!(l > 0.9 * l32, "{precision} validation loss {l} implausibly far below f32's {l32}");
+        assert!(stats.growths >= 1, "{precision}: the scale grew after clean windows");
+        if precision == ComputePrecision::F16 {
+            // Real f16 overflows at 2^16 and above, each skipped and halving the scale.
+            assert!(stats.overflows >= 1, "f16 never overflowed");
+        }
+    }
+}

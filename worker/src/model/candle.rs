@@ -232,7 +232,10 @@ impl SimpleBackend for Recorder {
                 Err(e) => return Err(self.fail(e)),
             },
         };
-        let var = Var::zeros(s, dtype, dev)?;
+        // Vars are f32 master copies whatever the builder's dtype (the compute dtype, `vb.dtype()`), so gradients
+        // accumulate in f32; modules cast weights at use, as autocast does.
+        let _ = dtype;
+        let var = Var::zeros(s, DType::F32, dev)?;
         let t = var.as_tensor().clone();
         vars.push(Recorded { spec, var });
         Ok(t)
@@ -328,9 +331,10 @@ pub struct CandleModel<M> {
 }
 
 impl<M: CandleModule> CandleModel<M> {
-    /// Builds the module with `build` on a recording `VarBuilder` of `precision`'s dtype; the layout is every tensor
-    /// it asked for, in that order, with candle's inits translated (zeros, constants, symmetric uniform, zero-mean
-    /// normal, Kaiming).
+    /// Builds the module with `build` on a recording `VarBuilder`; the layout is every tensor it asked for, in that
+    /// order, with candle's inits translated (zeros, constants, symmetric uniform, zero-mean normal, Kaiming). The
+    /// tensors are f32 (the master copy); the builder's `dtype()` is `precision`'s, the dtype the module should
+    /// compute in (casting weights where it uses them, as autocast does).
     pub fn new(
         features: usize,
         classes: usize,

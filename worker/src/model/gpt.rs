@@ -4,8 +4,10 @@
 //! default (4 layers, 4 heads, 128 wide, 64-byte context, 0.83 M parameters). Its tensors are exactly
 //! [`gpt_layout`]'s, which the shards build without candle. A sample is `context` bytes and its label the byte that
 //! follows ([`crate::data::windows`]); the loss is the mean cross-entropy of all `context` next-byte predictions of
-//! the window, the prediction the byte after the window. Mixed precision: matmuls, attention and the MLP run in the
-//! compute dtype; layer norms, the softmax of the attention and the loss in f32.
+//! the window, the prediction the byte after the window. Mixed precision follows autocast: the parameters are f32
+//! (the master copy the shards keep), cast to the compute dtype where a matmul uses them; the matmuls, the attention
+//! scores and the MLP run in the compute dtype; the residual stream, the layer norms, the attention softmax, the tied
+//! output head and the loss stay f32, and every weight's gradient is accumulated in f32 by the casts' backward.
 
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
@@ -32,16 +34,14 @@ impl Norm {
         })
     }
 
-    /// Normalises the last dimension in f32 and returns the compute dtype.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let dtype = x.dtype();
-        let x = x.to_dtype(DType::F32)?;
+    /// Normalises the last dimension of the f32 residual stream `x`; returns `dtype`.
+    fn forward(&self, x: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
         let mean = x.mean_keepdim(D::Minus1)?;
         let xc = x.broadcast_sub(&mean)?;
         let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
         let xn = xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
-        xn.broadcast_mul(&self.weight.to_dtype(DType::F32)?)?
-            .broadcast_add(&self.bias.to_dtype(DType::F32)?)?
+        xn.broadcast_mul(&self.weight)?
+            .broadcast_add(&self.bias)?
             .to_dtype(dtype)
     }
 }
@@ -62,8 +62,10 @@ impl Dense {
 }
 
 impl Module for Dense {
+    /// In `x`'s dtype: the f32 weights are cast to it (autocast).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        mm(x, &self.weight)?.broadcast_add(&self.bias)
+        let dt = x.dtype();
+        mm(x, &self.weight.to_dtype(dt)?)?.broadcast_add(&self.bias.to_dtype(dt)?)
     }
 }
 
@@ -150,17 +152,19 @@ impl Gpt {
         Tensor::from_vec(ids, (rows, self.shape.context), &Device::Cpu)
     }
 
-    /// The final hidden states `[rows·context, dim]` (compute dtype).
+    /// The final hidden states `[rows·context, dim]` (f32).
     fn hidden(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let (c, nh) = (self.shape.dim, self.shape.heads);
         let hs = c / nh;
+        let dt = self.dtype;
+        // The residual stream h is f32.
         let tok = self.wte.embedding(&ids.flatten_all()?)?.reshape((b, t, c))?;
         let mut h = tok.broadcast_add(&self.wpe.narrow(0, 0, t)?)?;
         let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
         let scale = 1.0 / (hs as f64).sqrt();
         for blk in &self.blocks {
-            let a = blk.ln_1.forward(&h)?.reshape((b * t, c))?;
+            let a = blk.ln_1.forward(&h, dt)?.reshape((b * t, c))?;
             let qkv = blk
                 .qkv
                 .forward(&a)?
@@ -172,22 +176,27 @@ impl Gpt {
             let att = (mm(&q, &k.t()?)? * scale)?
                 .to_dtype(DType::F32)?
                 .broadcast_add(&mask)?;
-            let att = softmax_last(&att)?.to_dtype(self.dtype)?;
+            let att = softmax_last(&att)?.to_dtype(dt)?;
             let y = mm(&att, &v)?
                 .transpose(1, 2)?
                 .contiguous()?
                 .reshape((b * t, c))?;
-            h = (h + blk.proj.forward(&y)?.reshape((b, t, c))?)?;
-            let m = blk.ln_2.forward(&h)?.reshape((b * t, c))?;
+            h = (h + blk.proj.forward(&y)?.to_dtype(DType::F32)?.reshape((b, t, c))?)?;
+            let m = blk.ln_2.forward(&h, dt)?.reshape((b * t, c))?;
             let m = blk.mlp_proj.forward(&super::ops::fused_gelu(&blk.fc.forward(&m)?)?)?;
-            h = (h + m.reshape((b, t, c))?)?;
+            h = (h + m.to_dtype(DType::F32)?.reshape((b, t, c))?)?;
         }
-        self.ln_f.forward(&h)?.reshape((b * t, c))
+        self.ln_f.forward(&h, DType::F32)?.reshape((b * t, c))
     }
 
-    /// Logits `[rows·context, vocab]` in f32 (the head is `wte`ᵀ).
+    /// The tied head `wte`ᵀ (f32: the head's logits and the loss stay f32).
+    fn head(&self) -> candle_core::Result<Tensor> {
+        self.wte.t()
+    }
+
+    /// Logits `[rows·context, vocab]` in f32.
     fn logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        mm(&self.hidden(ids)?, &self.wte.t()?)?.to_dtype(DType::F32)
+        self.hidden(ids)?.matmul(&self.head()?)
     }
 }
 
@@ -219,7 +228,8 @@ impl CandleModule for Gpt {
         let ids = self.ids(x, rows)?;
         let h = self.hidden(&ids)?.reshape((rows, t, self.shape.dim))?;
         let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
-        let pred = mm(&last, &self.wte.t()?)?
+        let pred = last
+            .matmul(&self.head()?)?
             .argmax(D::Minus1)?
             .to_vec1::<u32>()?;
         out.copy_from_slice(&pred);
