@@ -352,7 +352,17 @@ pub fn build_report(
                 .collect()
         })
         .unwrap_or_default();
+    let (rollbacks, rounds_lost, rollbacks_missed, rollback_log) =
+        tether_server::rollback::report_fields(
+            shards
+                .iter()
+                .map(|s| (s.rollbacks.as_slice(), s.rollbacks_missed)),
+        );
     RunReport {
+        rollbacks,
+        rounds_lost,
+        rollbacks_missed,
+        rollback_log,
         steps: workers.iter().map(|w| w.steps).sum(),
         wall_seconds,
         final_train_loss,

@@ -89,7 +89,7 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!(first.len(), 2);
     let (_, old0, _) = first[0];
     // Shard 1 answers; shard 0's link breaks before it does.
-    assert!(s.reply(1, first[1].1, 0, 5, 0, None));
+    assert!(s.reply(1, first[1].1, 0, 5, 0, 0, None));
     s.disconnected(0);
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
@@ -106,9 +106,9 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!((k, c), (0, 0));
     assert_ne!(new0, old0);
     // The reply to the superseded request turns up late: dropped.
-    assert!(!s.reply(0, old0, 0, 4, 0, None));
+    assert!(!s.reply(0, old0, 0, 4, 0, 0, None));
     assert!(s.pulling());
-    assert!(s.reply(0, new0, 0, 4, 0, None));
+    assert!(s.reply(0, new0, 0, 4, 0, 0, None));
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
     assert_eq!(s.stats().stale_replies, 1);
@@ -121,27 +121,27 @@ fn a_reply_from_an_earlier_round_is_not_read_into_the_next() {
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r0 = requests(&t);
-    assert!(s.reply(0, r0[0].1, 0, 1, 0, None));
+    assert!(s.reply(0, r0[0].1, 0, 1, 0, 0, None));
     // Round 0 is abandoned (a new pull supersedes it) before shard 1's answer arrives.
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r1 = requests(&t);
     assert!(
-        !s.reply(1, r0[1].1, 0, 1, 0, None),
+        !s.reply(1, r0[1].1, 0, 1, 0, 0, None),
         "answer to the old round"
     );
     assert!(
-        !s.reply(0, r1[0].1, 1, 1, 0, None),
+        !s.reply(0, r1[0].1, 1, 1, 0, 0, None),
         "right request, wrong clock"
     );
-    assert!(s.reply(0, r1[0].1, 0, 1, 0, None));
-    assert!(s.reply(1, r1[1].1, 0, 1, 0, None));
+    assert!(s.reply(0, r1[0].1, 0, 1, 0, 0, None));
+    assert!(s.reply(1, r1[1].1, 0, 1, 0, 0, None));
 }
 
 #[test]
 fn a_skip_is_a_marker_on_the_push_path() {
     let mut s = connected(0);
-    s.skip().unwrap();
+    s.skip(0.0).unwrap();
     let (t, _) = drain(&mut s);
     assert!(
         t.iter().all(|x| matches!(x, Transmit::Push { .. })),
@@ -302,11 +302,11 @@ fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
         "a fresh worker holds nothing"
     );
     let r = requests(&t);
-    assert!(s.reply(0, r[0].1, 0, 1, 0, cut(4)));
+    assert!(s.reply(0, r[0].1, 0, 1, 0, 0, cut(4)));
     // A reply to a request that is not the current one is dropped, and does not change what the worker holds.
-    assert!(!s.reply(1, r[1].1 + 100, 0, 1, 0, cut(9)));
+    assert!(!s.reply(1, r[1].1 + 100, 0, 1, 0, 0, cut(9)));
     assert_eq!(s.public(1), None);
-    assert!(s.reply(1, r[1].1, 0, 1, 0, cut(2)));
+    assert!(s.reply(1, r[1].1, 0, 1, 0, 0, cut(2)));
     assert_eq!((s.public(0), s.public(1)), (cut(4), cut(2)));
     s.push(&mut [vec![1], vec![2]], 0.5).unwrap();
     s.start_pull(1);
