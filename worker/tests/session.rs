@@ -324,3 +324,46 @@ fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
     let (t, _) = drain(&mut s);
     assert_eq!(haves(&t), vec![(0, None)]);
 }
+
+#[test]
+fn a_new_rollback_epoch_is_an_event_before_the_pull_completes_and_skips_carry_their_loss() {
+    let mut s = connected(0);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    assert!(s.reply(0, r[0].1, 0, 1, 0, 0, None));
+    assert!(s.reply(1, r[1].1, 0, 1, 0, 0, None));
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::PullDone { clock: 0 }], "epoch 0: nothing rolled back");
+    s.skip(f32::NAN).unwrap();
+    let (t, _) = drain(&mut s);
+    for (_, _, bytes) in pushes(&t) {
+        assert!(access_push(&bytes).unwrap().meta().loss.is_nan());
+    }
+    // Shard 1 rolled back: its epoch-1 reply raises the event ahead of PullDone; shard 0 still at epoch 0 does not.
+    s.start_pull(1);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    assert!(s.reply(0, r[0].1, 1, 2, 1, 0, None));
+    assert!(s.reply(1, r[1].1, 1, 3, 1, 1, None));
+    let (_, e) = drain(&mut s);
+    assert_eq!(
+        e,
+        vec![
+            Event::RolledBack { shard: 1, epoch: 1 },
+            Event::PullDone { clock: 1 }
+        ]
+    );
+    // A stale reply of another epoch is dropped before it can raise anything.
+    assert!(!s.reply(0, r[0].1, 1, 2, 1, 5, None));
+    // The same epoch again is nothing new.
+    s.skip(1.0).unwrap();
+    s.start_pull(2);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    assert!(s.reply(0, r[0].1, 2, 2, 2, 0, None));
+    assert!(s.reply(1, r[1].1, 2, 3, 2, 1, None));
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::PullDone { clock: 2 }]);
+    assert_eq!(s.stats().rollbacks_seen, 1);
+}
