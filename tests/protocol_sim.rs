@@ -496,6 +496,10 @@ impl Sim {
                         }
                         self.start_connect(w, shard);
                     }
+                    // The simulated shards run without loss-spike rollback: their epoch never changes.
+                    Event::RolledBack { shard, epoch } => {
+                        panic!("w{w}: shard {shard} reported rollback epoch {epoch}")
+                    }
                 }
             }
             if !progressed {
