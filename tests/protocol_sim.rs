@@ -1025,7 +1025,10 @@ impl Sim {
         let clock = self.workers[w].session.clock();
         let skip = self.rng.chance(self.faults.skip_per_mille);
         if skip {
-            self.workers[w].session.skip(0.0).map_err(|e| e.to_string())?;
+            self.workers[w]
+                .session
+                .skip(0.0)
+                .map_err(|e| e.to_string())?;
         } else {
             let mut frames: Vec<Vec<u8>> = Vec::with_capacity(SHARDS);
             for k in 0..SHARDS {

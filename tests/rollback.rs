@@ -89,13 +89,16 @@ fn a_loss_spike_rolls_every_shard_back_to_the_same_round_and_the_run_recovers() 
     let (clean, _) = run(true, false);
     // The detector saw 440 rounds of an ordinary noisy loss and raised nothing.
     assert_eq!((clean.rollbacks, clean.rollbacks_missed), (0, 0));
-    assert!(clean.final_test_accuracy > 0.9, "undisturbed run did not train");
+    assert!(
+        clean.final_test_accuracy > 0.9,
+        "undisturbed run did not train"
+    );
 
     let (off, off_w) = run(false, true);
     // The spike is real: the loss right after the faulty update is far above the loss before it.
     let (before, after) = (loss_at(&off_w, SPIKE_AT), loss_at(&off_w, SPIKE_AT + 2));
     assert!(
-        !(after < 10.0 * before),
+        after.is_nan() || after >= 10.0 * before,
         "no spike: loss {before} before, {after} after"
     );
     assert_eq!(off.rollbacks, 0);
@@ -109,14 +112,21 @@ fn a_loss_spike_rolls_every_shard_back_to_the_same_round_and_the_run_recovers() 
     log.sort();
     assert_eq!(log.len(), 2, "{log:?}");
     assert_eq!((log[0].0, log[1].0), (0, 1));
-    assert_eq!((log[0].1, log[0].2), (log[1].1, log[1].2), "shards disagree");
+    assert_eq!(
+        (log[0].1, log[0].2),
+        (log[1].1, log[1].2),
+        "shards disagree"
+    );
     let (alarm, restored) = (log[0].1, log[0].2);
     assert!(restored <= SPIKE_AT && alarm > SPIKE_AT, "{log:?}");
     assert_eq!(on.rounds_lost, alarm + 1 - restored);
     // The worker saw both shards' new epoch, and its loss right after the rollback is back to the pre-spike level.
     assert_eq!(on_w.rollbacks_seen, 2);
     let resumed = loss_at(&on_w, alarm + 2);
-    assert!(resumed < 3.0 * before.max(0.05), "loss {resumed} after the rollback");
+    assert!(
+        resumed < 3.0 * before.max(0.05),
+        "loss {resumed} after the rollback"
+    );
     // Clocks stay monotone: the worker ran all its steps; the discarded rounds' batches are not replayed.
     assert_eq!(on.steps, clean.steps);
 
@@ -134,5 +144,9 @@ fn a_loss_spike_rolls_every_shard_back_to_the_same_round_and_the_run_recovers() 
         off.final_test_accuracy,
         clean.final_test_accuracy
     );
-    assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t0.elapsed()
+    );
 }

@@ -719,7 +719,9 @@ impl RollbackConfig {
         if self.enabled && (self.keep as u64) < needed {
             return bad(
                 "rollback.keep",
-                format!("{needed} snapshots needed to reach before a spike seen {reach} rounds late"),
+                format!(
+                    "{needed} snapshots needed to reach before a spike seen {reach} rounds late"
+                ),
             );
         }
         Ok(())

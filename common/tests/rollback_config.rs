@@ -24,13 +24,18 @@ fn rollback_is_off_by_default_and_its_keys_parse() {
     .unwrap();
     let r = cfg.rollback;
     assert!(r.enabled);
-    assert_eq!((r.factor, r.rounds, r.window, r.every, r.keep), (4.0, 3, 8, 5, 4));
+    assert_eq!(
+        (r.factor, r.rounds, r.window, r.every, r.keep),
+        (4.0, 3, 8, 5, 4)
+    );
     assert_eq!((r.lr_scale, r.lr_rounds), (0.3, 20));
 }
 
 #[test]
 fn unknown_keys_and_bad_values_are_errors_naming_the_key() {
-    let e = parse("[rollback]\nenable = true\n").unwrap_err().to_string();
+    let e = parse("[rollback]\nenable = true\n")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("enable"), "{e}");
     for (text, key) in [
         ("factor = 1.0", "rollback.factor"),
@@ -40,7 +45,9 @@ fn unknown_keys_and_bad_values_are_errors_naming_the_key() {
         ("lr_scale = 0.0", "rollback.lr_scale"),
         ("lr_scale = 2.0", "rollback.lr_scale"),
     ] {
-        let e = parse(&format!("[rollback]\n{text}\n")).unwrap_err().to_string();
+        let e = parse(&format!("[rollback]\n{text}\n"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(key.split('/').next().unwrap()), "{text}: {e}");
     }
 }

@@ -196,7 +196,8 @@ impl RollbackState {
 
     /// Whether a snapshot is due at minimum clock `min_clock` (a multiple of `every` not taken yet).
     pub fn wants_snapshot(&self, min_clock: u64) -> bool {
-        min_clock % self.cfg.every == 0 && self.ring.back().is_none_or(|p| p.round < min_clock)
+        min_clock.is_multiple_of(self.cfg.every)
+            && self.ring.back().is_none_or(|p| p.round < min_clock)
     }
 
     /// Keeps `point`, dropping the oldest beyond `keep`.
@@ -264,7 +265,11 @@ mod tests {
     #[test]
     fn the_target_is_the_newest_boundary_clear_of_the_onset_and_the_margin() {
         let s = RollbackState::new(&cfg(10, 3), 0, 0);
-        assert_eq!(s.target(31), Some(30), "a snapshot at 30 holds rounds < 30: clean");
+        assert_eq!(
+            s.target(31),
+            Some(30),
+            "a snapshot at 30 holds rounds < 30: clean"
+        );
         assert_eq!(s.target(30), Some(20), "round 29's update may be the cause");
         assert_eq!(s.target(1), Some(0));
         assert_eq!(s.target(0), None);

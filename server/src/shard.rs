@@ -762,7 +762,10 @@ impl ShardCore {
         } else {
             1.0
         } * self.push_scale
-            * self.rollback.as_ref().map_or(1.0, |rb| rb.lr_factor(push.clock));
+            * self
+                .rollback
+                .as_ref()
+                .map_or(1.0, |rb| rb.lr_factor(push.clock));
         self.optimizer.step(&mut self.weights, &self.scratch, scale);
         self.version += 1;
         self.stats.updates_applied += 1;

@@ -131,7 +131,10 @@ mod tests {
         assert_eq!(round_value(&mut [3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(round_value(&mut [1.0, f32::NAN]), Some(1.0));
         assert_eq!(round_value(&mut [1.0, 9.0, f32::NAN]), Some(9.0));
-        assert_eq!(round_value(&mut [f32::NAN, f32::NAN, 1.0]), Some(f32::INFINITY));
+        assert_eq!(
+            round_value(&mut [f32::NAN, f32::NAN, 1.0]),
+            Some(f32::INFINITY)
+        );
         assert_eq!(round_value(&mut [f32::NEG_INFINITY]), Some(f32::INFINITY));
     }
 

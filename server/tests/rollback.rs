@@ -92,7 +92,11 @@ fn round(shards: &mut [ShardProtocol], clock: u64, loss: f32) {
     for p in shards.iter_mut() {
         let v = p.core().version();
         for w in 0..WORKERS {
-            assert_eq!(send(p, w, clock, v, loss), Outcome::Applied, "round {clock}");
+            assert_eq!(
+                send(p, w, clock, v, loss),
+                Outcome::Applied,
+                "round {clock}"
+            );
         }
     }
 }
@@ -132,7 +136,11 @@ fn every_shard_rolls_back_to_the_same_round_and_refuses_stale_pushes() {
         // 15 rounds of 2 pushes were applied; the rollback is version 31, the snapshot was version 20.
         assert_eq!((h[0].from_version, h[0].snapshot_version), (30, 20));
         assert_eq!((core.version(), h[0].rounds_lost), (31, 5));
-        assert_eq!(core.weights(), at_ten[k].as_slice(), "shard {k} holds round 10's weights");
+        assert_eq!(
+            core.weights(),
+            at_ten[k].as_slice(),
+            "shard {k} holds round 10's weights"
+        );
         // Snapshots after the restored one are gone.
         assert_eq!(core.rollback().unwrap().snapshot_rounds(), vec![0, 5, 10]);
     }

@@ -375,7 +375,10 @@ impl Driver {
                     }
                     Event::Reconnect { shard } => self.reconnect(shard)?,
                     Event::RolledBack { shard, epoch } => {
-                        info!(rank = self.rank, shard, epoch, "shard rolled back after a loss spike");
+                        info!(
+                            rank = self.rank,
+                            shard, epoch, "shard rolled back after a loss spike"
+                        );
                         self.rolled_back.push(shard);
                     }
                 }

@@ -676,10 +676,12 @@ async fn train_loop(
             if let Some(m) = &opts.metrics {
                 m.nonfinite.inc();
             }
-            d.session.skip(outcome.loss).map_err(|e| WorkerError::Protocol {
-                shard: 0,
-                reason: e.to_string(),
-            })?;
+            d.session
+                .skip(outcome.loss)
+                .map_err(|e| WorkerError::Protocol {
+                    shard: 0,
+                    reason: e.to_string(),
+                })?;
         }
         credit_refused(d, addr);
         step += n;

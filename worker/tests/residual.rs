@@ -80,7 +80,10 @@ fn a_rollback_clears_the_residuals_of_the_shards_that_rolled_back() {
     let mut frame = Vec::new();
     for k in 0..2 {
         e.encode_shard(k, 0, &mut frame).unwrap();
-        assert!(e.residual(k).iter().any(|v| *v != 0.0), "q4 leaves a residual");
+        assert!(
+            e.residual(k).iter().any(|v| *v != 0.0),
+            "q4 leaves a residual"
+        );
     }
     let kept = e.residual(0).to_vec();
     e.reset_trajectory(&[1]);
@@ -94,11 +97,14 @@ fn a_push_fault_scales_the_update_past_the_clip() {
     let model = Mlp::new(8, &[6], 3);
     let n = tether_worker::model::Model::layout(&model).len();
     let codec = CodecConfig::default();
-    let mut e = StepEngine::new(Box::new(model), 0, vec![0..n], codec, false, 0.5)
+    let ranges = vec![0..n / 2, n / 2..n];
+    let mut e = StepEngine::new(Box::new(model), 0, ranges, codec, false, 0.5)
         .unwrap()
         .with_faults(vec![GradientFault::PushScaleAt(3, 100.0)]);
     let params: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.37).sin()).collect();
-    let x: Vec<f32> = (0..4 * 8).map(|i| ((i as f32) * 0.11).cos() * 5.0).collect();
+    let x: Vec<f32> = (0..4 * 8)
+        .map(|i| ((i as f32) * 0.11).cos() * 5.0)
+        .collect();
     let y = vec![0, 1, 2, 1];
     let norm = |g: &[f32]| g.iter().map(|v| v * v).sum::<f32>().sqrt();
     e.compute(2, &params, &x, &y);

@@ -334,7 +334,11 @@ fn a_new_rollback_epoch_is_an_event_before_the_pull_completes_and_skips_carry_th
     assert!(s.reply(0, r[0].1, 0, 1, 0, 0, None));
     assert!(s.reply(1, r[1].1, 0, 1, 0, 0, None));
     let (_, e) = drain(&mut s);
-    assert_eq!(e, vec![Event::PullDone { clock: 0 }], "epoch 0: nothing rolled back");
+    assert_eq!(
+        e,
+        vec![Event::PullDone { clock: 0 }],
+        "epoch 0: nothing rolled back"
+    );
     s.skip(f32::NAN).unwrap();
     let (t, _) = drain(&mut s);
     for (_, _, bytes) in pushes(&t) {
