@@ -18,10 +18,13 @@ use tether::worker::step::GradientFault;
 use tether::worker::trainer::WorkerReport;
 use tether::{loopback_servers, LocalCluster};
 
-/// The faulty step (and round: one worker, no skips, so its step is its clock).
+/// The faulty step (one worker, no skips: in per-step mode it is also the round, in local-step rounds of H steps the
+/// round is `SPIKE_AT / H`).
 const SPIKE_AT: u64 = 200;
 
-fn config(rollback: bool) -> Config {
+/// `local_steps`: 0 for a push every step (momentum SGD on the shards), H for DiLoCo rounds of H inner steps (the
+/// same optimizer on the worker, Nesterov outer steps on the shards).
+fn config(rollback: bool, local_steps: u32) -> Config {
     let mut cfg = Config::with_servers(loopback_servers(2));
     cfg.cluster.workers = 1;
     cfg.cluster.staleness = Staleness::Bounded(0);
@@ -35,6 +38,8 @@ fn config(rollback: bool) -> Config {
     cfg.optimizer.lr = 0.05;
     cfg.optimizer.momentum = 0.9;
     cfg.optimizer.schedule = Schedule::Constant;
+    cfg.train.local_steps = local_steps;
+    cfg.optimizer.outer.momentum = 0.5;
     cfg.checkpoint.every_updates = 0;
     cfg.rollback = RollbackConfig {
         enabled: rollback,
@@ -50,16 +55,16 @@ fn config(rollback: bool) -> Config {
     cfg
 }
 
-fn run(rollback: bool, spike: bool) -> (RunReport, WorkerReport) {
+fn run(local_steps: u32, rollback: bool, spike: bool) -> (RunReport, WorkerReport) {
     let dir = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::new(config(rollback), dir.path().to_path_buf());
+    let mut cluster = LocalCluster::new(config(rollback, local_steps), dir.path().to_path_buf());
     cluster.eval_during_training = false;
     if spike {
         cluster.faults = vec![(0, GradientFault::PushScaleAt(SPIKE_AT, 1000.0))];
     }
     let (report, mut workers, _) = cluster.run_with_workers().unwrap();
     eprintln!(
-        "rollback {rollback} spike {spike}: accuracy {:.4}, loss {:.4}, steps {}, applied {}, rejected {}, \
+        "H={local_steps} rollback {rollback} spike {spike}: accuracy {:.4}, loss {:.4}, steps {}, applied {}, rejected {}, \
          rollbacks {}, rounds lost {}, missed {}, log {:?}, {:.1}s",
         report.final_test_accuracy,
         report.final_train_loss,
@@ -75,35 +80,46 @@ fn run(rollback: bool, spike: bool) -> (RunReport, WorkerReport) {
     (report, workers.remove(0))
 }
 
-/// The worker's loss at `step`.
-fn loss_at(w: &WorkerReport, step: u64) -> f64 {
+/// The worker's loss in round `round` (recorded once the round's H steps are done, at step `(round + 1)·H`).
+fn loss_of_round(w: &WorkerReport, round: u64, h: u64) -> f64 {
     w.loss_curve
         .iter()
-        .find(|p| p.0 == step)
+        .find(|p| p.0 == (round + 1) * h)
         .map_or(f64::NAN, |p| p.2)
 }
 
 #[test]
 fn a_loss_spike_rolls_every_shard_back_to_the_same_round_and_the_run_recovers() {
-    let t0 = Instant::now();
-    let (clean, _) = run(true, false);
-    // The detector saw 440 rounds of an ordinary noisy loss and raised nothing.
-    assert_eq!((clean.rollbacks, clean.rollbacks_missed), (0, 0));
-    assert!(
-        clean.final_test_accuracy > 0.9,
-        "undisturbed run did not train"
-    );
+    spike_and_recover(0);
+}
 
-    let (off, off_w) = run(false, true);
-    // The spike is real: the loss right after the faulty update is far above the loss before it.
-    let (before, after) = (loss_at(&off_w, SPIKE_AT), loss_at(&off_w, SPIKE_AT + 2));
+#[test]
+fn local_step_rounds_recover_from_a_spike_too() {
+    spike_and_recover(4);
+}
+
+fn spike_and_recover(local_steps: u32) {
+    let t0 = Instant::now();
+    let h = u64::from(local_steps.max(1));
+    let spike_round = SPIKE_AT / h;
+    let (clean, _) = run(local_steps, true, false);
+    // The detector saw a whole run of an ordinary noisy loss and raised nothing.
+    assert_eq!((clean.rollbacks, clean.rollbacks_missed), (0, 0));
+    assert!(clean.final_test_accuracy > 0.9, "undisturbed run did not train");
+
+    let (off, off_w) = run(local_steps, false, true);
+    // The spike is real: the loss of the round after the faulty update is far above the loss before it.
+    let (before, after) = (
+        loss_of_round(&off_w, spike_round, h),
+        loss_of_round(&off_w, spike_round + 1, h),
+    );
     assert!(
         after.is_nan() || after >= 10.0 * before,
         "no spike: loss {before} before, {after} after"
     );
     assert_eq!(off.rollbacks, 0);
 
-    let (on, on_w) = run(true, true);
+    let (on, on_w) = run(local_steps, true, true);
     assert_eq!(on.rollbacks, 1);
     assert_eq!(on.rollbacks_missed, 0);
     // Both shards rolled back once, at the same alarm round, to the same snapshot round, and that snapshot predates
@@ -112,21 +128,14 @@ fn a_loss_spike_rolls_every_shard_back_to_the_same_round_and_the_run_recovers() 
     log.sort();
     assert_eq!(log.len(), 2, "{log:?}");
     assert_eq!((log[0].0, log[1].0), (0, 1));
-    assert_eq!(
-        (log[0].1, log[0].2),
-        (log[1].1, log[1].2),
-        "shards disagree"
-    );
+    assert_eq!((log[0].1, log[0].2), (log[1].1, log[1].2), "shards disagree");
     let (alarm, restored) = (log[0].1, log[0].2);
-    assert!(restored <= SPIKE_AT && alarm > SPIKE_AT, "{log:?}");
+    assert!(restored <= spike_round && alarm > spike_round, "{log:?}");
     assert_eq!(on.rounds_lost, alarm + 1 - restored);
     // The worker saw both shards' new epoch, and its loss right after the rollback is back to the pre-spike level.
     assert_eq!(on_w.rollbacks_seen, 2);
-    let resumed = loss_at(&on_w, alarm + 2);
-    assert!(
-        resumed < 3.0 * before.max(0.05),
-        "loss {resumed} after the rollback"
-    );
+    let resumed = loss_of_round(&on_w, alarm + 1, h);
+    assert!(resumed < 3.0 * before.max(0.05), "loss {resumed} after the rollback");
     // Clocks stay monotone: the worker ran all its steps; the discarded rounds' batches are not replayed.
     assert_eq!(on.steps, clean.steps);
 
