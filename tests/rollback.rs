@@ -105,7 +105,10 @@ fn spike_and_recover(local_steps: u32) {
     let (clean, _) = run(local_steps, true, false);
     // The detector saw a whole run of an ordinary noisy loss and raised nothing.
     assert_eq!((clean.rollbacks, clean.rollbacks_missed), (0, 0));
-    assert!(clean.final_test_accuracy > 0.9, "undisturbed run did not train");
+    assert!(
+        clean.final_test_accuracy > 0.9,
+        "undisturbed run did not train"
+    );
 
     let (off, off_w) = run(local_steps, false, true);
     // The spike is real: the loss of the round after the faulty update is far above the loss before it.
@@ -128,14 +131,21 @@ fn spike_and_recover(local_steps: u32) {
     log.sort();
     assert_eq!(log.len(), 2, "{log:?}");
     assert_eq!((log[0].0, log[1].0), (0, 1));
-    assert_eq!((log[0].1, log[0].2), (log[1].1, log[1].2), "shards disagree");
+    assert_eq!(
+        (log[0].1, log[0].2),
+        (log[1].1, log[1].2),
+        "shards disagree"
+    );
     let (alarm, restored) = (log[0].1, log[0].2);
     assert!(restored <= spike_round && alarm > spike_round, "{log:?}");
     assert_eq!(on.rounds_lost, alarm + 1 - restored);
     // The worker saw both shards' new epoch, and its loss right after the rollback is back to the pre-spike level.
     assert_eq!(on_w.rollbacks_seen, 2);
     let resumed = loss_of_round(&on_w, alarm + 1, h);
-    assert!(resumed < 3.0 * before.max(0.05), "loss {resumed} after the rollback");
+    assert!(
+        resumed < 3.0 * before.max(0.05),
+        "loss {resumed} after the rollback"
+    );
     // Clocks stay monotone: the worker ran all its steps; the discarded rounds' batches are not replayed.
     assert_eq!(on.steps, clean.steps);
 

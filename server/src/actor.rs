@@ -332,6 +332,10 @@ impl ShardActor {
         if self.every_updates == 0 || self.writing || self.store.is_none() {
             return;
         }
+        // While the loss looks like a spike, a checkpoint could capture it; the next one after the verdict is taken.
+        if self.proto.core().rollback().is_some_and(|r| r.suspect()) {
+            return;
+        }
         if self.proto.core().version() >= self.last_checkpoint_version + self.every_updates {
             let fut = self.spawn_checkpoint(false);
             ctx.spawn(fut.into_actor(self).map(|_, act, _| act.writing = false));

@@ -146,6 +146,12 @@ impl RollbackState {
         }
     }
 
+    /// Whether the last completed rounds were suspect (a spike may be under way): the shard then holds off its disk
+    /// checkpoints, so that `--resume` does not bring the spike back.
+    pub fn suspect(&self) -> bool {
+        self.detector.suspect()
+    }
+
     /// Rounds of the snapshots held, oldest first.
     pub fn snapshot_rounds(&self) -> Vec<u64> {
         self.ring.iter().map(|p| p.round).collect()

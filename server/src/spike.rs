@@ -109,6 +109,11 @@ impl SpikeDetector {
         }
     }
 
+    /// Whether the last rounds fed were suspect (a streak is in progress).
+    pub fn suspect(&self) -> bool {
+        self.streak > 0
+    }
+
     /// Forgets a streak in progress (after a rollback its rounds are gone).
     pub fn clear_streak(&mut self) {
         self.streak = 0;
@@ -160,7 +165,9 @@ mod tests {
         }
         // One suspect round, then a normal one: no alarm, the streak restarts.
         assert_eq!(d.observe(20, 50.0), Verdict::Suspect { streak: 1 });
+        assert!(d.suspect());
         assert_eq!(d.observe(21, 1.0), Verdict::Good);
+        assert!(!d.suspect());
         assert_eq!(d.observe(22, 50.0), Verdict::Suspect { streak: 1 });
         assert_eq!(d.observe(23, 40.0), Verdict::Alarm { onset: 22 });
         // Suspect rounds never entered the window: the median is still ~1.
