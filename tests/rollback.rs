@@ -56,8 +56,13 @@ fn config(rollback: bool, local_steps: u32) -> Config {
 }
 
 fn run(local_steps: u32, rollback: bool, spike: bool) -> (RunReport, WorkerReport) {
+    run_config(config(rollback, local_steps), spike)
+}
+
+fn run_config(cfg: Config, spike: bool) -> (RunReport, WorkerReport) {
+    let (local_steps, rollback) = (cfg.train.local_steps, cfg.rollback.enabled);
     let dir = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::new(config(rollback, local_steps), dir.path().to_path_buf());
+    let mut cluster = LocalCluster::new(cfg, dir.path().to_path_buf());
     cluster.eval_during_training = false;
     if spike {
         cluster.faults = vec![(0, GradientFault::PushScaleAt(SPIKE_AT, 1000.0))];
@@ -162,6 +167,44 @@ fn spike_and_recover(local_steps: u32) {
         "without rollback {:.4} vs undisturbed {:.4}: the spike did no real damage",
         off.final_test_accuracy,
         clean.final_test_accuracy
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn under_ssp_the_snapshot_clears_the_staleness_margin_and_stale_pushes_are_refused() {
+    let t0 = Instant::now();
+    let mut cfg = config(true, 0);
+    cfg.cluster.staleness = Staleness::Bounded(2);
+    cfg.validate().expect("valid config");
+    let (on, on_w) = run_config(cfg, true);
+    assert_eq!((on.rollbacks, on.rollbacks_missed), (1, 0));
+    let mut log = on.rollback_log.clone();
+    log.sort();
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert_eq!(
+        (log[0].1, log[0].2),
+        (log[1].1, log[1].2),
+        "shards disagree"
+    );
+    let (alarm, restored) = (log[0].1, log[0].2);
+    // With s = 2 the faulty round 200 may show in the loss of round 201 at the earliest and 203 at the latest, and a
+    // snapshot may hold 2 rounds past its boundary: the target keeps 2s = 4 rounds of margin below the onset.
+    assert!(restored + 4 < SPIKE_AT + 1 && alarm > SPIKE_AT, "{log:?}");
+    assert_eq!(restored % 10, 0);
+    assert_eq!(on_w.rollbacks_seen, 2);
+    // Pushes read before the rollback are refused, never applied: each of the 440 rounds was applied or refused
+    // on each shard, and the refusals are exactly the worker's refused pushes.
+    assert_eq!(on.updates_applied + on.updates_rejected, 2 * on.steps);
+    assert_eq!(on.updates_rejected, on.pushes_refused);
+    assert!(
+        on.final_test_accuracy > 0.9,
+        "accuracy {}",
+        on.final_test_accuracy
     );
     assert!(
         t0.elapsed() < Duration::from_secs(60),
