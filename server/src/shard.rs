@@ -663,8 +663,10 @@ impl ShardCore {
     }
 
     /// Validates, decodes and applies one push. On error the weights, optimizer state and version are untouched;
-    /// only for a well-addressed push whose values are refused by the numerical guard (non-finite, norm spike) does
-    /// the worker's clock still advance, so a worker is never stuck behind its own refused round.
+    /// only for a well-addressed push whose values are refused by the numerical guard (non-finite, norm spike), or
+    /// that was read before a loss-spike rollback, does the worker's clock still advance, so a worker is never stuck
+    /// behind its own refused round. With rollback on, the rounds this push completes are then settled, which may
+    /// roll the shard back (the returned version is the update's own).
     pub fn apply(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
         self.stats.wire_bytes += push.payload.len() as u64;
         self.stats.fp32_bytes += 4 * (self.range.end - self.range.start);
