@@ -5,9 +5,10 @@
 //! Invariants (what makes every shard roll back to the same round without talking to the others):
 //! - a round `r` is complete when the minimum clock passes it (every live worker pushed or skip-marked it here); its
 //!   value is the median of the losses the workers reported for it, which are the same on every shard;
-//! - snapshots are taken when the minimum clock reaches a multiple of `every`, so every shard snapshots at the same
-//!   rounds; a snapshot labelled `b` holds every update of rounds below `b` (and, under a staleness bound `s`, maybe
-//!   some of the next `s` rounds of faster workers);
+//! - snapshots are labelled with the multiples of `every` the minimum clock reaches or jumps over (an eviction may
+//!   move it by several rounds; the label is then the largest multiple crossed), so every shard holds snapshots of
+//!   the same rounds; a snapshot labelled `b` holds every update of rounds below `b` (and, under a staleness bound
+//!   `s`, maybe some of the next `s` rounds of faster workers, or after a jump the rounds up to the new minimum);
 //! - on an alarm with onset `r0` the target is a pure function of `r0`: the largest multiple of `every` that is at
 //!   most `r0 − 1 − margin` (margin 2s), so it holds nothing of the round whose update caused the spike. A shard
 //!   whose ring lacks that round (never taken, evicted, or the shard was restored from disk since) does not roll
@@ -26,8 +27,10 @@ pub const MAX_ROUNDS_AHEAD: u64 = 4096;
 /// A shard's state at a round boundary, kept in memory to roll back to.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RollbackPoint {
-    /// The boundary: the minimum clock when it was taken.
+    /// The boundary: a multiple of `every`.
     pub round: u64,
+    /// The minimum clock when it was taken (`round`, unless the minimum jumped over the boundary).
+    pub taken_at: u64,
     /// Shard version then.
     pub version: u64,
     /// Optimizer update count then.
@@ -95,6 +98,8 @@ pub struct RollbackState {
     ring: VecDeque<RollbackPoint>,
     losses: BTreeMap<u64, Vec<(u32, f32)>>,
     next_round: u64,
+    /// The minimum clock at creation: no boundary below it is snapshotted (this state holds later rounds).
+    start: u64,
     lr_until: u64,
     stale_before: u64,
     epoch: u64,
@@ -111,6 +116,7 @@ impl RollbackState {
             ring: VecDeque::with_capacity(cfg.keep.max(1)),
             losses: BTreeMap::new(),
             next_round: min_clock,
+            start: min_clock,
             lr_until: 0,
             stale_before: 0,
             epoch: 0,
@@ -200,10 +206,12 @@ impl RollbackState {
         None
     }
 
-    /// Whether a snapshot is due at minimum clock `min_clock` (a multiple of `every` not taken yet).
-    pub fn wants_snapshot(&self, min_clock: u64) -> bool {
-        min_clock.is_multiple_of(self.cfg.every)
-            && self.ring.back().is_none_or(|p| p.round < min_clock)
+    /// The boundary a snapshot is due for at minimum clock `min_clock`: the largest multiple of `every` reached or
+    /// jumped over since the newest snapshot (and not below the clock this bookkeeping started at).
+    pub fn due_snapshot(&self, min_clock: u64) -> Option<u64> {
+        let b = min_clock / self.cfg.every * self.cfg.every;
+        let fresh = self.ring.back().is_none_or(|p| p.round < b);
+        (b >= self.start && fresh).then_some(b)
     }
 
     /// Keeps `point`, dropping the oldest beyond `keep`.
@@ -261,6 +269,7 @@ mod tests {
     fn point(round: u64) -> RollbackPoint {
         RollbackPoint {
             round,
+            taken_at: round,
             version: round * 2,
             opt_steps: round * 2,
             weights: vec![round as f32],
@@ -288,17 +297,24 @@ mod tests {
     #[test]
     fn snapshots_are_due_at_multiples_once_and_the_ring_keeps_the_newest() {
         let mut s = RollbackState::new(&cfg(5, 2), 0, 0);
-        assert!(s.wants_snapshot(0));
+        assert_eq!(s.due_snapshot(0), Some(0));
         s.keep_snapshot(point(0));
-        assert!(!s.wants_snapshot(0));
-        assert!(!s.wants_snapshot(3));
+        assert_eq!(s.due_snapshot(0), None);
+        assert_eq!(s.due_snapshot(3), None);
         for r in [5, 10, 15] {
-            assert!(s.wants_snapshot(r));
+            assert_eq!(s.due_snapshot(r), Some(r));
             s.keep_snapshot(point(r));
         }
         assert_eq!(s.snapshot_rounds(), vec![10, 15]);
         assert!(s.point(5).is_none(), "evicted");
         assert_eq!(s.point(10).map(|p| p.version), Some(20));
+        // A jump of the minimum clock over two boundaries (an eviction): the largest one crossed is due.
+        assert_eq!(s.due_snapshot(19), None);
+        assert_eq!(s.due_snapshot(27), Some(25));
+        // Bookkeeping started at clock 57 (a shard restored from disk) snapshots from 60 on, never as round 55.
+        let late = RollbackState::new(&cfg(5, 2), 0, 57);
+        assert_eq!(late.due_snapshot(57), None);
+        assert_eq!(late.due_snapshot(61), Some(60));
     }
 
     #[test]

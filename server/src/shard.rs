@@ -442,9 +442,10 @@ impl ShardCore {
         };
         if let Some(alarm) = rb.settle(m) {
             self.roll_back(alarm);
-        } else if rb.wants_snapshot(m) {
+        } else if let Some(round) = rb.due_snapshot(m) {
             rb.keep_snapshot(RollbackPoint {
-                round: m,
+                round,
+                taken_at: m,
                 version: self.version,
                 opt_steps: self.optimizer.steps(),
                 weights: self.weights.clone(),
@@ -476,6 +477,14 @@ impl ShardCore {
             self.stats.rollbacks_missed += 1;
             tracing::error!(shard = self.shard, error = %e, "cannot restore the rollback snapshot");
             return;
+        }
+        if point.taken_at > point.round {
+            tracing::warn!(
+                shard = self.shard,
+                round = point.round,
+                taken_at = point.taken_at,
+                "restoring a snapshot taken after its boundary (the minimum clock jumped over it)"
+            );
         }
         self.weights.copy_from_slice(&point.weights);
         let record = RollbackRecord {
