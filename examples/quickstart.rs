@@ -124,6 +124,10 @@ struct Args {
     /// Working directory for certificates and checkpoints (default: a temporary directory).
     #[arg(long)]
     work_dir: Option<PathBuf>,
+    /// Loss-spike rollback (`[rollback]` with its defaults): the shards roll back together to a snapshot from before
+    /// a spike (README: "Loss-spike rollback").
+    #[arg(long)]
+    rollback: bool,
 }
 
 fn main() -> Result<()> {
@@ -172,6 +176,7 @@ fn main() -> Result<()> {
     cfg.model.dim = args.dim;
     cfg.model.context = args.context;
     cfg.model.hidden = args.hidden.clone();
+    cfg.rollback.enabled = args.rollback;
     cfg.model.seed = args.seed;
     let dataset = args.dataset.unwrap_or(if gpt {
         DatasetKind::Kjv
@@ -419,6 +424,10 @@ fn print_summary(r: &RunReport) {
         (
             "max staleness (updates)",
             r.max_staleness_observed.to_string(),
+        ),
+        (
+            "loss-spike rollbacks (rounds lost)",
+            format!("{} ({})", r.rollbacks, r.rounds_lost),
         ),
     ];
     let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);

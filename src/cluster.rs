@@ -365,7 +365,17 @@ pub fn build_report(
     let mut val_loss_curve = eval_curve(|w| &w.val_loss_curve);
     val_loss_curve.pop();
     let precision: Vec<_> = workers.iter().filter_map(|w| w.precision).collect();
+    let (rollbacks, rounds_lost, rollbacks_missed, rollback_log) =
+        tether_server::rollback::report_fields(
+            shards
+                .iter()
+                .map(|s| (s.rollbacks.as_slice(), s.rollbacks_missed)),
+        );
     RunReport {
+        rollbacks,
+        rounds_lost,
+        rollbacks_missed,
+        rollback_log,
         steps: workers.iter().map(|w| w.steps).sum(),
         wall_seconds,
         final_train_loss,

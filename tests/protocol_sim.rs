@@ -496,6 +496,10 @@ impl Sim {
                         }
                         self.start_connect(w, shard);
                     }
+                    // The simulated shards run without loss-spike rollback: their epoch never changes.
+                    Event::RolledBack { shard, epoch } => {
+                        panic!("w{w}: shard {shard} reported rollback epoch {epoch}")
+                    }
                 }
             }
             if !progressed {
@@ -590,6 +594,7 @@ impl Sim {
                         request: p.request,
                         clock: p.clock,
                         min_clock,
+                        epoch: 0,
                         range: (start as u64, end as u64),
                     };
                     let (header, chunks) = delta_reply(to, a.version, a.newest, a.answer);
@@ -855,7 +860,7 @@ impl Sim {
                 } => {
                     if self.workers[w]
                         .session
-                        .reply(k, request, clock, version, min_clock, None)
+                        .reply(k, request, clock, version, min_clock, 0, None)
                     {
                         self.used_replies += 1;
                         // What the worker computes on must satisfy the guarantee for the clock it pulls at.
@@ -892,6 +897,7 @@ impl Sim {
                         h.clock.to_native(),
                         h.version.to_native(),
                         h.min_clock.to_native(),
+                        h.epoch.to_native(),
                         Some(newest),
                     );
                     if used {
@@ -1019,7 +1025,10 @@ impl Sim {
         let clock = self.workers[w].session.clock();
         let skip = self.rng.chance(self.faults.skip_per_mille);
         if skip {
-            self.workers[w].session.skip().map_err(|e| e.to_string())?;
+            self.workers[w]
+                .session
+                .skip(0.0)
+                .map_err(|e| e.to_string())?;
         } else {
             let mut frames: Vec<Vec<u8>> = Vec::with_capacity(SHARDS);
             for k in 0..SHARDS {

@@ -41,6 +41,8 @@ pub struct ServerMetrics {
     pub checkpoint_last_version: Gauge,
     /// `tether_shard_version`: the shard's current version (its checkpoint age is this minus the last version).
     pub version: Gauge,
+    /// `tether_rollbacks_total`: loss-spike rollbacks this shard carried out.
+    pub rollbacks: Counter,
 }
 
 impl ServerMetrics {
@@ -56,6 +58,7 @@ impl ServerMetrics {
             checkpoint_seconds: FloatGauge::default(),
             checkpoint_last_version: Gauge::default(),
             version: Gauge::default(),
+            rollbacks: Counter::default(),
         };
         registry.register(
             "tether_updates_applied",
@@ -101,6 +104,11 @@ impl ServerMetrics {
             "tether_shard_version",
             "Current shard version (updates applied over the shard's life, restored ones included)",
             m.version.clone(),
+        );
+        registry.register(
+            "tether_rollbacks",
+            "Loss-spike rollbacks to an in-memory snapshot",
+            m.rollbacks.clone(),
         );
         m
     }

@@ -116,6 +116,18 @@ pub struct RunReport {
     /// Extension: free-form notes (e.g. "fashion-mnist not found, trained on digits").
     #[serde(default)]
     pub notes: Vec<String>,
+    /// Extension: loss-spike rollbacks of the cluster (every shard rolls back together; the most any shard did).
+    #[serde(default)]
+    pub rollbacks: u64,
+    /// Extension: rounds the rollbacks discarded (from the snapshot's round to the alarm's; the most of any shard).
+    #[serde(default)]
+    pub rounds_lost: u64,
+    /// Extension: alarms with no snapshot to roll back to (summed over shards).
+    #[serde(default)]
+    pub rollbacks_missed: u64,
+    /// Extension: every shard's rollbacks as `[shard, alarm round, round restored]`, so consistency can be checked.
+    #[serde(default)]
+    pub rollback_log: Vec<(u32, u64, u64)>,
 }
 
 impl RunReport {

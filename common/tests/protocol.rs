@@ -102,6 +102,7 @@ fn reply() -> ParamReply {
         clock: 11,
         version: 56,
         min_clock: 9,
+        epoch: 2,
         range_start: 10,
         range_end: 14,
         precision: Precision::F32,
@@ -176,6 +177,7 @@ fn error_codes_are_stable() {
         (ErrorCode::Evicted, 15),
         (ErrorCode::Shutdown, 16),
         (ErrorCode::UnexpectedMessage, 17),
+        (ErrorCode::RolledBack, 18),
     ];
     assert_eq!(table, expected);
     for (code, n) in expected {
@@ -183,7 +185,7 @@ fn error_codes_are_stable() {
         assert_eq!(code.close_code().into_inner(), u64::from(n));
     }
     assert_eq!(ErrorCode::from_code(0), None);
-    assert_eq!(ErrorCode::from_code(18), None);
+    assert_eq!(ErrorCode::from_code(19), None);
 }
 
 #[test]

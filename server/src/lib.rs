@@ -10,7 +10,9 @@ pub use tether_common::optim;
 pub mod protocol;
 pub mod public;
 pub mod remote;
+pub mod rollback;
 pub mod session;
 pub mod shard;
+pub mod spike;
 
 pub use error::Error;

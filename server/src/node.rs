@@ -154,6 +154,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     );
     core.set_public(cfg.compression.pull_codec(), lineage);
     core.set_push_scale(cfg.push_scale());
+    core.set_rollback(&cfg.rollback);
     let tls = match opts.tls {
         Some(t) => t,
         None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,
@@ -258,7 +259,13 @@ impl RunningShard {
 
 /// The shard's part of a run report.
 pub fn shard_report(cfg: &Config, stats: &ShardStats) -> RunReport {
+    let (rollbacks, rounds_lost, rollbacks_missed, rollback_log) =
+        crate::rollback::report_fields([(stats.rollbacks.as_slice(), stats.rollbacks_missed)]);
     RunReport {
+        rollbacks,
+        rounds_lost,
+        rollbacks_missed,
+        rollback_log,
         updates_applied: stats.updates_applied,
         updates_rejected: stats.rejected_total(),
         wire_bytes_pushed: stats.wire_bytes,

@@ -312,6 +312,19 @@ impl ShardProtocol {
         (outcome, result)
     }
 
+    /// A validated push frame: its reported loss goes to the loss-spike detector (see [`ShardCore::note_loss`]),
+    /// then it is handled as [`round`](Self::round) handles its push or skip marker.
+    pub fn push_frame(
+        &mut self,
+        frame: &ArchivedPushFrame,
+        now_ms: u64,
+    ) -> (Outcome, Result<Option<Applied>, ShardError>) {
+        let meta = frame.meta();
+        self.core
+            .note_loss(meta.worker, meta.clock, meta.read_version, meta.loss);
+        self.round(Round::from_frame(frame), now_ms)
+    }
+
     /// A pull request. Checks membership (a live worker speaking on its current connection) and the clock
     /// (`own ≤ clock ≤ own + s + 1`: an honest worker pulls at most `s + 1` rounds past its last applied push),
     /// then answers at once or parks the pull on the gate. Returns the pull's token; the answer comes out of

@@ -252,6 +252,8 @@ pub struct ReplyTo {
     pub clock: u64,
     /// Minimum clock when answered.
     pub min_clock: u64,
+    /// The shard's rollback epoch.
+    pub epoch: u64,
     /// The shard's range.
     pub range: (u64, u64),
 }
@@ -275,6 +277,7 @@ pub fn delta_reply(
         clock: to.clock,
         version,
         min_clock: to.min_clock,
+        epoch: to.epoch,
         range_start: to.range.0,
         range_end: to.range.1,
         lineage: newest.lineage,

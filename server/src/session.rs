@@ -319,6 +319,7 @@ async fn send_reply(
                 clock: reply.clock,
                 version: reply.version,
                 min_clock: reply.min_clock,
+                epoch: reply.epoch,
                 range_start: range.0,
                 range_end: range.1,
                 precision,
@@ -332,6 +333,7 @@ async fn send_reply(
                 request: reply.request,
                 clock: reply.clock,
                 min_clock: reply.min_clock,
+                epoch: reply.epoch,
                 range,
             };
             let (header, mut chunks) = delta_reply(to, reply.version, a.newest, a.answer);

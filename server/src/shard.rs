@@ -2,12 +2,16 @@
 //! SSP clock table. It validates and applies pushes, gates pulls, and snapshots for checkpoints. No actors, sockets or
 //! clocks: time comes in as `now_ms`. A rejected push leaves every bit of state untouched (validation and decoding
 //! happen into scratch space before the optimizer runs). The `ShardActor` is a thin shell around this.
+//!
+//! With loss-spike rollback on ([`ShardCore::set_rollback`]), every clock move settles the rounds the minimum clock
+//! passed: their reported losses go to the spike detector, a snapshot is kept at each boundary, and an alarm restores
+//! weights and optimizer state from the snapshot of the same round on every shard (see [`crate::rollback`]).
 
 use std::collections::HashMap;
 use std::ops::Range;
 
 use tether_common::codec::{CodecConfig, CodecError, Decoder, Rounding, Scheme};
-use tether_common::config::{OptimizerConfig, Staleness};
+use tether_common::config::{OptimizerConfig, RollbackConfig, Staleness};
 use tether_common::layout::Layout;
 use tether_common::numeric::sum_of_squares;
 use tether_common::protocol::{ErrorCode, PublicRef};
@@ -16,6 +20,7 @@ use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
 use crate::optim::Optimizer;
 use crate::public::{Answer, PublicCopy};
+use crate::rollback::{Alarm, RollbackPoint, RollbackRecord, RollbackState};
 
 /// Bytes of delta log a shard keeps per parameter (older cuts are dropped; a worker behind them gets the whole copy).
 pub const DELTA_LOG_BYTES_PER_PARAM: usize = 2;
@@ -108,6 +113,14 @@ pub enum ShardError {
     /// Too many pulls are parked already.
     #[error("too many parked pulls")]
     Overloaded,
+    /// The push was computed from parameters a loss-spike rollback discarded.
+    #[error("read version {found} predates the rollback at version {since}")]
+    RolledBack {
+        /// The version the rollback produced.
+        since: u64,
+        /// Version the worker read.
+        found: u64,
+    },
 }
 
 impl From<ClockError> for ShardError {
@@ -154,13 +167,14 @@ impl ShardError {
             ShardError::Replay { .. } => ErrorCode::Replay,
             ShardError::NotMember(_) => ErrorCode::Evicted,
             ShardError::Overloaded => ErrorCode::Overloaded,
+            ShardError::RolledBack { .. } => ErrorCode::RolledBack,
         }
     }
 }
 
 /// Every label [`reject_reason`] returns (the metric's series are created at start, at 0, so that rates and alerts
 /// see them before the first rejection).
-pub const REJECT_REASONS: [&str; 10] = [
+pub const REJECT_REASONS: [&str; 11] = [
     "wrong_shard",
     "bad_range",
     "bad_frame",
@@ -171,6 +185,7 @@ pub const REJECT_REASONS: [&str; 10] = [
     "not_member",
     "norm_spike",
     "overloaded",
+    "rolled_back",
 ];
 
 /// Why a push was rejected, as a metric label.
@@ -186,6 +201,7 @@ pub fn reject_reason(e: &ShardError) -> &'static str {
         ShardError::NotMember(_) => "not_member",
         ShardError::NormSpike { .. } => "norm_spike",
         ShardError::Overloaded => "overloaded",
+        ShardError::RolledBack { .. } => "rolled_back",
     }
 }
 
@@ -252,6 +268,10 @@ pub struct ShardStats {
     pub max_lead: u64,
     /// Workers that finished and left.
     pub left: u64,
+    /// Loss-spike rollbacks carried out, oldest first.
+    pub rollbacks: Vec<RollbackRecord>,
+    /// Alarms with no snapshot of the target round to restore.
+    pub rollbacks_missed: u64,
 }
 
 impl ShardStats {
@@ -327,6 +347,8 @@ pub struct ShardCore {
     lineage: u64,
     /// Every push's step is multiplied by this (1/workers in local-step rounds).
     push_scale: f32,
+    /// Loss-spike rollback, when enabled.
+    rollback: Option<RollbackState>,
 }
 
 /// Parameters to build a shard.
@@ -371,8 +393,126 @@ impl ShardCore {
             pull_codec: default_pull_codec(),
             lineage: layout.hash() ^ u64::from(spec.shard),
             push_scale: 1.0,
+            rollback: None,
             weights,
         }
+    }
+
+    /// Turns loss-spike rollback on (or off: `cfg.enabled = false`). The rounds below the current minimum clock count
+    /// as complete; a snapshot is taken now if the minimum clock is a boundary (round 0 for a fresh shard).
+    pub fn set_rollback(&mut self, cfg: &RollbackConfig) {
+        self.rollback = cfg.enabled.then(|| {
+            RollbackState::new(
+                cfg,
+                RollbackConfig::margin(self.clocks.staleness()),
+                self.clocks.min_clock(),
+            )
+        });
+        self.settle_rounds();
+    }
+
+    /// The rollback bookkeeping, when enabled.
+    pub fn rollback(&self) -> Option<&RollbackState> {
+        self.rollback.as_ref()
+    }
+
+    /// Loss-spike rollbacks this shard made: the trajectory epoch pull replies carry.
+    pub fn epoch(&self) -> u64 {
+        self.rollback.as_ref().map_or(0, RollbackState::epoch)
+    }
+
+    /// `worker` reported `loss` for round `clock`, computed from parameters of version `read_version` (every push
+    /// and skip marker carries one). Only a live member's report for its current round counts; it is fed to the
+    /// spike detector once the round is complete. A no-op without rollback.
+    pub fn note_loss(&mut self, worker: u32, clock: u64, read_version: u64, loss: f32) {
+        if self.clocks.clock_of(worker) != Some(clock) {
+            return;
+        }
+        if let Some(rb) = self.rollback.as_mut() {
+            rb.note_loss(worker, clock, read_version, loss);
+        }
+    }
+
+    /// Settles the rounds the minimum clock passed since the last call: feeds them to the spike detector, rolls back
+    /// on an alarm, and otherwise snapshots at a boundary.
+    fn settle_rounds(&mut self) {
+        let m = self.clocks.min_clock();
+        let Some(rb) = self.rollback.as_mut() else {
+            return;
+        };
+        if let Some(alarm) = rb.settle(m) {
+            self.roll_back(alarm);
+        } else if let Some(round) = rb.due_snapshot(m) {
+            rb.keep_snapshot(RollbackPoint {
+                round,
+                taken_at: m,
+                version: self.version,
+                opt_steps: self.optimizer.steps(),
+                weights: self.weights.clone(),
+                slots: self.optimizer.slots().to_vec(),
+            });
+        }
+    }
+
+    /// Restores the snapshot the alarm's onset calls for, or counts the alarm as missed when it is not held.
+    fn roll_back(&mut self, alarm: Alarm) {
+        let Some(rb) = self.rollback.as_mut() else {
+            return;
+        };
+        let target = rb.target(alarm.onset);
+        let Some(point) = target.and_then(|t| rb.point(t)) else {
+            self.stats.rollbacks_missed += 1;
+            tracing::warn!(
+                shard = self.shard,
+                round = alarm.round,
+                onset = alarm.onset,
+                ?target,
+                held = ?rb.snapshot_rounds(),
+                "loss spike, but no snapshot of the target round: not rolled back"
+            );
+            return;
+        };
+        if let Err(e) = self.optimizer.restore(point.opt_steps, point.slots.clone()) {
+            // Our own snapshot of our own optimizer: only a bug can get here. Nothing was changed.
+            self.stats.rollbacks_missed += 1;
+            tracing::error!(shard = self.shard, error = %e, "cannot restore the rollback snapshot");
+            return;
+        }
+        if point.taken_at > point.round {
+            tracing::warn!(
+                shard = self.shard,
+                round = point.round,
+                taken_at = point.taken_at,
+                "restoring a snapshot taken after its boundary (the minimum clock jumped over it)"
+            );
+        }
+        self.weights.copy_from_slice(&point.weights);
+        let record = RollbackRecord {
+            shard: self.shard,
+            at_round: alarm.round,
+            onset: alarm.onset,
+            to_round: point.round,
+            from_version: self.version,
+            snapshot_version: point.version,
+            version: self.version + 1,
+            rounds_lost: alarm.min_clock.saturating_sub(point.round),
+        };
+        self.version = record.version;
+        rb.rolled_back(&record, alarm.min_clock);
+        // Workers holding the old public copy must not apply deltas to it: a new lineage makes them fetch the whole
+        // (restored) copy.
+        self.lineage = tether_common::layout::splitmix64(self.lineage ^ rb.epoch());
+        self.public = None;
+        tracing::warn!(
+            shard = self.shard,
+            round = alarm.round,
+            onset = alarm.onset,
+            to_round = record.to_round,
+            rounds_lost = record.rounds_lost,
+            version = record.version,
+            "loss spike: rolled back to the snapshot"
+        );
+        self.stats.rollbacks.push(record);
     }
 
     /// Sets the codec of pull deltas and starts public-copy lineage `lineage` (a restarted shard must pick one its
@@ -475,6 +615,7 @@ impl ShardCore {
         if clock > joined {
             self.clocks.raise(worker, clock, now_ms);
         }
+        self.settle_rounds();
         Ok(self.clocks.clock_of(worker).unwrap_or(joined))
     }
 
@@ -482,6 +623,7 @@ impl ShardCore {
     pub fn leave(&mut self, worker: u32) {
         self.clocks.leave(worker);
         self.stats.left += 1;
+        self.settle_rounds();
     }
 
     /// A worker is alive.
@@ -491,7 +633,11 @@ impl ShardCore {
 
     /// Evicts workers silent for longer than the timeout.
     pub fn evict_silent(&mut self, now_ms: u64) -> Vec<u32> {
-        self.clocks.evict_silent(now_ms)
+        let evicted = self.clocks.evict_silent(now_ms);
+        if !evicted.is_empty() {
+            self.settle_rounds();
+        }
+        evicted
     }
 
     /// The worker finished round `clock` without pushing (e.g. it refused a non-finite gradient): advance only.
@@ -499,6 +645,7 @@ impl ShardCore {
         self.check_clock(worker, clock)?;
         let next = next_clock(worker, clock)?;
         self.clocks.advance(worker, next, now_ms)?;
+        self.settle_rounds();
         Ok(next)
     }
 
@@ -525,15 +672,21 @@ impl ShardCore {
     }
 
     /// Validates, decodes and applies one push. On error the weights, optimizer state and version are untouched;
-    /// only for a well-addressed push whose values are refused by the numerical guard (non-finite, norm spike) does
-    /// the worker's clock still advance, so a worker is never stuck behind its own refused round.
+    /// only for a well-addressed push whose values are refused by the numerical guard (non-finite, norm spike), or
+    /// that was read before a loss-spike rollback, does the worker's clock still advance, so a worker is never stuck
+    /// behind its own refused round. With rollback on, the rounds this push completes are then settled, which may
+    /// roll the shard back (the returned version is the update's own).
     pub fn apply(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
         self.stats.wire_bytes += push.payload.len() as u64;
         self.stats.fp32_bytes += 4 * (self.range.end - self.range.start);
         let r = self.validate_and_decode(push);
         let applied = match r {
             Ok(()) => self.commit(push, now_ms),
-            Err(e @ (ShardError::NonFinite(_) | ShardError::NormSpike { .. })) => {
+            Err(
+                e @ (ShardError::NonFinite(_)
+                | ShardError::NormSpike { .. }
+                | ShardError::RolledBack { .. }),
+            ) => {
                 // The clock was validated (and its successor checked) before decoding, so this advance cannot fail.
                 let _ = self
                     .clocks
@@ -542,6 +695,7 @@ impl ShardCore {
             }
             Err(e) => Err(e),
         };
+        self.settle_rounds();
         if let Err(e) = &applied {
             *self.stats.rejected.entry(reject_reason(e)).or_default() += 1;
         }
@@ -568,6 +722,18 @@ impl ShardCore {
         if push.read_version > self.version && !self.restored {
             return Err(ShardError::VersionFromFuture {
                 current: self.version,
+                found: push.read_version,
+            });
+        }
+        // A push read before a rollback was computed from parameters that no longer exist.
+        if let Some(since) = self
+            .rollback
+            .as_ref()
+            .map(RollbackState::stale_before)
+            .filter(|since| push.read_version < *since)
+        {
+            return Err(ShardError::RolledBack {
+                since,
                 found: push.read_version,
             });
         }
@@ -606,7 +772,11 @@ impl ShardCore {
             1.0 / (staleness.max(1) as f32)
         } else {
             1.0
-        } * self.push_scale;
+        } * self.push_scale
+            * self
+                .rollback
+                .as_ref()
+                .map_or(1.0, |rb| rb.lr_factor(push.clock));
         self.optimizer.step(&mut self.weights, &self.scratch, scale);
         self.version += 1;
         self.stats.updates_applied += 1;
@@ -659,6 +829,10 @@ impl ShardCore {
         for (w, c) in snap.clocks {
             self.clocks.restore(w, c, now_ms);
         }
+        // In-memory snapshots and reported losses belong to the trajectory before the restore.
+        if let Some(rb) = self.rollback.as_mut() {
+            *rb = RollbackState::new(rb.config(), rb.margin(), self.clocks.min_clock());
+        }
         Ok(())
     }
 }
@@ -700,6 +874,7 @@ mod tests {
                 limit: 0.5,
             },
             ShardError::Overloaded,
+            ShardError::RolledBack { since: 2, found: 1 },
         ];
         let labels: Vec<&str> = errors.iter().map(reject_reason).collect();
         assert_eq!(labels, REJECT_REASONS);

@@ -124,6 +124,8 @@ pub struct Driver {
     pub refused: Vec<Refused>,
     /// Reconnections after a link broke.
     pub reconnects: u64,
+    /// Shards that rolled back since the trainer last looked (it resets what it built on their old trajectory).
+    pub rolled_back: Vec<usize>,
     /// Bytes of every pull reply received (frame bodies, used or not).
     pub bytes_pulled: u64,
     /// Push → outcome round trips (send to `PushOutcome`, µs), one per settled push that was sent on a live link
@@ -191,6 +193,7 @@ impl Driver {
             deadline: cfg.reconnect_deadline,
             refused: Vec::new(),
             reconnects: 0,
+            rolled_back: Vec::new(),
             bytes_pulled: 0,
             push_latency_us: Vec::new(),
             in_flight: std::collections::VecDeque::new(),
@@ -371,6 +374,13 @@ impl Driver {
                         }
                     }
                     Event::Reconnect { shard } => self.reconnect(shard)?,
+                    Event::RolledBack { shard, epoch } => {
+                        info!(
+                            rank = self.rank,
+                            shard, epoch, "shard rolled back after a loss spike"
+                        );
+                        self.rolled_back.push(shard);
+                    }
                 }
             }
             if !progressed {
@@ -550,6 +560,7 @@ impl Driver {
             reply.clock.to_native(),
             reply.version.to_native(),
             reply.min_clock.to_native(),
+            reply.epoch.to_native(),
             None,
         );
         if !used {
@@ -610,6 +621,7 @@ impl Driver {
             h.clock.to_native(),
             h.version.to_native(),
             h.min_clock.to_native(),
+            h.epoch.to_native(),
             Some(newest),
         );
         if !used {

@@ -51,7 +51,8 @@ struct Cli {
     /// Straggler emulation `P:F`: with probability P a round takes F × its compute time (`1:2` = always 2× slow).
     #[arg(long, value_parser = parse_straggle)]
     straggle: Option<Straggle>,
-    /// Fault injection for tests: `nan@STEP` or `scale@STEP:FACTOR` (repeatable).
+    /// Fault injection for tests: `nan@STEP`, `scale@STEP:FACTOR` (the gradient, before clipping) or
+    /// `push@STEP:FACTOR` (the pushed update, after clipping) (repeatable).
     #[arg(long)]
     inject: Vec<String>,
 }
@@ -77,7 +78,11 @@ fn parse_fault(s: &str) -> Result<GradientFault> {
         let (step, k) = rest.split_once(':').context("scale@STEP:FACTOR")?;
         return Ok(GradientFault::ScaleAt(step.parse()?, k.parse()?));
     }
-    bail!("unknown fault {s:?} (nan@STEP | scale@STEP:FACTOR)")
+    if let Some(rest) = s.strip_prefix("push@") {
+        let (step, k) = rest.split_once(':').context("push@STEP:FACTOR")?;
+        return Ok(GradientFault::PushScaleAt(step.parse()?, k.parse()?));
+    }
+    bail!("unknown fault {s:?} (nan@STEP | scale@STEP:FACTOR | push@STEP:FACTOR)")
 }
 
 fn run() -> Result<()> {

@@ -11,7 +11,10 @@
 //! - a push stays pending until its shard gives it an outcome, and is resent byte for byte on every reconnect
 //!   (shards make it idempotent by worker and clock); it is never recomputed;
 //! - heartbeats go to every connected shard on a timer that does not depend on steps, so a long step is never
-//!   silence.
+//!   silence;
+//! - a used reply whose rollback epoch differs from the last one seen from its shard raises
+//!   [`Event::RolledBack`] before the pull completes, so the trainer drops what it built on the discarded
+//!   trajectory before it computes on the restored parameters.
 
 use std::collections::VecDeque;
 
@@ -67,6 +70,14 @@ pub enum Event {
         /// The shard.
         shard: usize,
     },
+    /// The shard rolled back to a snapshot after a loss spike (its epoch changed): the error-feedback residual of
+    /// this shard and the inner optimizer state were built on the discarded trajectory and must be reset.
+    RolledBack {
+        /// The shard.
+        shard: usize,
+        /// Its new epoch.
+        epoch: u64,
+    },
 }
 
 /// Counters the session keeps for the worker's report.
@@ -84,6 +95,8 @@ pub struct SessionStats {
     pub max_clock_lead: u64,
     /// Pushes resent after a reconnect.
     pub resent: u64,
+    /// Rollback epochs seen change (one per shard per rollback).
+    pub rollbacks_seen: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -104,6 +117,8 @@ struct Link {
     version: u64,
     /// The shard's public copy this worker holds (delta pulls).
     public: Option<PublicRef>,
+    /// The shard's rollback epoch in the last reply used.
+    epoch: u64,
     /// When we last sent a control message (heartbeat timer).
     last_sent_ms: u64,
     /// Our clock moved past what this shard holds: reconnect with a rejoin once nothing is pending.
@@ -162,6 +177,7 @@ impl WorkerSession {
                     pending: VecDeque::new(),
                     version: 0,
                     public: None,
+                    epoch: 0,
                     last_sent_ms: 0,
                     rejoin: false,
                     hello_clock: 0,
@@ -405,7 +421,9 @@ impl WorkerSession {
 
     /// A pull reply arrived from `shard`. Returns true when it answers the shard's current request of this round
     /// (then the caller reads its values into the model, and the worker holds `public` from then on when given);
-    /// false when it is stale and must be dropped.
+    /// false when it is stale and must be dropped. A used reply of another rollback `epoch` than the last one from
+    /// this shard raises [`Event::RolledBack`] (ahead of the round's `PullDone`).
+    #[allow(clippy::too_many_arguments)]
     pub fn reply(
         &mut self,
         shard: usize,
@@ -413,6 +431,7 @@ impl WorkerSession {
         clock: u64,
         version: u64,
         min_clock: u64,
+        epoch: u64,
         public: Option<PublicRef>,
     ) -> bool {
         let Some(round) = &mut self.round else {
@@ -426,6 +445,11 @@ impl WorkerSession {
         round.requests[shard] = None;
         round.done[shard] = true;
         self.links[shard].version = version;
+        if self.links[shard].epoch != epoch {
+            self.links[shard].epoch = epoch;
+            self.stats.rollbacks_seen += 1;
+            self.events.push_back(Event::RolledBack { shard, epoch });
+        }
         if public.is_some() {
             self.links[shard].public = public;
         }
@@ -461,9 +485,10 @@ impl WorkerSession {
         self.round_frames(Some(payloads), loss)
     }
 
-    /// Finishes this round without an update (a skip marker on every shard's push path). The clock advances.
-    pub fn skip(&mut self) -> Result<(), ProtocolError> {
-        self.round_frames(None, 0.0)
+    /// Finishes this round without an update (a skip marker on every shard's push path), reporting the round's
+    /// loss (possibly non-finite) for the shards' spike detector. The clock advances.
+    pub fn skip(&mut self, loss: f32) -> Result<(), ProtocolError> {
+        self.round_frames(None, loss)
     }
 
     fn round_frames(

@@ -19,6 +19,9 @@ pub enum GradientFault {
     NanAt(u64),
     /// Multiply the gradient by this factor at this step.
     ScaleAt(u64, f32),
+    /// Multiply the update pushed at this step by this factor after clipping (in local-step rounds, the
+    /// pseudo-gradient of the round holding this step): a loss spike that clipping cannot neutralise.
+    PushScaleAt(u64, f32),
 }
 
 /// What one computed step produced.
@@ -95,6 +98,35 @@ impl StepEngine {
             *g = s - e;
         }
         sum_of_squares(&self.grad).is_finite()
+    }
+
+    /// Applies the [`GradientFault::PushScaleAt`] faults of `steps` to the update about to be encoded.
+    pub fn fault_push(&mut self, steps: std::ops::Range<u64>) {
+        for f in &self.faults {
+            if let GradientFault::PushScaleAt(s, k) = *f {
+                if steps.contains(&s) {
+                    self.grad.iter_mut().for_each(|g| *g *= k);
+                }
+            }
+        }
+    }
+
+    /// The listed shards rolled back after a loss spike: what was built on the discarded trajectory goes. Their
+    /// error-feedback residuals are cleared, and the inner optimizer of local-step rounds starts afresh (zero
+    /// moments, update count 0, so Adam's bias correction holds and its warm-up runs again).
+    pub fn reset_trajectory(&mut self, shards: &[usize]) {
+        if let Some(fb) = self.feedback.as_mut() {
+            for &k in shards {
+                if let Some(f) = fb.get_mut(k) {
+                    f.reset();
+                }
+            }
+        }
+        if let Some(opt) = self.inner.as_mut() {
+            let zeros = opt.slots().iter().map(|s| vec![0.0; s.len()]).collect();
+            // The same slot count and lengths as the optimizer's own: restore cannot refuse them.
+            let _ = opt.restore(0, zeros);
+        }
     }
 
     /// Injects faults at given steps.

@@ -107,6 +107,8 @@ pub struct WorkerReport {
     pub pushes_refused: u64,
     /// Pull replies dropped because they answered a superseded request.
     pub stale_replies_dropped: u64,
+    /// Shard rollbacks this worker saw (one per shard per loss-spike rollback).
+    pub rollbacks_seen: u64,
     /// Wall time.
     pub wall_seconds: f64,
     /// Time spent waiting for pulls (the SSP gate, the network and the replies' decoding).
@@ -228,6 +230,20 @@ struct Evaluate {
     params: Vec<f32>,
 }
 
+/// Shards that rolled back after a loss spike: the engine resets what it built on their old trajectory.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct RolledBack {
+    shards: Vec<usize>,
+}
+
+impl Handler<RolledBack> for WorkerActor {
+    type Result = ();
+    fn handle(&mut self, msg: RolledBack, _: &mut Context<Self>) {
+        self.engine.reset_trajectory(&msg.shards);
+    }
+}
+
 /// A push shard `shard` did not apply although its gradient was good: the residual policy credits it back.
 struct Credit {
     shard: usize,
@@ -324,6 +340,7 @@ impl Handler<Compute> for WorkerActor {
             .engine
             .compute(msg.step, &msg.params, &self.xb, &self.yb);
         if outcome.finite {
+            self.engine.fault_push(msg.step..msg.step + 1);
             for (k, out) in msg.frames.iter_mut().enumerate() {
                 self.engine.encode_shard(k, msg.step, out)?;
             }
@@ -354,6 +371,8 @@ impl Handler<LocalRound> for WorkerActor {
         }
         let finite = good > 0 && self.engine.set_pseudo_gradient(&msg.params, &self.theta);
         if finite {
+            self.engine
+                .fault_push(msg.first_step..msg.first_step + msg.steps);
             for (k, out) in msg.frames.iter_mut().enumerate() {
                 self.engine.encode_shard(k, msg.first_step, out)?;
             }
@@ -551,6 +570,7 @@ impl PreparedWorker {
         let stats = self.driver.session.stats();
         self.report.pushes_refused = stats.pushes_refused;
         self.report.stale_replies_dropped = stats.stale_replies;
+        self.report.rollbacks_seen = stats.rollbacks_seen;
         self.report.max_clock_lead = stats.max_clock_lead;
         self.report.reconnects = self.driver.reconnects;
         self.report.final_public = (0..self.driver.session.shards())
@@ -577,7 +597,11 @@ fn inner_optimizer(cfg: &Config, total_steps: u64) -> tether_common::config::Opt
 /// applied are credited back into the residual; those refused for their values are dropped.
 fn credit_refused(d: &mut Driver, addr: &Addr<WorkerActor>) {
     for r in d.refused.drain(..) {
-        if r.outcome != Outcome::Refused(ErrorCode::NonFinite) {
+        // Refused for its values, or computed on parameters a rollback discarded: not credited.
+        if !matches!(
+            r.outcome,
+            Outcome::Refused(ErrorCode::NonFinite | ErrorCode::RolledBack)
+        ) {
             addr.do_send(Credit {
                 shard: r.shard,
                 frame: r.frame,
@@ -617,6 +641,12 @@ async fn train_loop(
     while step < total_steps {
         let t0 = Instant::now();
         d.pull(&mut params).await?;
+        if !d.rolled_back.is_empty() {
+            // Delivered before the compute below (one mailbox, in order).
+            addr.do_send(RolledBack {
+                shards: std::mem::take(&mut d.rolled_back),
+            });
+        }
         let pulled = Instant::now();
         let wait = pulled - t0;
         report.pull_wait_seconds += wait.as_secs_f64();
@@ -680,10 +710,12 @@ async fn train_loop(
             if let Some(m) = &opts.metrics {
                 m.nonfinite.inc();
             }
-            d.session.skip().map_err(|e| WorkerError::Protocol {
-                shard: 0,
-                reason: e.to_string(),
-            })?;
+            d.session
+                .skip(outcome.loss)
+                .map_err(|e| WorkerError::Protocol {
+                    shard: 0,
+                    reason: e.to_string(),
+                })?;
         }
         credit_refused(d, addr);
         step += n;

@@ -89,7 +89,7 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!(first.len(), 2);
     let (_, old0, _) = first[0];
     // Shard 1 answers; shard 0's link breaks before it does.
-    assert!(s.reply(1, first[1].1, 0, 5, 0, None));
+    assert!(s.reply(1, first[1].1, 0, 5, 0, 0, None));
     s.disconnected(0);
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
@@ -106,9 +106,9 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!((k, c), (0, 0));
     assert_ne!(new0, old0);
     // The reply to the superseded request turns up late: dropped.
-    assert!(!s.reply(0, old0, 0, 4, 0, None));
+    assert!(!s.reply(0, old0, 0, 4, 0, 0, None));
     assert!(s.pulling());
-    assert!(s.reply(0, new0, 0, 4, 0, None));
+    assert!(s.reply(0, new0, 0, 4, 0, 0, None));
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
     assert_eq!(s.stats().stale_replies, 1);
@@ -121,27 +121,27 @@ fn a_reply_from_an_earlier_round_is_not_read_into_the_next() {
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r0 = requests(&t);
-    assert!(s.reply(0, r0[0].1, 0, 1, 0, None));
+    assert!(s.reply(0, r0[0].1, 0, 1, 0, 0, None));
     // Round 0 is abandoned (a new pull supersedes it) before shard 1's answer arrives.
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r1 = requests(&t);
     assert!(
-        !s.reply(1, r0[1].1, 0, 1, 0, None),
+        !s.reply(1, r0[1].1, 0, 1, 0, 0, None),
         "answer to the old round"
     );
     assert!(
-        !s.reply(0, r1[0].1, 1, 1, 0, None),
+        !s.reply(0, r1[0].1, 1, 1, 0, 0, None),
         "right request, wrong clock"
     );
-    assert!(s.reply(0, r1[0].1, 0, 1, 0, None));
-    assert!(s.reply(1, r1[1].1, 0, 1, 0, None));
+    assert!(s.reply(0, r1[0].1, 0, 1, 0, 0, None));
+    assert!(s.reply(1, r1[1].1, 0, 1, 0, 0, None));
 }
 
 #[test]
 fn a_skip_is_a_marker_on_the_push_path() {
     let mut s = connected(0);
-    s.skip().unwrap();
+    s.skip(0.0).unwrap();
     let (t, _) = drain(&mut s);
     assert!(
         t.iter().all(|x| matches!(x, Transmit::Push { .. })),
@@ -302,11 +302,11 @@ fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
         "a fresh worker holds nothing"
     );
     let r = requests(&t);
-    assert!(s.reply(0, r[0].1, 0, 1, 0, cut(4)));
+    assert!(s.reply(0, r[0].1, 0, 1, 0, 0, cut(4)));
     // A reply to a request that is not the current one is dropped, and does not change what the worker holds.
-    assert!(!s.reply(1, r[1].1 + 100, 0, 1, 0, cut(9)));
+    assert!(!s.reply(1, r[1].1 + 100, 0, 1, 0, 0, cut(9)));
     assert_eq!(s.public(1), None);
-    assert!(s.reply(1, r[1].1, 0, 1, 0, cut(2)));
+    assert!(s.reply(1, r[1].1, 0, 1, 0, 0, cut(2)));
     assert_eq!((s.public(0), s.public(1)), (cut(4), cut(2)));
     s.push(&mut [vec![1], vec![2]], 0.5).unwrap();
     s.start_pull(1);
@@ -323,4 +323,51 @@ fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
     s.connected(0, &welcome(0, 1), 10).unwrap();
     let (t, _) = drain(&mut s);
     assert_eq!(haves(&t), vec![(0, None)]);
+}
+
+#[test]
+fn a_new_rollback_epoch_is_an_event_before_the_pull_completes_and_skips_carry_their_loss() {
+    let mut s = connected(0);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    assert!(s.reply(0, r[0].1, 0, 1, 0, 0, None));
+    assert!(s.reply(1, r[1].1, 0, 1, 0, 0, None));
+    let (_, e) = drain(&mut s);
+    assert_eq!(
+        e,
+        vec![Event::PullDone { clock: 0 }],
+        "epoch 0: nothing rolled back"
+    );
+    s.skip(f32::NAN).unwrap();
+    let (t, _) = drain(&mut s);
+    for (_, _, bytes) in pushes(&t) {
+        assert!(access_push(&bytes).unwrap().meta().loss.is_nan());
+    }
+    // Shard 1 rolled back: its epoch-1 reply raises the event ahead of PullDone; shard 0 still at epoch 0 does not.
+    s.start_pull(1);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    assert!(s.reply(0, r[0].1, 1, 2, 1, 0, None));
+    assert!(s.reply(1, r[1].1, 1, 3, 1, 1, None));
+    let (_, e) = drain(&mut s);
+    assert_eq!(
+        e,
+        vec![
+            Event::RolledBack { shard: 1, epoch: 1 },
+            Event::PullDone { clock: 1 }
+        ]
+    );
+    // A stale reply of another epoch is dropped before it can raise anything.
+    assert!(!s.reply(0, r[0].1, 1, 2, 1, 5, None));
+    // The same epoch again is nothing new.
+    s.skip(1.0).unwrap();
+    s.start_pull(2);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    assert!(s.reply(0, r[0].1, 2, 2, 2, 0, None));
+    assert!(s.reply(1, r[1].1, 2, 3, 2, 1, None));
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::PullDone { clock: 2 }]);
+    assert_eq!(s.stats().rollbacks_seen, 1);
 }

@@ -49,6 +49,9 @@ pub struct ParamReply {
     pub version: u64,
     /// Minimum clock over live workers when answered.
     pub min_clock: u64,
+    /// Loss-spike rollbacks this shard made (its trajectory epoch): a change tells the worker to drop what it built
+    /// on the old trajectory (error-feedback residual, inner optimizer state).
+    pub epoch: u64,
     /// First global index covered.
     pub range_start: u64,
     /// One past the last global index covered.

@@ -49,6 +49,8 @@ pub struct DeltaHeader {
     pub version: u64,
     /// Minimum clock over live workers when answered.
     pub min_clock: u64,
+    /// Loss-spike rollbacks this shard made (its trajectory epoch; see `ParamReply::epoch`).
+    pub epoch: u64,
     /// First global index covered.
     pub range_start: u64,
     /// One past the last global index covered.
@@ -217,6 +219,7 @@ mod tests {
             clock: 2,
             version: 3,
             min_clock: 1,
+            epoch: 0,
             range_start: 10,
             range_end: 110,
             lineage: 7,

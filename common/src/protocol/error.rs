@@ -22,6 +22,7 @@
 //! |   15 | Evicted           | worker was evicted from the clock table                           |
 //! |   16 | Shutdown          | server is shutting down                                           |
 //! |   17 | UnexpectedMessage | a valid message that is not allowed at this point of the session |
+//! |   18 | RolledBack        | push computed from parameters a loss-spike rollback discarded     |
 
 use serde::{Deserialize, Serialize};
 
@@ -64,11 +65,13 @@ pub enum ErrorCode {
     Shutdown = 16,
     /// Valid message not allowed at this point of the session.
     UnexpectedMessage = 17,
+    /// Push computed from parameters that a loss-spike rollback discarded (its read version predates the rollback).
+    RolledBack = 18,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 17] = [
+    pub const ALL: [ErrorCode; 18] = [
         ErrorCode::BadFrame,
         ErrorCode::Oversized,
         ErrorCode::Truncated,
@@ -86,6 +89,7 @@ impl ErrorCode {
         ErrorCode::Evicted,
         ErrorCode::Shutdown,
         ErrorCode::UnexpectedMessage,
+        ErrorCode::RolledBack,
     ];
 
     /// The stable numeric value.

@@ -30,8 +30,9 @@ pub use framing::{
     HEADER_LEN,
 };
 
-/// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`].
-pub const PROTOCOL_VERSION: u32 = 3;
+/// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`]. Version 4
+/// added the rollback `epoch` to pull replies and the `RolledBack` refusal.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";
