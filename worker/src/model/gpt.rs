@@ -16,9 +16,10 @@ use tether_common::config::ComputePrecision;
 use tether_common::layout::{gpt_layout, GptShape};
 
 use super::candle::{CandleError, CandleModel, CandleModule};
+use super::ops;
 
 /// Layer-norm epsilon (GPT-2's).
-const LN_EPS: f64 = 1e-5;
+const LN_EPS: f32 = 1e-5;
 
 /// One layer norm's gain and bias.
 struct Norm {
@@ -36,13 +37,7 @@ impl Norm {
 
     /// Normalises the last dimension of the f32 residual stream `x`; returns `dtype`.
     fn forward(&self, x: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let xc = x.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let xn = xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
-        xn.broadcast_mul(&self.weight)?
-            .broadcast_add(&self.bias)?
-            .to_dtype(dtype)
+        ops::layer_norm(x, &self.weight, &self.bias, LN_EPS)?.to_dtype(dtype)
     }
 }
 
@@ -65,7 +60,7 @@ impl Module for Dense {
     /// In `x`'s dtype: the f32 weights are cast to it (autocast).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let dt = x.dtype();
-        mm(x, &self.weight.to_dtype(dt)?)?.broadcast_add(&self.bias.to_dtype(dt)?)
+        ops::bias_add(&mm(x, &self.weight.to_dtype(dt)?)?, &self.bias.to_dtype(dt)?)
     }
 }
 
@@ -99,8 +94,6 @@ pub struct Gpt {
     wpe: Tensor,
     blocks: Vec<Block>,
     ln_f: Norm,
-    /// `[context, context]`: 0 on and below the diagonal, −∞ above (f32).
-    mask: Tensor,
     dtype: DType,
 }
 
@@ -123,18 +116,12 @@ impl Gpt {
             });
         }
         let ln_f = Norm::new(&vb.pp("ln_f"), c)?;
-        let t = shape.context;
-        let mask: Vec<f32> = (0..t * t)
-            .map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 })
-            .collect();
-        let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
         Ok(Self {
             shape,
             wte,
             wpe,
             blocks,
             ln_f,
-            mask,
             dtype: vb.dtype(),
         })
     }
@@ -159,10 +146,10 @@ impl Gpt {
         let hs = c / nh;
         let dt = self.dtype;
         // The residual stream h is f32.
-        let tok = self.wte.embedding(&ids.flatten_all()?)?.reshape((b, t, c))?;
-        let mut h = tok.broadcast_add(&self.wpe.narrow(0, 0, t)?)?;
-        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-        let scale = 1.0 / (hs as f64).sqrt();
+        let tok = self.wte.embedding(&ids.flatten_all()?)?.reshape((b, t * c))?;
+        let pos = self.wpe.narrow(0, 0, t)?.flatten_all()?;
+        let mut h = ops::bias_add(&tok, &pos)?.reshape((b, t, c))?;
+        let scale = 1.0 / (hs as f32).sqrt();
         for blk in &self.blocks {
             let a = blk.ln_1.forward(&h, dt)?.reshape((b * t, c))?;
             let qkv = blk
@@ -173,17 +160,14 @@ impl Gpt {
             let q = qkv.get(0)?.contiguous()?;
             let k = qkv.get(1)?.contiguous()?;
             let v = qkv.get(2)?.contiguous()?;
-            let att = (mm(&q, &k.t()?)? * scale)?
-                .to_dtype(DType::F32)?
-                .broadcast_add(&mask)?;
-            let att = softmax_last(&att)?.to_dtype(dt)?;
+            let att = ops::causal_softmax(&mm(&q, &k.t()?)?.to_dtype(DType::F32)?, scale)?.to_dtype(dt)?;
             let y = mm(&att, &v)?
                 .transpose(1, 2)?
                 .contiguous()?
                 .reshape((b * t, c))?;
             h = (h + blk.proj.forward(&y)?.to_dtype(DType::F32)?.reshape((b, t, c))?)?;
             let m = blk.ln_2.forward(&h, dt)?.reshape((b * t, c))?;
-            let m = blk.mlp_proj.forward(&super::ops::fused_gelu(&blk.fc.forward(&m)?)?)?;
+            let m = blk.mlp_proj.forward(&ops::fused_gelu(&blk.fc.forward(&m)?)?)?;
             h = (h + m.to_dtype(DType::F32)?.reshape((b, t, c))?)?;
         }
         self.ln_f.forward(&h, DType::F32)?.reshape((b * t, c))
@@ -200,15 +184,6 @@ impl Gpt {
     }
 }
 
-/// Softmax over the last dimension from differentiable primitives (candle-nn's fused one has no backward); the
-/// shift by the row maximum is detached, which leaves the value and the gradient unchanged.
-fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    let s = e.sum_keepdim(D::Minus1)?;
-    e.broadcast_div(&s)
-}
-
 impl CandleModule for Gpt {
     fn loss(&self, x: &[f32], y: &[u32], rows: usize) -> candle_core::Result<Tensor> {
         let t = self.shape.context;
@@ -220,7 +195,7 @@ impl CandleModule for Gpt {
             targets.push(label.min(self.shape.vocab as u32 - 1));
         }
         let targets = Tensor::from_vec(targets, rows * t, &Device::Cpu)?;
-        candle_nn::loss::cross_entropy(&self.logits(&ids)?, &targets)
+        ops::cross_entropy(&self.logits(&ids)?, &targets)
     }
 
     fn predict(&self, x: &[f32], rows: usize, out: &mut [u32]) -> candle_core::Result<()> {
