@@ -212,3 +212,63 @@ fn under_ssp_the_snapshot_clears_the_staleness_margin_and_stale_pushes_are_refus
         t0.elapsed()
     );
 }
+
+/// The GPT variant: a small byte-level GPT (1 layer, 2 heads, 32 wide, 16-byte context) on the embedded KJV excerpt,
+/// one worker, local-step rounds of 4 (inner Adam, Nesterov outer steps); the spike is a round's pseudo-gradient
+/// scaled 1000×. With rollback the run ends within 2 % of the undisturbed validation loss; without, far above it.
+fn gpt_config(rollback: bool) -> Config {
+    let mut cfg = config(rollback, 4);
+    cfg.model.kind = tether::common::config::ModelKind::Gpt;
+    cfg.model.layers = 1;
+    cfg.model.heads = 2;
+    cfg.model.dim = 32;
+    cfg.model.context = 16;
+    cfg.data.dataset = DatasetKind::KjvExcerpt;
+    cfg.train.batch = 32;
+    cfg.train.epochs = 1;
+    cfg.train.max_steps = 800;
+    cfg.optimizer.kind = OptimizerKind::Adam;
+    cfg.optimizer.lr = 3e-3;
+    cfg.optimizer.schedule = Schedule::WarmupCosine {
+        warmup: 30,
+        total: 0,
+        min_ratio: 0.1,
+    };
+    cfg.validate().expect("valid config");
+    cfg
+}
+
+#[test]
+fn a_gpt_recovers_from_a_loss_spike_within_two_percent_of_its_validation_loss() {
+    let t0 = Instant::now();
+    let val = |r: &RunReport| r.final_val_loss.expect("validation loss");
+    let (clean, _) = run_config(gpt_config(true), false);
+    assert_eq!((clean.rollbacks, clean.rollbacks_missed), (0, 0));
+    let (off, _) = run_config(gpt_config(false), true);
+    let (on, on_w) = run_config(gpt_config(true), true);
+    eprintln!(
+        "GPT validation loss: undisturbed {:.4}, spike without rollback {:.4}, with rollback {:.4} ({} rounds lost)",
+        val(&clean),
+        val(&off),
+        val(&on),
+        on.rounds_lost
+    );
+    assert_eq!((on.rollbacks, on.rollbacks_missed), (1, 0));
+    assert_eq!(on_w.rollbacks_seen, 2);
+    let mut log = on.rollback_log.clone();
+    log.sort();
+    assert_eq!((log[0].1, log[0].2), (log[1].1, log[1].2), "shards disagree: {log:?}");
+    assert!(
+        val(&on) <= 1.02 * val(&clean),
+        "with rollback {:.4} vs undisturbed {:.4}: more than 2 % worse",
+        val(&on),
+        val(&clean)
+    );
+    assert!(
+        !(val(&off) <= 1.1 * val(&clean)),
+        "without rollback {:.4} vs undisturbed {:.4}: the spike did no real damage",
+        val(&off),
+        val(&clean)
+    );
+    assert!(t0.elapsed() < Duration::from_secs(90), "took {:?}", t0.elapsed());
+}

@@ -27,9 +27,9 @@ pub const MAX_TEXT_BYTES: u64 = 256 << 20;
 /// Share of the corpus held out for validation (its tail).
 pub const HELD_OUT: f64 = 0.1;
 
-/// Most validation windows kept (the first ones of the held-out tail): 2,048 × 64 = 131 k tokens at the default
-/// context, enough for a stable validation loss, cheap enough to evaluate often.
-pub const MAX_VAL_WINDOWS: usize = 2048;
+/// Most validation windows kept (the first ones of the held-out tail): 512 × 64 = 32,768 tokens at the default
+/// context (a standard error of about 0.01 nats), cheap enough to evaluate often (0.9 s for the default GPT).
+pub const MAX_VAL_WINDOWS: usize = 512;
 
 /// The embedded KJV excerpt (Genesis–Deuteronomy).
 pub fn kjv_excerpt() -> Result<Vec<u8>, DataError> {
