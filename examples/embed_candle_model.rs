@@ -27,7 +27,12 @@ struct ResidualMlp {
 }
 
 impl ResidualMlp {
-    fn new(vb: VarBuilder<'_>, features: usize, hidden: usize, classes: usize) -> candle_core::Result<Self> {
+    fn new(
+        vb: VarBuilder<'_>,
+        features: usize,
+        hidden: usize,
+        classes: usize,
+    ) -> candle_core::Result<Self> {
         // candle-nn's fused layer norm has no backward; `affine` + the unfused path (remove_mean) trains.
         let cfg = LayerNormConfig {
             affine: true,
@@ -79,8 +84,10 @@ impl CandleModule for ResidualMlp {
 
 fn model() -> Box<dyn Model> {
     // Building cannot fail: the module asks only for tensors with shapes and candle-nn's standard inits.
-    let m = CandleModel::new(64, 10, ComputePrecision::F32, |vb| ResidualMlp::new(vb, 64, 48, 10))
-        .expect("the module builds");
+    let m = CandleModel::new(64, 10, ComputePrecision::F32, |vb| {
+        ResidualMlp::new(vb, 64, 48, 10)
+    })
+    .expect("the module builds");
     Box::new(m)
 }
 
@@ -95,7 +102,10 @@ fn main() -> Result<()> {
     cfg.checkpoint.every_updates = 0;
     let dir = tempfile::tempdir()?;
     let layout = model().layout().clone();
-    println!("candle module as a Tether layout ({} params):", layout.len());
+    println!(
+        "candle module as a Tether layout ({} params):",
+        layout.len()
+    );
     for t in layout.tensors() {
         println!("  {:<14} {:?} {:?}", t.name, t.shape, t.init);
     }
@@ -110,6 +120,9 @@ fn main() -> Result<()> {
         report.wall_seconds,
         1.0 / report.push_ratio().max(1e-12)
     );
-    anyhow::ensure!(report.final_test_accuracy > 0.9, "the candle module did not learn");
+    anyhow::ensure!(
+        report.final_test_accuracy > 0.9,
+        "the candle module did not learn"
+    );
     Ok(())
 }

@@ -149,7 +149,10 @@ fn main() -> Result<()> {
     cfg.validate()?;
     let mut single_cfg = cfg.clone();
     single_cfg.cluster.workers = 1;
-    println!("single process: the GPT's own loop, batch {}, Adam", args.batch);
+    println!(
+        "single process: the GPT's own loop, batch {}, Adam",
+        args.batch
+    );
     let s = single(&args, &mut single_cfg).context("single-process run")?;
     println!(
         "cluster: {} workers x {} shards, local steps {}, q4",
@@ -161,7 +164,10 @@ fn main() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let report = LocalCluster::new(cfg, dir.path().to_path_buf()).run()?;
     let c: Curve = report.val_loss_curve.iter().map(|p| (p.1, p.2)).collect();
-    let (sf, cf) = (s.last().map_or(f64::NAN, |p| p.1), c.last().map_or(f64::NAN, |p| p.1));
+    let (sf, cf) = (
+        s.last().map_or(f64::NAN, |p| p.1),
+        c.last().map_or(f64::NAN, |p| p.1),
+    );
     // The single process's final loss when the cluster gets there, else the cluster's (the worse of the two).
     let target = sf.max(cf);
     let (ts, tc) = (time_to(&s, target), time_to(&c, target));

@@ -468,9 +468,12 @@ fn plot(r: &RunReport, path: &Path) -> Result<()> {
     let mut loss = ChartBuilder::on(&left);
     loss.margin(15);
     if has_font {
-        loss.caption("loss: training (blue), validation (red)", ("sans-serif", 18))
-            .x_label_area_size(30)
-            .y_label_area_size(45);
+        loss.caption(
+            "loss: training (blue), validation (red)",
+            ("sans-serif", 18),
+        )
+        .x_label_area_size(30)
+        .y_label_area_size(45);
     }
     let mut loss = loss.build_cartesian_2d(0.0..tmax, 0.0..lmax)?;
     if has_font {
@@ -482,7 +485,10 @@ fn plot(r: &RunReport, path: &Path) -> Result<()> {
     ))?;
     // Validation loss (red): the evaluating worker's points and the final model.
     let val = r.val_loss_curve.iter().filter(|p| p.2.is_finite());
-    loss.draw_series(LineSeries::new(val.clone().map(|p| (p.1, p.2.min(lmax))), &RED))?;
+    loss.draw_series(LineSeries::new(
+        val.clone().map(|p| (p.1, p.2.min(lmax))),
+        &RED,
+    ))?;
     loss.draw_series(val.map(|p| Circle::new((p.1, p.2.min(lmax)), 3, RED.filled())))?;
     if r.final_bits_per_char.is_some() {
         // Text: bits per character of the validation split.

@@ -312,7 +312,9 @@ impl LocalCluster {
         report.notes.push(format!("final test loss {test_loss:.4}"));
         // The final point of the validation curve is the shards' final model (as `final_test_accuracy`).
         let steps = report.steps;
-        report.val_loss_curve.push((steps, wall, f64::from(test_loss)));
+        report
+            .val_loss_curve
+            .push((steps, wall, f64::from(test_loss)));
         report.finish_val_loss(cfg.data.dataset.is_text());
         Ok((report, reports, publics))
     }

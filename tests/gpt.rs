@@ -3,7 +3,9 @@
 //! validation loss and bits per character, in f32 and in bf16 with dynamic loss scaling.
 
 use tether::common::codec::Scheme;
-use tether::common::config::{ComputePrecision, Config, DatasetKind, ModelKind, Schedule, Staleness};
+use tether::common::config::{
+    ComputePrecision, Config, DatasetKind, ModelKind, Schedule, Staleness,
+};
 use tether::common::report::RunReport;
 use tether::{loopback_servers, LocalCluster};
 
@@ -67,13 +69,21 @@ fn run(cfg: Config) -> RunReport {
 fn gpt_trains_through_the_cluster_below_the_validation_bound_in_f32_and_bf16() {
     let f32r = run(config(ComputePrecision::F32));
     let val = f32r.final_val_loss.expect("validation loss in the report");
-    assert!(val < VAL_LOSS_BOUND, "f32 validation loss {val} ≥ {VAL_LOSS_BOUND}");
-    let bpc = f32r.final_bits_per_char.expect("bits per character in the report");
+    assert!(
+        val < VAL_LOSS_BOUND,
+        "f32 validation loss {val} ≥ {VAL_LOSS_BOUND}"
+    );
+    let bpc = f32r
+        .final_bits_per_char
+        .expect("bits per character in the report");
     assert!((bpc - val / std::f64::consts::LN_2).abs() < 1e-9);
     assert_eq!(f32r.steps, 600);
     // 38 rounds of 8 (the last one 4) per worker, each worker's push applied by both shards.
     assert_eq!(f32r.updates_applied, 38 * 2 * 2);
-    assert!(f32r.val_loss_curve.len() >= 3, "the curve has the evaluations and the final model");
+    assert!(
+        f32r.val_loss_curve.len() >= 3,
+        "the curve has the evaluations and the final model"
+    );
     assert_eq!(f32r.precision, "f32");
     assert_eq!(f32r.final_loss_scale, None);
 
@@ -81,7 +91,10 @@ fn gpt_trains_through_the_cluster_below_the_validation_bound_in_f32_and_bf16() {
     // arrival order makes cluster runs differ by about 1 % from run to run).
     let bf = run(config(ComputePrecision::Bf16));
     let bval = bf.final_val_loss.expect("validation loss in the report");
-    assert!(bval < VAL_LOSS_BOUND, "bf16 validation loss {bval} ≥ {VAL_LOSS_BOUND}");
+    assert!(
+        bval < VAL_LOSS_BOUND,
+        "bf16 validation loss {bval} ≥ {VAL_LOSS_BOUND}"
+    );
     assert_eq!(bf.precision, "bf16");
     // bf16 has f32's exponent range: at the initial scale 2^16 nothing overflows, and the scale grows.
     assert_eq!(bf.loss_scale_overflows, 0);

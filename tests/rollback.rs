@@ -257,7 +257,11 @@ fn a_gpt_recovers_from_a_loss_spike_within_two_percent_of_its_validation_loss() 
     assert_eq!(on_w.rollbacks_seen, 2);
     let mut log = on.rollback_log.clone();
     log.sort();
-    assert_eq!((log[0].1, log[0].2), (log[1].1, log[1].2), "shards disagree: {log:?}");
+    assert_eq!(
+        (log[0].1, log[0].2),
+        (log[1].1, log[1].2),
+        "shards disagree: {log:?}"
+    );
     assert!(
         val(&on) <= 1.02 * val(&clean),
         "with rollback {:.4} vs undisturbed {:.4}: more than 2 % worse",
@@ -265,10 +269,14 @@ fn a_gpt_recovers_from_a_loss_spike_within_two_percent_of_its_validation_loss() 
         val(&clean)
     );
     assert!(
-        !(val(&off) <= 1.1 * val(&clean)),
+        val(&off).is_nan() || val(&off) > 1.1 * val(&clean),
         "without rollback {:.4} vs undisturbed {:.4}: the spike did no real damage",
         val(&off),
         val(&clean)
     );
-    assert!(t0.elapsed() < Duration::from_secs(90), "took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(90),
+        "took {:?}",
+        t0.elapsed()
+    );
 }

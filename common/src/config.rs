@@ -1008,13 +1008,22 @@ impl Config {
         if self.model.kind == ModelKind::Gpt {
             let m = &self.model;
             if m.layers == 0 || m.layers > 64 || m.context == 0 || m.context > 4096 {
-                return bad("model.layers/context", "need 1..=64 layers and a context of 1..=4096");
+                return bad(
+                    "model.layers/context",
+                    "need 1..=64 layers and a context of 1..=4096",
+                );
             }
-            if m.heads == 0 || m.dim == 0 || m.dim % m.heads != 0 || m.dim > 8192 {
-                return bad("model.heads/dim", "dim must be a positive multiple of heads, at most 8192");
+            if m.heads == 0 || m.dim == 0 || !m.dim.is_multiple_of(m.heads) || m.dim > 8192 {
+                return bad(
+                    "model.heads/dim",
+                    "dim must be a positive multiple of heads, at most 8192",
+                );
             }
             if !self.data.dataset.is_text() {
-                return bad("data.dataset", "a GPT trains on a text dataset (kjv, kjv-excerpt, text)");
+                return bad(
+                    "data.dataset",
+                    "a GPT trains on a text dataset (kjv, kjv-excerpt, text)",
+                );
             }
         }
         if !(self.train.loss_scale >= 1.0 && self.train.loss_scale <= 1.0e30) {
@@ -1082,7 +1091,10 @@ impl Config {
             DatasetKind::Kjv | DatasetKind::KjvExcerpt | DatasetKind::Text => {
                 return Err(ConfigError::Invalid {
                     key: "model.kind",
-                    reason: format!("dataset {} is text: it needs model.kind = \"gpt\"", self.data.dataset),
+                    reason: format!(
+                        "dataset {} is text: it needs model.kind = \"gpt\"",
+                        self.data.dataset
+                    ),
                 })
             }
         };

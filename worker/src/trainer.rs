@@ -734,7 +734,9 @@ async fn train_loop(
             let e = evaluate(d, addr, params).await?;
             params = e.params;
             let secs = started.elapsed().as_secs_f64();
-            report.accuracy_curve.push((step, secs, f64::from(e.accuracy)));
+            report
+                .accuracy_curve
+                .push((step, secs, f64::from(e.accuracy)));
             report.val_loss_curve.push((step, secs, f64::from(e.loss)));
             accuracy = Some(e.accuracy);
         }
@@ -780,9 +782,17 @@ async fn train_loop(
         let e = evaluate(d, addr, params).await?;
         params = e.params;
         let secs = started.elapsed().as_secs_f64();
-        report.accuracy_curve.push((step, secs, f64::from(e.accuracy)));
+        report
+            .accuracy_curve
+            .push((step, secs, f64::from(e.accuracy)));
         report.val_loss_curve.push((step, secs, f64::from(e.loss)));
-        info!(rank, step, accuracy = e.accuracy, val_loss = e.loss, "final evaluation");
+        info!(
+            rank,
+            step,
+            accuracy = e.accuracy,
+            val_loss = e.loss,
+            "final evaluation"
+        );
     }
     report.precision = d
         .while_running(addr.send(PrecisionQuery))

@@ -46,7 +46,10 @@ fn gpt_gradient_matches_central_finite_differences() {
     }
     let (x, y) = batch(shape.context, 3, 1000);
     let (loss, g) = loss_and_grad(&mut m, &p, &x, &y);
-    assert!((loss - 256f32.ln()).abs() < 0.5, "initial loss {loss} near ln 256");
+    assert!(
+        (loss - 256f32.ln()).abs() < 0.5,
+        "initial loss {loss} near ln 256"
+    );
     // Check a spread of coordinates in every tensor: the largest-gradient one and a few others.
     let layout = m.layout().clone();
     let h = 1e-2f32;
@@ -136,11 +139,16 @@ fn a_candle_mlp_computes_the_builtin_mlps_loss_and_gradient() {
     assert_eq!(builtin.layout(), &layout);
     let p = layout.init_all(3);
     let rows = 9;
-    let x: Vec<f32> = (0..rows * 12).map(|i| ((i * 37) % 19) as f32 / 19.0 - 0.4).collect();
+    let x: Vec<f32> = (0..rows * 12)
+        .map(|i| ((i * 37) % 19) as f32 / 19.0 - 0.4)
+        .collect();
     let y: Vec<u32> = (0..rows as u32).map(|i| i % 4).collect();
     let (lc, gc) = loss_and_grad(&mut candle, &p, &x, &y);
     let (lb, gb) = loss_and_grad(&mut builtin, &p, &x, &y);
-    assert!((lc - lb).abs() < 1e-5 * lb.abs().max(1.0), "loss {lc} vs {lb}");
+    assert!(
+        (lc - lb).abs() < 1e-5 * lb.abs().max(1.0),
+        "loss {lc} vs {lb}"
+    );
     let scale = gb.iter().map(|v| v.abs()).fold(0.0, f32::max);
     for (i, (a, b)) in gc.iter().zip(&gb).enumerate() {
         assert!((a - b).abs() <= 1e-5 * scale + 1e-7, "grad[{i}] {a} vs {b}");
@@ -151,18 +159,32 @@ fn a_candle_mlp_computes_the_builtin_mlps_loss_and_gradient() {
     assert_eq!(pc, pb);
     // The adapter derives the same layout from candle's own requests when none is prescribed (here: inits differ,
     // names and shapes are the module's).
-    let derived = CandleModel::new(12, 4, ComputePrecision::F32, |vb| CandleMlp::new(vb, &dims)).unwrap();
-    let names: Vec<_> = derived.layout().tensors().iter().map(|t| (&t.name, &t.shape)).collect();
-    let want: Vec<_> = layout.tensors().iter().map(|t| (&t.name, &t.shape)).collect();
+    let derived =
+        CandleModel::new(12, 4, ComputePrecision::F32, |vb| CandleMlp::new(vb, &dims)).unwrap();
+    let names: Vec<_> = derived
+        .layout()
+        .tensors()
+        .iter()
+        .map(|t| (&t.name, &t.shape))
+        .collect();
+    let want: Vec<_> = layout
+        .tensors()
+        .iter()
+        .map(|t| (&t.name, &t.shape))
+        .collect();
     assert_eq!(names, want);
 }
 
 #[test]
 fn a_module_that_strays_from_the_prescribed_layout_is_refused() {
     let dims = [12, 10, 4];
-    let err = CandleModel::with_layout(mlp_layout(&[12, 9, 4]), 12, 4, ComputePrecision::F32, |vb| {
-        CandleMlp::new(vb, &dims)
-    });
+    let err = CandleModel::with_layout(
+        mlp_layout(&[12, 9, 4]),
+        12,
+        4,
+        ComputePrecision::F32,
+        |vb| CandleMlp::new(vb, &dims),
+    );
     assert!(err.is_err());
     // A user module with linear layers from candle-nn (Kaiming init) maps to a reproducible layout init.
     let m = CandleModel::new(12, 4, ComputePrecision::F32, |vb| {
@@ -196,7 +218,10 @@ fn the_workers_gpt_has_the_layout_the_shards_build() {
     cfg.validate().unwrap();
     let shards = cfg.layout().unwrap();
     assert_eq!(shards.len(), cfg.gpt_shape().params());
-    assert_eq!(shards.len(), 4 * (12 * 128 * 128 + 13 * 128) + (256 + 64 + 2) * 128);
+    assert_eq!(
+        shards.len(),
+        4 * (12 * 128 * 128 + 13 * 128) + (256 + 64 + 2) * 128
+    );
     for precision in [ComputePrecision::F32, ComputePrecision::Bf16] {
         cfg.train.precision = precision;
         let m = model::build_for(&cfg).unwrap();
@@ -208,8 +233,12 @@ fn the_workers_gpt_has_the_layout_the_shards_build() {
     let wte = &p[shards.range_of("wte").unwrap()];
     let sd = (wte.iter().map(|v| v * v).sum::<f32>() / wte.len() as f32).sqrt();
     assert!((sd - 0.02).abs() < 0.001, "wte std {sd}");
-    assert!(p[shards.range_of("h.0.ln_1.weight").unwrap()].iter().all(|&v| v == 1.0));
-    assert!(p[shards.range_of("h.3.mlp.fc.bias").unwrap()].iter().all(|&v| v == 0.0));
+    assert!(p[shards.range_of("h.0.ln_1.weight").unwrap()]
+        .iter()
+        .all(|&v| v == 1.0));
+    assert!(p[shards.range_of("h.3.mlp.fc.bias").unwrap()]
+        .iter()
+        .all(|&v| v == 0.0));
     // Text data needs the GPT; the GPT needs text data.
     cfg.model.kind = ModelKind::Mlp;
     assert!(cfg.model_io().is_err());
@@ -227,7 +256,11 @@ fn bf16_gradients_follow_f32_and_f16_overflow_is_caught_by_the_loss_scaler() {
     let (x, y) = batch(shape.context, 8, 5000);
     let (l32, g32) = loss_and_grad(&mut f32m, &p, &x, &y);
     let cosine = |a: &[f32], b: &[f32]| {
-        let dot: f64 = a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+        let dot: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| f64::from(*x) * f64::from(*y))
+            .sum();
         let n = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
         dot / (n(a) * n(b))
     };
@@ -235,7 +268,10 @@ fn bf16_gradients_follow_f32_and_f16_overflow_is_caught_by_the_loss_scaler() {
         .unwrap()
         .with_loss_scaling(1024.0, 100);
     let (lbf, gbf) = loss_and_grad(&mut bf, &p, &x, &y);
-    assert!((lbf - l32).abs() < 0.02 * l32, "bf16 loss {lbf} vs f32 {l32}");
+    assert!(
+        (lbf - l32).abs() < 0.02 * l32,
+        "bf16 loss {lbf} vs f32 {l32}"
+    );
     assert!(gbf.iter().all(|v| v.is_finite()));
     let c = cosine(&g32, &gbf);
     assert!(c > 0.98, "bf16 gradient cosine {c}");
@@ -245,7 +281,7 @@ fn bf16_gradients_follow_f32_and_f16_overflow_is_caught_by_the_loss_scaler() {
         .unwrap()
         .with_loss_scaling(16_777_216.0, 1000);
     let mut finite_at = None;
-    for attempt in 0..20 {
+    for attempt in 0..20i32 {
         let (_, g) = loss_and_grad(&mut h, &p, &x, &y);
         if g.iter().all(|v| v.is_finite()) {
             finite_at = Some((attempt, g));
@@ -256,7 +292,7 @@ fn bf16_gradients_follow_f32_and_f16_overflow_is_caught_by_the_loss_scaler() {
     let stats = h.precision_stats().unwrap();
     assert!(attempt >= 1, "the first f16 step must overflow");
     assert_eq!(stats.overflows, attempt as u64);
-    assert_eq!(stats.loss_scale, 16_777_216.0 / 2f32.powi(attempt as i32));
+    assert_eq!(stats.loss_scale, 16_777_216.0 / 2f32.powi(attempt));
     let c = cosine(&g32, &g16);
     assert!(c > 0.98, "f16 gradient cosine {c}");
 }
@@ -282,7 +318,8 @@ fn train_small(precision: ComputePrecision, steps: usize) -> (f32, Option<model:
     }
     let text = kjv_excerpt().unwrap();
     let (train, val) =
-        tether_worker::data::split_windows(&text, shape.context, std::path::Path::new("kjv")).unwrap();
+        tether_worker::data::split_windows(&text, shape.context, std::path::Path::new("kjv"))
+            .unwrap();
     let mut p = m.layout().init_all(42);
     let mut g = vec![0.0; p.len()];
     let mut opt = Optimizer::new(
@@ -302,7 +339,12 @@ fn train_small(precision: ComputePrecision, steps: usize) -> (f32, Option<model:
     for s in 0..steps {
         // A fixed stride through the training windows: the same batches for every precision.
         let first = (s * 7919 * b) % (train.len() - b);
-        let loss = m.loss_and_grad(&p, &train.x[first * t..(first + b) * t], &train.y[first..first + b], &mut g);
+        let loss = m.loss_and_grad(
+            &p,
+            &train.x[first * t..(first + b) * t],
+            &train.y[first..first + b],
+            &mut g,
+        );
         // An overflowed step is skipped, as the worker's step engine skips any non-finite gradient.
         if loss.is_finite() && g.iter().all(|v| v.is_finite()) {
             opt.step(&mut p, &g, 1.0);
@@ -328,8 +370,14 @@ fn mixed_precision_training_reaches_the_f32_validation_loss_within_two_percent()
             l <= 1.02 * l32,
             "{precision} validation loss {l} vs f32 {l32}: more than 2 % worse"
         );
-        assert!(l > 0.9 * l32, "{precision} validation loss {l} implausibly far below f32's {l32}");
-        assert!(stats.growths >= 1, "{precision}: the scale grew after clean windows");
+        assert!(
+            l > 0.9 * l32,
+            "{precision} validation loss {l} implausibly far below f32's {l32}"
+        );
+        assert!(
+            stats.growths >= 1,
+            "{precision}: the scale grew after clean windows"
+        );
         if precision == ComputePrecision::F16 {
             // Real f16 overflows at 2^16 and above, each skipped and halving the scale.
             assert!(stats.overflows >= 1, "f16 never overflowed");

@@ -26,8 +26,8 @@ pub use self::idx::{load_idx_dir, load_idx_pair, parse_idx_images, parse_idx_lab
 pub use self::libsvm::{load_libsvm, parse_libsvm};
 pub use self::partition::{Batcher, Partition};
 pub use self::text::{
-    kjv_excerpt, kjv_installed, read_text, split_windows, strip_verse_refs, windows, BIBLE_DATA, BIBLE_PROGRAM,
-    MAX_VAL_WINDOWS,
+    kjv_excerpt, kjv_installed, read_text, split_windows, strip_verse_refs, windows, BIBLE_DATA,
+    BIBLE_PROGRAM, MAX_VAL_WINDOWS,
 };
 
 /// Seed of the held-out split used when csv/libsvm data comes without a test file.
@@ -235,7 +235,8 @@ pub enum DataSource {
         train: PathBuf,
         /// Test file, if given.
         test: Option<PathBuf>,
-    },    /// The whole King James Bible from Debian's bible-kjv-text.
+    },
+    /// The whole King James Bible from Debian's bible-kjv-text.
     Kjv,
     /// The embedded KJV excerpt (Genesis–Deuteronomy).
     KjvExcerpt,
@@ -262,8 +263,12 @@ impl DataSource {
 impl fmt::Display for DataSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            DataSource::Kjv => f.write_str("kjv (the King James Bible, Debian bible-kjv-text, 4.1 MB)"),
-            DataSource::KjvExcerpt => f.write_str("kjv-excerpt (embedded: Genesis–Deuteronomy of the KJV, 0.8 MB)"),
+            DataSource::Kjv => {
+                f.write_str("kjv (the King James Bible, Debian bible-kjv-text, 4.1 MB)")
+            }
+            DataSource::KjvExcerpt => {
+                f.write_str("kjv-excerpt (embedded: Genesis–Deuteronomy of the KJV, 0.8 MB)")
+            }
             DataSource::Text(p) | DataSource::FashionMnist(p) | DataSource::Idx(p) => {
                 write!(f, "{} ({})", self.name(), p.display())
             }
@@ -336,19 +341,35 @@ pub fn load(cfg: &DataConfig) -> Result<(Dataset, Dataset, DataSource), DataErro
             };
             Ok((train, test, source))
         }
-        DatasetKind::Kjv | DatasetKind::KjvExcerpt | DatasetKind::Text => Err(DataError::Partition {
-            reason: format!("{} is a text corpus: load it with load_text and a context length", cfg.dataset),
-        }),
+        DatasetKind::Kjv | DatasetKind::KjvExcerpt | DatasetKind::Text => {
+            Err(DataError::Partition {
+                reason: format!(
+                    "{} is a text corpus: load it with load_text and a context length",
+                    cfg.dataset
+                ),
+            })
+        }
     }
 }
 
 /// `(train, validation, source)` windows of the configured text corpus for a language model with `context` tokens
 /// (see [`split_windows`]); `kjv` falls back to the embedded excerpt only through the trainer's `load_data`.
-pub fn load_text(cfg: &DataConfig, context: usize) -> Result<(Dataset, Dataset, DataSource), DataError> {
+pub fn load_text(
+    cfg: &DataConfig,
+    context: usize,
+) -> Result<(Dataset, Dataset, DataSource), DataError> {
     let (bytes, source, path) = match cfg.dataset {
         DatasetKind::Kjv => (kjv_installed()?, DataSource::Kjv, PathBuf::from(BIBLE_DATA)),
-        DatasetKind::KjvExcerpt => (kjv_excerpt()?, DataSource::KjvExcerpt, PathBuf::from("<embedded kjv>")),
-        DatasetKind::Text => (read_text(&cfg.path)?, DataSource::Text(cfg.path.clone()), cfg.path.clone()),
+        DatasetKind::KjvExcerpt => (
+            kjv_excerpt()?,
+            DataSource::KjvExcerpt,
+            PathBuf::from("<embedded kjv>"),
+        ),
+        DatasetKind::Text => (
+            read_text(&cfg.path)?,
+            DataSource::Text(cfg.path.clone()),
+            cfg.path.clone(),
+        ),
         other => {
             return Err(DataError::Partition {
                 reason: format!("{other} is not a text corpus"),

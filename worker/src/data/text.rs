@@ -63,7 +63,10 @@ pub fn kjv_installed() -> Result<Vec<u8>, DataError> {
             path: PathBuf::from(BIBLE_PROGRAM),
             source,
         })?;
-    if !out.status.success() || out.stdout.len() < 1 << 20 || out.stdout.len() as u64 > MAX_TEXT_BYTES {
+    if !out.status.success()
+        || out.stdout.len() < 1 << 20
+        || out.stdout.len() as u64 > MAX_TEXT_BYTES
+    {
         return Err(DataError::Format {
             path: PathBuf::from(BIBLE_PROGRAM),
             reason: format!(
@@ -95,7 +98,10 @@ fn verse_body(line: &[u8]) -> &[u8] {
         return line;
     }
     // A book abbreviation (an optional leading digit, then letters), then `<chapter>:<verse>`.
-    let alpha_end = 1 + head[1..].iter().take_while(|b| b.is_ascii_alphabetic()).count();
+    let alpha_end = 1 + head[1..]
+        .iter()
+        .take_while(|b| b.is_ascii_alphabetic())
+        .count();
     let rest = &head[alpha_end..];
     let is_ref = alpha_end >= 2
         && rest.iter().filter(|&&b| b == b':').count() == 1
@@ -190,7 +196,8 @@ mod tests {
         let text = b"Ge1:1 In the beginning God created.\n1Cor13:4 Charity suffereth long.\nAnd so: 3:4 stays\nx\n";
         assert_eq!(
             strip_verse_refs(text),
-            b"In the beginning God created.\nCharity suffereth long.\nAnd so: 3:4 stays\nx\n".to_vec()
+            b"In the beginning God created.\nCharity suffereth long.\nAnd so: 3:4 stays\nx\n"
+                .to_vec()
         );
     }
 

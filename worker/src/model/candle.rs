@@ -164,10 +164,14 @@ fn tether_init(name: &str, shape: &Shape, init: candle_nn::Init) -> Result<Init,
         init: format!("{init:?}"),
     };
     Ok(match init {
-        candle_nn::Init::Const(v) if v == 0.0 => Init::Zeros,
+        candle_nn::Init::Const(0.0) => Init::Zeros,
         candle_nn::Init::Const(v) => Init::Const { value: v as f32 },
-        candle_nn::Init::Randn { mean, stdev } if mean == 0.0 && stdev >= 0.0 => Init::Normal { std: stdev as f32 },
-        candle_nn::Init::Uniform { lo, up } if lo == -up && up >= 0.0 => Init::Uniform { bound: up as f32 },
+        candle_nn::Init::Randn { mean, stdev } if mean == 0.0 && stdev >= 0.0 => {
+            Init::Normal { std: stdev as f32 }
+        }
+        candle_nn::Init::Uniform { lo, up } if lo == -up && up >= 0.0 => {
+            Init::Uniform { bound: up as f32 }
+        }
         candle_nn::Init::Kaiming {
             dist,
             fan,
@@ -204,7 +208,10 @@ impl SimpleBackend for Recorder {
                 return Err(self.fail(CandleError::Layout {
                     name: name.into(),
                     shape: s.dims().to_vec(),
-                    reason: format!("asked for again with another shape (first {:?})", r.spec.shape),
+                    reason: format!(
+                        "asked for again with another shape (first {:?})",
+                        r.spec.shape
+                    ),
                 }));
             }
             return Ok(r.var.as_tensor().clone());
@@ -288,7 +295,11 @@ impl InplaceOp1 for Load<'_> {
 
 /// Copies a gradient tensor into `out` as f32, multiplied by `k`; returns whether every value is finite.
 fn store_grad(g: &Tensor, k: f32, out: &mut [f32]) -> candle_core::Result<bool> {
-    let g = if g.is_contiguous() { g.clone() } else { g.contiguous()? };
+    let g = if g.is_contiguous() {
+        g.clone()
+    } else {
+        g.contiguous()?
+    };
     let (storage, layout) = g.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         candle_core::bail!("tether: gradients must be on the CPU")
@@ -501,7 +512,11 @@ impl<M: CandleModule> Model for CandleModel<M> {
     }
 
     fn predict(&mut self, params: &[f32], x: &[f32], out: &mut [u32]) {
-        assert_eq!(x.len(), out.len() * self.features, "x must hold out.len() rows");
+        assert_eq!(
+            x.len(),
+            out.len() * self.features,
+            "x must hold out.len() rows"
+        );
         let r = self
             .load(params)
             .and_then(|()| self.module.predict(x, out.len(), out));

@@ -60,7 +60,10 @@ impl Module for Dense {
     /// In `x`'s dtype: the f32 weights are cast to it (autocast).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let dt = x.dtype();
-        ops::bias_add(&mm(x, &self.weight.to_dtype(dt)?)?, &self.bias.to_dtype(dt)?)
+        ops::bias_add(
+            &mm(x, &self.weight.to_dtype(dt)?)?,
+            &self.bias.to_dtype(dt)?,
+        )
     }
 }
 
@@ -146,7 +149,10 @@ impl Gpt {
         let hs = c / nh;
         let dt = self.dtype;
         // The residual stream h is f32.
-        let tok = self.wte.embedding(&ids.flatten_all()?)?.reshape((b, t * c))?;
+        let tok = self
+            .wte
+            .embedding(&ids.flatten_all()?)?
+            .reshape((b, t * c))?;
         let pos = self.wpe.narrow(0, 0, t)?.flatten_all()?;
         let mut h = ops::bias_add(&tok, &pos)?.reshape((b, t, c))?;
         let scale = 1.0 / (hs as f32).sqrt();
@@ -160,14 +166,21 @@ impl Gpt {
             let q = qkv.get(0)?.contiguous()?;
             let k = qkv.get(1)?.contiguous()?;
             let v = qkv.get(2)?.contiguous()?;
-            let att = ops::causal_softmax(&mm(&q, &k.t()?)?.to_dtype(DType::F32)?, scale)?.to_dtype(dt)?;
+            let att = ops::causal_softmax(&mm(&q, &k.t()?)?.to_dtype(DType::F32)?, scale)?
+                .to_dtype(dt)?;
             let y = mm(&att, &v)?
                 .transpose(1, 2)?
                 .contiguous()?
                 .reshape((b * t, c))?;
-            h = (h + blk.proj.forward(&y)?.to_dtype(DType::F32)?.reshape((b, t, c))?)?;
+            h = (h + blk
+                .proj
+                .forward(&y)?
+                .to_dtype(DType::F32)?
+                .reshape((b, t, c))?)?;
             let m = blk.ln_2.forward(&h, dt)?.reshape((b * t, c))?;
-            let m = blk.mlp_proj.forward(&ops::fused_gelu(&blk.fc.forward(&m)?)?)?;
+            let m = blk
+                .mlp_proj
+                .forward(&ops::fused_gelu(&blk.fc.forward(&m)?)?)?;
             h = (h + m.to_dtype(DType::F32)?.reshape((b, t, c))?)?;
         }
         self.ln_f.forward(&h, DType::F32)?.reshape((b * t, c))
@@ -191,7 +204,11 @@ impl CandleModule for Gpt {
         // Targets: the window shifted by one, then the label.
         let mut targets = Vec::with_capacity(rows * t);
         for (r, &label) in y.iter().enumerate() {
-            targets.extend(x[r * t + 1..(r + 1) * t].iter().map(|&b| b.clamp(0.0, 255.0) as u32));
+            targets.extend(
+                x[r * t + 1..(r + 1) * t]
+                    .iter()
+                    .map(|&b| b.clamp(0.0, 255.0) as u32),
+            );
             targets.push(label.min(self.shape.vocab as u32 - 1));
         }
         let targets = Tensor::from_vec(targets, rows * t, &Device::Cpu)?;
@@ -213,8 +230,15 @@ impl CandleModule for Gpt {
 }
 
 /// The built-in GPT of `shape` as a Tether model, computing in `precision`.
-pub fn gpt_model(shape: GptShape, precision: ComputePrecision) -> Result<CandleModel<Gpt>, CandleError> {
-    CandleModel::with_layout(gpt_layout(&shape), shape.context, shape.vocab, precision, |vb| {
-        Gpt::new(vb, shape)
-    })
+pub fn gpt_model(
+    shape: GptShape,
+    precision: ComputePrecision,
+) -> Result<CandleModel<Gpt>, CandleError> {
+    CandleModel::with_layout(
+        gpt_layout(&shape),
+        shape.context,
+        shape.vocab,
+        precision,
+        |vb| Gpt::new(vb, shape),
+    )
 }

@@ -6,9 +6,9 @@
 
 pub mod candle;
 mod gpt;
-mod ops;
 mod logreg;
 mod mlp;
+mod ops;
 
 pub use self::candle::{CandleError, CandleModel, CandleModule, LossScaler, PrecisionStats};
 pub use gpt::{gpt_model, Gpt};
@@ -113,7 +113,9 @@ pub fn build(cfg: &ModelConfig, features: usize, classes: usize) -> Box<dyn Mode
             };
             // The module asks for exactly gpt_layout's tensors (a unit test builds every shape kind), so this
             // cannot fail for a validated config.
-            Box::new(gpt_model(shape, ComputePrecision::F32).expect("the GPT matches its own layout"))
+            Box::new(
+                gpt_model(shape, ComputePrecision::F32).expect("the GPT matches its own layout"),
+            )
         }
     }
 }

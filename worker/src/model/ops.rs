@@ -81,7 +81,10 @@ fn map1<T: Elem>(x: &[T], f: impl Fn(f32) -> f32) -> Vec<T> {
 }
 
 fn map2<T: Elem>(x: &[T], g: &[T], f: impl Fn(f32, f32) -> f32) -> Vec<T> {
-    x.iter().zip(g).map(|(&a, &b)| T::put(f(a.get(), b.get()))).collect()
+    x.iter()
+        .zip(g)
+        .map(|(&a, &b)| T::put(f(a.get(), b.get())))
+        .collect()
 }
 
 /// GELU (tanh approximation), forward.
@@ -125,15 +128,21 @@ impl CustomOp2 for GeluBackward {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let f = |x: f32, g: f32| g * gelu_grad(x);
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(map2(contiguous(x, l1, "gelu")?, contiguous(g, l2, "gelu")?, f))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(map2(contiguous(x, l1, "gelu")?, contiguous(g, l2, "gelu")?, f))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(map2(contiguous(x, l1, "gelu")?, contiguous(g, l2, "gelu")?, f))
-            }
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(map2(
+                contiguous(x, l1, "gelu")?,
+                contiguous(g, l2, "gelu")?,
+                f,
+            )),
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(map2(
+                contiguous(x, l1, "gelu")?,
+                contiguous(g, l2, "gelu")?,
+                f,
+            )),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(map2(
+                contiguous(x, l1, "gelu")?,
+                contiguous(g, l2, "gelu")?,
+                f,
+            )),
             _ => candle_core::bail!("gelu backward: mismatched or unsupported dtypes"),
         };
         Ok((out, l1.shape().clone()))
@@ -184,12 +193,21 @@ impl CustomOp2 for BiasAdd {
         }
         let (_, cols) = rows_cols(l1);
         if l2.shape().elem_count() != cols {
-            candle_core::bail!("bias add: bias of {} for rows of {cols}", l2.shape().elem_count())
+            candle_core::bail!(
+                "bias add: bias of {} for rows of {cols}",
+                l2.shape().elem_count()
+            )
         }
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(b)) => CpuStorage::F32(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?)),
-            (CpuStorage::BF16(x), CpuStorage::BF16(b)) => CpuStorage::BF16(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?)),
-            (CpuStorage::F16(x), CpuStorage::F16(b)) => CpuStorage::F16(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?)),
+            (CpuStorage::F32(x), CpuStorage::F32(b)) => {
+                CpuStorage::F32(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(b)) => {
+                CpuStorage::F16(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?))
+            }
             _ => candle_core::bail!("bias add: mismatched or unsupported dtypes"),
         };
         Ok((out, l1.shape().clone()))
@@ -202,7 +220,10 @@ impl CustomOp2 for BiasAdd {
         _: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let db = dy.contiguous()?.apply_op1_no_bwd(&ColumnSum)?.reshape(b.shape())?;
+        let db = dy
+            .contiguous()?
+            .apply_op1_no_bwd(&ColumnSum)?
+            .reshape(b.shape())?;
         Ok((Some(dy.clone()), Some(db)))
     }
 }
@@ -269,15 +290,28 @@ impl candle_core::CustomOp3 for LayerNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, w, b) = (f32s(s1, l1, "layer norm")?, f32s(s2, l2, "layer norm")?, f32s(s3, l3, "layer norm")?);
+        let (x, w, b) = (
+            f32s(s1, l1, "layer norm")?,
+            f32s(s2, l2, "layer norm")?,
+            f32s(s3, l3, "layer norm")?,
+        );
         let (_, c) = rows_cols(l1);
         if w.len() != c || b.len() != c {
-            candle_core::bail!("layer norm: gain/bias of {}/{} for rows of {c}", w.len(), b.len())
+            candle_core::bail!(
+                "layer norm: gain/bias of {}/{} for rows of {c}",
+                w.len(),
+                b.len()
+            )
         }
         let mut out = Vec::with_capacity(x.len());
         for row in x.chunks_exact(c) {
             let (mean, rstd) = row_stats(row, self.eps);
-            out.extend(row.iter().zip(w).zip(b).map(|((&v, &g), &o)| (v - mean) * rstd * g + o));
+            out.extend(
+                row.iter()
+                    .zip(w)
+                    .zip(b)
+                    .map(|((&v, &g), &o)| (v - mean) * rstd * g + o),
+            );
         }
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
@@ -294,7 +328,11 @@ impl candle_core::CustomOp3 for LayerNorm {
         let dx = x.apply_op3_no_bwd(w, &dy, &LayerNormDx { eps: self.eps })?;
         let dwb = x.apply_op2_no_bwd(&dy, &LayerNormDwDb { eps: self.eps })?;
         let c = w.dims1()?;
-        Ok((Some(dx), Some(dwb.narrow(0, 0, c)?), Some(dwb.narrow(0, c, c)?)))
+        Ok((
+            Some(dx),
+            Some(dwb.narrow(0, 0, c)?),
+            Some(dwb.narrow(0, c, c)?),
+        ))
     }
 }
 
@@ -317,7 +355,11 @@ impl candle_core::CustomOp3 for LayerNormDx {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, w, dy) = (f32s(s1, l1, "layer norm")?, f32s(s2, l2, "layer norm")?, f32s(s3, l3, "layer norm")?);
+        let (x, w, dy) = (
+            f32s(s1, l1, "layer norm")?,
+            f32s(s2, l2, "layer norm")?,
+            f32s(s3, l3, "layer norm")?,
+        );
         let (_, c) = rows_cols(l1);
         let n = c as f32;
         let mut out = Vec::with_capacity(x.len());
@@ -409,7 +451,10 @@ impl CustomOp1 for CausalSoftmax {
 
     fn bwd(&self, _: &Tensor, y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let dy = dy.contiguous()?;
-        Ok(Some(y.apply_op2_no_bwd(&dy, &SoftmaxBackward { scale: self.scale })?))
+        Ok(Some(y.apply_op2_no_bwd(
+            &dy,
+            &SoftmaxBackward { scale: self.scale },
+        )?))
     }
 }
 
@@ -484,7 +529,10 @@ impl CustomOp2 for CrossEntropy {
         for (row, &t) in z.chunks_exact(c).zip(y) {
             total += f64::from(log_sum_exp(row) - row[t as usize]);
         }
-        Ok((CpuStorage::F32(vec![(total / n.max(1) as f64) as f32]), Shape::from(())))
+        Ok((
+            CpuStorage::F32(vec![(total / n.max(1) as f64) as f32]),
+            Shape::from(()),
+        ))
     }
 
     fn bwd(
@@ -534,7 +582,9 @@ impl CustomOp2 for CrossEntropyBackward {
 /// Mean softmax cross-entropy of f32 `logits` `[n, classes]` against u32 `targets` `[n]`, differentiable in the
 /// logits.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    logits.contiguous()?.apply_op2(&targets.contiguous()?, CrossEntropy)
+    logits
+        .contiguous()?
+        .apply_op2(&targets.contiguous()?, CrossEntropy)
 }
 
 #[cfg(test)]
@@ -552,26 +602,88 @@ mod tests {
         assert!(d.to_scalar::<f32>().unwrap() < 1e-5);
         let w = Tensor::arange(0f32, 401., &Device::Cpu).unwrap();
         let g1 = ours.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = theirs.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = theirs
+            .mul(&w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
         let (a, b) = (g1.get(&x).unwrap(), g2.get(&x).unwrap());
-        let rel = ((a - b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap())
+        let rel = ((a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap())
             / 400.0;
-        assert!(rel < 1e-5, "gradient differs by {rel} (relative to the largest weight)");
+        assert!(
+            rel < 1e-5,
+            "gradient differs by {rel} (relative to the largest weight)"
+        );
     }
 
     /// Gradients of `Σ w ⊙ f(x)` through our op and through candle's primitives agree.
-    fn same_grads(ours: impl Fn(&Tensor) -> Tensor, theirs: impl Fn(&Tensor) -> Tensor, shape: (usize, usize)) {
+    fn same_grads(
+        ours: impl Fn(&Tensor) -> Tensor,
+        theirs: impl Fn(&Tensor) -> Tensor,
+        shape: (usize, usize),
+    ) {
         let n = shape.0 * shape.1;
-        let v: Vec<f32> = (0..n).map(|i| ((i * 7919) % 113) as f32 / 30.0 - 1.8).collect();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 113) as f32 / 30.0 - 1.8)
+            .collect();
         let x = Var::from_vec(v, shape, &Device::Cpu).unwrap();
-        let w = Tensor::from_vec((0..n).map(|i| ((i * 31) % 17) as f32 / 17.0 - 0.5).collect::<Vec<_>>(), shape, &Device::Cpu).unwrap();
+        let w = Tensor::from_vec(
+            (0..n)
+                .map(|i| ((i * 31) % 17) as f32 / 17.0 - 0.5)
+                .collect::<Vec<_>>(),
+            shape,
+            &Device::Cpu,
+        )
+        .unwrap();
         let (a, b) = (ours(x.as_tensor()), theirs(x.as_tensor()));
-        let fwd = (&a - &b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let fwd = (&a - &b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!(fwd < 1e-5, "forward differs by {fwd}");
-        let ga = a.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        let gb = b.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        let (ga, gb) = (ga.get(&x).expect("our op's gradient"), gb.get(&x).expect("candle's gradient"));
-        let d = (ga - gb).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let ga = a
+            .broadcast_mul(&w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gb = b
+            .broadcast_mul(&w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (ga, gb) = (
+            ga.get(&x).expect("our op's gradient"),
+            gb.get(&x).expect("candle's gradient"),
+        );
+        let d = (ga - gb)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!(d < 1e-5, "gradient differs by {d}");
     }
 
@@ -579,27 +691,62 @@ mod tests {
     fn fused_layer_norm_softmax_bias_and_loss_match_candles_primitives() {
         let dev = Device::Cpu;
         let c = 12;
-        let gain = Var::from_vec((0..c).map(|i| 0.5 + i as f32 / 10.0).collect::<Vec<_>>(), c, &dev).unwrap();
-        let bias = Var::from_vec((0..c).map(|i| i as f32 / 20.0 - 0.3).collect::<Vec<_>>(), c, &dev).unwrap();
+        let gain = Var::from_vec(
+            (0..c).map(|i| 0.5 + i as f32 / 10.0).collect::<Vec<_>>(),
+            c,
+            &dev,
+        )
+        .unwrap();
+        let bias = Var::from_vec(
+            (0..c).map(|i| i as f32 / 20.0 - 0.3).collect::<Vec<_>>(),
+            c,
+            &dev,
+        )
+        .unwrap();
         same_grads(
             |x| layer_norm(x, &gain, &bias, 1e-5).unwrap(),
             |x| {
                 let mean = x.mean_keepdim(1).unwrap();
                 let xc = x.broadcast_sub(&mean).unwrap();
                 let var = xc.sqr().unwrap().mean_keepdim(1).unwrap();
-                xc.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap().broadcast_mul(&gain).unwrap().broadcast_add(&bias).unwrap()
+                xc.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+                    .unwrap()
+                    .broadcast_mul(&gain)
+                    .unwrap()
+                    .broadcast_add(&bias)
+                    .unwrap()
             },
             (7, c),
         );
-        same_grads(|x| bias_add(x, &bias).unwrap(), |x| x.broadcast_add(&bias).unwrap(), (5, c));
+        same_grads(
+            |x| bias_add(x, &bias).unwrap(),
+            |x| x.broadcast_add(&bias).unwrap(),
+            (5, c),
+        );
         // Causal softmax: rows of [T, T] blocks, T = 6, two blocks.
         let t = 6;
-        let mask: Vec<f32> = (0..t * t).map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask: Vec<f32> = (0..t * t)
+            .map(|k| {
+                if k % t > k / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
         let mask = Tensor::from_vec(mask, (t, t), &dev).unwrap();
         same_grads(
-            |x| causal_softmax(&x.reshape((2, t, t)).unwrap(), 0.5).unwrap().reshape((2 * t, t)).unwrap(),
             |x| {
-                let s = (x.reshape((2, t, t)).unwrap() * 0.5).unwrap().broadcast_add(&mask).unwrap();
+                causal_softmax(&x.reshape((2, t, t)).unwrap(), 0.5)
+                    .unwrap()
+                    .reshape((2 * t, t))
+                    .unwrap()
+            },
+            |x| {
+                let s = (x.reshape((2, t, t)).unwrap() * 0.5)
+                    .unwrap()
+                    .broadcast_add(&mask)
+                    .unwrap();
                 // Candle's fused softmax has no backward: the primitives.
                 let max = s.max_keepdim(2).unwrap().detach();
                 let e = s.broadcast_sub(&max).unwrap().exp().unwrap();
@@ -609,21 +756,49 @@ mod tests {
             (2 * t, t),
         );
         // Gain and bias gradients of the layer norm, and the loss and its gradient, against candle's.
-        let x = Var::from_vec((0..7 * c).map(|i| ((i * 13) % 29) as f32 / 9.0 - 1.5).collect::<Vec<_>>(), (7, c), &dev).unwrap();
+        let x = Var::from_vec(
+            (0..7 * c)
+                .map(|i| ((i * 13) % 29) as f32 / 9.0 - 1.5)
+                .collect::<Vec<_>>(),
+            (7, c),
+            &dev,
+        )
+        .unwrap();
         let y = Tensor::from_vec(vec![0u32, 3, 11, 5, 5, 2, 9], 7, &dev).unwrap();
-        let ours = cross_entropy(&layer_norm(x.as_tensor(), &gain, &bias, 1e-5).unwrap(), &y).unwrap();
+        let ours =
+            cross_entropy(&layer_norm(x.as_tensor(), &gain, &bias, 1e-5).unwrap(), &y).unwrap();
         let ln = {
             let mean = x.mean_keepdim(1).unwrap();
             let xc = x.broadcast_sub(&mean).unwrap();
             let var = xc.sqr().unwrap().mean_keepdim(1).unwrap();
-            xc.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap().broadcast_mul(&gain).unwrap().broadcast_add(&bias).unwrap()
+            xc.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+                .unwrap()
+                .broadcast_mul(&gain)
+                .unwrap()
+                .broadcast_add(&bias)
+                .unwrap()
         };
         let theirs = candle_nn::loss::cross_entropy(&ln, &y).unwrap();
-        let (lo, lt) = (ours.to_scalar::<f32>().unwrap(), theirs.to_scalar::<f32>().unwrap());
+        let (lo, lt) = (
+            ours.to_scalar::<f32>().unwrap(),
+            theirs.to_scalar::<f32>().unwrap(),
+        );
         assert!((lo - lt).abs() < 1e-5, "loss {lo} vs {lt}");
-        let (go, gt) = ((ours * 3.0).unwrap().backward().unwrap(), (theirs * 3.0).unwrap().backward().unwrap());
+        let (go, gt) = (
+            (ours * 3.0).unwrap().backward().unwrap(),
+            (theirs * 3.0).unwrap().backward().unwrap(),
+        );
         for v in [&x, &gain, &bias] {
-            let d = (go.get(v).unwrap() - gt.get(v).unwrap()).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+            let d = (go.get(v).unwrap() - gt.get(v).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
             assert!(d < 1e-5, "gradient differs by {d}");
         }
     }
