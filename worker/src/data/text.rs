@@ -216,6 +216,23 @@ mod tests {
     }
 
     #[test]
+    fn the_installed_kjv_decodes_to_the_whole_text_when_present() {
+        match kjv_installed() {
+            Ok(t) => {
+                assert!(t.len() > 4_000_000, "{} bytes", t.len());
+                assert!(t.starts_with(b"In the beginning God created the heaven and the earth.\n"));
+                assert!(t.ends_with(b"Amen.\n"));
+                // The excerpt is its beginning.
+                assert!(t.starts_with(&kjv_excerpt().unwrap()));
+            }
+            Err(DataError::NotFound { .. }) => {
+                eprintln!("bible-kjv-text not installed: nothing to check (CI installs it)")
+            }
+            Err(e) => panic!("installed but unreadable: {e}"),
+        }
+    }
+
+    #[test]
     fn the_embedded_excerpt_is_the_pentateuch() {
         let t = kjv_excerpt().unwrap();
         assert_eq!(t.len(), 815_101);
