@@ -398,8 +398,8 @@ impl Handler<Evaluate> for WorkerActor {
     fn handle(&mut self, msg: Evaluate, _: &mut Context<Self>) -> Self::Result {
         let (accuracy, loss) = match &self.test {
             Some(t) => {
-                // Chunks of 256 rows bound the activations of large models (a GPT's are rows × context wide).
-                let chunk = if self.train.features > 256 { 1000 } else { 256 };
+                // Chunks of 256 rows bound the activations (a GPT's are rows × context × vocabulary wide).
+                let chunk = 256;
                 let m = self.engine.model_mut();
                 (
                     model::accuracy(m, &msg.params, &t.x, &t.y, chunk),

@@ -47,6 +47,48 @@ impl Elem for f16 {
     }
 }
 
+/// One float storage (f32, bf16, f16), contiguous, through a body generic in its element type; keeps the dtype.
+macro_rules! per_float {
+    ($s:expr, $l:expr, $op:expr, |$v:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F32(v) => {
+                let $v = contiguous(v, $l, $op)?;
+                CpuStorage::F32($body)
+            }
+            CpuStorage::BF16(v) => {
+                let $v = contiguous(v, $l, $op)?;
+                CpuStorage::BF16($body)
+            }
+            CpuStorage::F16(v) => {
+                let $v = contiguous(v, $l, $op)?;
+                CpuStorage::F16($body)
+            }
+            _ => candle_core::bail!("{}: unsupported dtype", $op),
+        }
+    };
+}
+
+/// Two float storages of the same dtype, contiguous, through a body generic in their element type.
+macro_rules! per_float2 {
+    ($s1:expr, $l1:expr, $s2:expr, $l2:expr, $op:expr, |$a:ident, $b:ident| $body:expr) => {
+        match ($s1, $s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(y)) => {
+                let ($a, $b) = (contiguous(x, $l1, $op)?, contiguous(y, $l2, $op)?);
+                CpuStorage::F32($body)
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(y)) => {
+                let ($a, $b) = (contiguous(x, $l1, $op)?, contiguous(y, $l2, $op)?);
+                CpuStorage::BF16($body)
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(y)) => {
+                let ($a, $b) = (contiguous(x, $l1, $op)?, contiguous(y, $l2, $op)?);
+                CpuStorage::F16($body)
+            }
+            _ => candle_core::bail!("{}: mismatched or unsupported dtypes", $op),
+        }
+    };
+}
+
 /// `tanh(u)` from one exponential, saturating cleanly for large |u|.
 #[inline]
 fn tanh(u: f32) -> f32 {
@@ -96,12 +138,7 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(map1(contiguous(v, l, "gelu")?, gelu)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(map1(contiguous(v, l, "gelu")?, gelu)),
-            CpuStorage::F16(v) => CpuStorage::F16(map1(contiguous(v, l, "gelu")?, gelu)),
-            _ => candle_core::bail!("gelu: unsupported dtype"),
-        };
+        let out = per_float!(s, l, "gelu", |v| map1(v, gelu));
         Ok((out, l.shape().clone()))
     }
 
@@ -127,24 +164,7 @@ impl CustomOp2 for GeluBackward {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let f = |x: f32, g: f32| g * gelu_grad(x);
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(map2(
-                contiguous(x, l1, "gelu")?,
-                contiguous(g, l2, "gelu")?,
-                f,
-            )),
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(map2(
-                contiguous(x, l1, "gelu")?,
-                contiguous(g, l2, "gelu")?,
-                f,
-            )),
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(map2(
-                contiguous(x, l1, "gelu")?,
-                contiguous(g, l2, "gelu")?,
-                f,
-            )),
-            _ => candle_core::bail!("gelu backward: mismatched or unsupported dtypes"),
-        };
+        let out = per_float2!(s1, l1, s2, l2, "gelu backward", |x, g| map2(x, g, f));
         Ok((out, l1.shape().clone()))
     }
 }
@@ -198,18 +218,7 @@ impl CustomOp2 for BiasAdd {
                 l2.shape().elem_count()
             )
         }
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(b)) => {
-                CpuStorage::F32(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(b)) => {
-                CpuStorage::BF16(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(b)) => {
-                CpuStorage::F16(add(contiguous(x, l1, "bias")?, contiguous(b, l2, "bias")?))
-            }
-            _ => candle_core::bail!("bias add: mismatched or unsupported dtypes"),
-        };
+        let out = per_float2!(s1, l1, s2, l2, "bias add", |x, b| add(x, b));
         Ok((out, l1.shape().clone()))
     }
 
@@ -247,12 +256,7 @@ impl CustomOp1 for ColumnSum {
             acc.into_iter().map(T::put).collect()
         }
         let (_, cols) = rows_cols(l);
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(sum(contiguous(v, l, "colsum")?, cols)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(sum(contiguous(v, l, "colsum")?, cols)),
-            CpuStorage::F16(v) => CpuStorage::F16(sum(contiguous(v, l, "colsum")?, cols)),
-            _ => candle_core::bail!("column sum: unsupported dtype"),
-        };
+        let out = per_float!(s, l, "column sum", |v| sum(v, cols));
         Ok((out, Shape::from(cols)))
     }
 }
