@@ -195,7 +195,7 @@ impl SimpleBackend for Recorder {
         s: Shape,
         name: &str,
         h: candle_nn::Init,
-        dtype: DType,
+        _compute: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let mut vars = self
@@ -241,7 +241,6 @@ impl SimpleBackend for Recorder {
         };
         // Vars are f32 master copies whatever the builder's dtype (the compute dtype, `vb.dtype()`), so gradients
         // accumulate in f32; modules cast weights at use, as autocast does.
-        let _ = dtype;
         let var = Var::zeros(s, DType::F32, dev)?;
         let t = var.as_tensor().clone();
         vars.push(Recorded { spec, var });
