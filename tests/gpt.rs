@@ -10,13 +10,14 @@ use tether::common::report::RunReport;
 use tether::{loopback_servers, LocalCluster};
 
 /// Validation loss every run of [`config`] must reach (nats per byte). A unigram model of the text scores 3.0
-/// (4.3 bits per character) and the initial model ln 256 = 5.55; measured 2.30 (3.32 bits per character).
-const VAL_LOSS_BOUND: f64 = 2.45;
+/// (4.3 bits per character) and the initial model ln 256 = 5.55; measured 1.96–2.04 (2.83–2.94 bits per character)
+/// for f32 and bf16.
+const VAL_LOSS_BOUND: f64 = 2.2;
 
-/// A small GPT (2 layers, 2 heads, 64 wide, 32-byte context; 119 k parameters), 2 workers × 2 shards, 300 steps per
-/// worker in local-step rounds of 8 (inner Adam, outer Nesterov on the shards; q4 pseudo-gradients and q4 delta
-/// pulls): the quickstart's mode. A q4 push every step under SSP trains this transformer worse in the same steps
-/// (2.98 against 2.33 uncompressed; README "Training the GPT").
+/// A small GPT (1 layer, 2 heads, 32 wide, 16-byte context; 21 k parameters), 2 workers × 2 shards, 600 steps of 32
+/// windows per worker in local-step rounds of 8 (inner Adam, outer Nesterov on the shards; q4 pseudo-gradients and
+/// q4 delta pulls): the quickstart's mode. Small enough to end near its capacity; shorter runs of larger models end
+/// in their steep phase, where the same configuration varied from 2.30 to 2.98 between runs.
 fn config(precision: ComputePrecision) -> Config {
     let mut cfg = Config::with_servers(loopback_servers(2));
     cfg.cluster.workers = 2;
@@ -24,17 +25,17 @@ fn config(precision: ComputePrecision) -> Config {
     cfg.train.local_steps = 8;
     cfg.compression.scheme = Scheme::Q4;
     cfg.model.kind = ModelKind::Gpt;
-    cfg.model.layers = 2;
+    cfg.model.layers = 1;
     cfg.model.heads = 2;
-    cfg.model.dim = 64;
-    cfg.model.context = 32;
+    cfg.model.dim = 32;
+    cfg.model.context = 16;
     cfg.data.dataset = DatasetKind::KjvExcerpt;
-    cfg.train.batch = 16;
+    cfg.train.batch = 32;
     cfg.train.epochs = 1;
-    cfg.train.max_steps = 300;
+    cfg.train.max_steps = 600;
     cfg.train.eval_every = 100;
     cfg.train.precision = precision;
-    cfg.optimizer.lr = 2e-3;
+    cfg.optimizer.lr = 3e-3;
     // The quickstart's outer momentum (DiLoCo's 0.9 trains worse here: README "Local-step rounds").
     cfg.optimizer.outer.momentum = 0.5;
     cfg.optimizer.schedule = Schedule::WarmupCosine {
@@ -77,9 +78,9 @@ fn gpt_trains_through_the_cluster_below_the_validation_bound_in_f32_and_bf16() {
         .final_bits_per_char
         .expect("bits per character in the report");
     assert!((bpc - val / std::f64::consts::LN_2).abs() < 1e-9);
-    assert_eq!(f32r.steps, 600);
-    // 38 rounds of 8 (the last one 4) per worker, each worker's push applied by both shards.
-    assert_eq!(f32r.updates_applied, 38 * 2 * 2);
+    assert_eq!(f32r.steps, 1200);
+    // 75 rounds of 8 per worker, each worker's push applied by both shards.
+    assert_eq!(f32r.updates_applied, 75 * 2 * 2);
     assert!(
         f32r.val_loss_curve.len() >= 3,
         "the curve has the evaluations and the final model"
@@ -87,8 +88,8 @@ fn gpt_trains_through_the_cluster_below_the_validation_bound_in_f32_and_bf16() {
     assert_eq!(f32r.precision, "f32");
     assert_eq!(f32r.final_loss_scale, None);
 
-    // bf16 compute through the cluster trains too (the 2 % comparison is deterministic, in worker/tests/gpt.rs:
-    // arrival order makes cluster runs differ by about 1 % from run to run).
+    // bf16 compute through the cluster trains too. The 2 % comparison is the deterministic one in worker/tests/gpt.rs:
+    // arrival order makes these cluster runs differ by up to 4 % from run to run (f32 1.963–2.038 in three runs).
     let bf = run(config(ComputePrecision::Bf16));
     let bval = bf.final_val_loss.expect("validation loss in the report");
     assert!(
