@@ -103,13 +103,13 @@ struct Args {
     /// Learning-rate schedule: cosine (linear warmup, then cosine decay over the run) or constant.
     #[arg(long, default_value = "cosine")]
     schedule: String,
-    /// Per-worker batch size (default 128, or 16 windows with --model gpt).
+    /// Per-worker batch size (default 128, or 4 windows with --model gpt: 4 workers then take 16 together).
     #[arg(long)]
     batch: Option<usize>,
     /// Hidden layer widths, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "256,128")]
     hidden: Vec<usize>,
-    /// Evaluate every this many steps of worker 0 (default 100, or 128 with --model gpt).
+    /// Evaluate every this many steps of worker 0 (default 100, or 512 with --model gpt).
     #[arg(long)]
     eval_every: Option<u64>,
     /// Seed of the initial weights.
@@ -163,8 +163,8 @@ fn main() -> Result<()> {
     cfg.train.max_steps = args.max_steps;
     cfg.optimizer.outer.lr = args.outer_lr;
     cfg.optimizer.outer.momentum = args.outer_momentum;
-    cfg.train.batch = args.batch.unwrap_or(if gpt { 16 } else { 128 });
-    cfg.train.eval_every = args.eval_every.unwrap_or(if gpt { 128 } else { 100 });
+    cfg.train.batch = args.batch.unwrap_or(if gpt { 4 } else { 128 });
+    cfg.train.eval_every = args.eval_every.unwrap_or(if gpt { 512 } else { 100 });
     cfg.train.precision = args.precision;
     cfg.model.kind = match args.model.as_str() {
         "gpt" => ModelKind::Gpt,
