@@ -167,7 +167,8 @@ fn main() -> Result<()> {
     cfg.train.epochs = args.cluster_epochs;
     cfg.train.batch = args.cluster_batch;
     // The same evaluation cadence in windows.
-    cfg.train.eval_every = (args.eval_windows / (cfg.train.batch * cfg.cluster.workers as usize)).max(1) as u64;
+    cfg.train.eval_every =
+        (args.eval_windows / (cfg.train.batch * cfg.cluster.workers as usize)).max(1) as u64;
     let dir = tempfile::tempdir()?;
     let report = LocalCluster::new(cfg, dir.path().to_path_buf()).run()?;
     let c: Curve = report.val_loss_curve.iter().map(|p| (p.1, p.2)).collect();
