@@ -147,9 +147,6 @@ fn main() -> Result<()> {
     tether::common::logging::init("warn");
     let args = Args::parse();
     let mut cfg = config(&args);
-    // Evaluation cadence in windows of all trainers together: worker 0 evaluates every eval_every of its steps.
-    cfg.train.eval_every =
-        (args.eval_windows / (args.batch * cfg.cluster.workers as usize)).max(1) as u64;
     cfg.validate()?;
     let mut single_cfg = cfg.clone();
     single_cfg.cluster.workers = 1;
@@ -166,7 +163,7 @@ fn main() -> Result<()> {
     );
     cfg.train.epochs = args.cluster_epochs;
     cfg.train.batch = args.cluster_batch;
-    // The same evaluation cadence in windows.
+    // Evaluation cadence in windows of all trainers together: worker 0 evaluates every eval_every of its steps.
     cfg.train.eval_every =
         (args.eval_windows / (cfg.train.batch * cfg.cluster.workers as usize)).max(1) as u64;
     let dir = tempfile::tempdir()?;

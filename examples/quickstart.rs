@@ -133,11 +133,13 @@ struct Args {
 fn main() -> Result<()> {
     tether::common::logging::init("warn");
     let args = Args::parse();
-    let gpt = match args.model.as_str() {
-        "mlp" | "logreg" => false,
-        "gpt" => true,
+    let kind = match args.model.as_str() {
+        "mlp" => ModelKind::Mlp,
+        "logreg" => ModelKind::Logreg,
+        "gpt" => ModelKind::Gpt,
         o => anyhow::bail!("unknown model {o:?} (mlp|logreg|gpt)"),
     };
+    let gpt = kind == ModelKind::Gpt;
     let mut cfg = Config::with_servers(loopback_servers(args.shards.max(1)));
     cfg.cluster.workers = args.workers.max(1);
     cfg.cluster.staleness = args.staleness.unwrap_or(if args.local_steps > 0 {
@@ -166,11 +168,7 @@ fn main() -> Result<()> {
     cfg.train.batch = args.batch.unwrap_or(if gpt { 4 } else { 128 });
     cfg.train.eval_every = args.eval_every.unwrap_or(if gpt { 512 } else { 100 });
     cfg.train.precision = args.precision;
-    cfg.model.kind = match args.model.as_str() {
-        "gpt" => ModelKind::Gpt,
-        "logreg" => ModelKind::Logreg,
-        _ => ModelKind::Mlp,
-    };
+    cfg.model.kind = kind;
     cfg.model.layers = args.layers;
     cfg.model.heads = args.heads;
     cfg.model.dim = args.dim;

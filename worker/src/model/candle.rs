@@ -37,6 +37,9 @@ pub enum CandleError {
         /// What differs.
         reason: String,
     },
+    /// The configuration cannot build this model (e.g. bf16 for a hand-written model).
+    #[error(transparent)]
+    Config(#[from] tether_common::config::ConfigError),
     /// The module asked for an init Tether cannot reproduce deterministically on the shards.
     #[error("tensor {name:?}: unsupported init {init}")]
     Init {

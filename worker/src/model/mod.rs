@@ -126,14 +126,16 @@ pub fn build_for(cfg: &Config) -> Result<Box<dyn Model>, CandleError> {
     let precision = cfg.train.precision;
     if cfg.model.kind != ModelKind::Gpt {
         if precision != ComputePrecision::F32 {
-            return Err(CandleError::Candle(candle_core::Error::Msg(format!(
-                "train.precision = {precision} needs a candle model (model.kind = \"gpt\"); {:?} computes in f32",
-                cfg.model.kind
-            ))));
+            return Err(tether_common::config::ConfigError::Invalid {
+                key: "train.precision",
+                reason: format!(
+                    "{precision} needs a candle model (model.kind = \"gpt\"); {:?} computes in f32",
+                    cfg.model.kind
+                ),
+            }
+            .into());
         }
-        let (features, classes) = cfg
-            .model_io()
-            .map_err(|e| CandleError::Candle(candle_core::Error::Msg(e.to_string())))?;
+        let (features, classes) = cfg.model_io()?;
         return Ok(build(&cfg.model, features, classes));
     }
     let model = gpt_model(cfg.gpt_shape(), precision)?;
