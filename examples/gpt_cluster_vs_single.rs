@@ -40,7 +40,7 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     epochs: u32,
     /// Windows per step of each worker (default 4: four workers then take the single process's 16 windows per
-    /// step together; 16 each measured 1.60×, README).
+    /// step together; 16 each measured 1.60×, docs/transformer.md).
     #[arg(long, default_value_t = 4)]
     cluster_batch: usize,
     /// Passes over the corpus of the cluster.

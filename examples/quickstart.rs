@@ -51,13 +51,13 @@ struct Args {
     #[arg(long, default_value = "q4")]
     pull_scheme: Scheme,
     /// Local-step rounds (DiLoCo): inner steps per push round (0: push a gradient every step). The default, 16, is
-    /// what one 100 Mbit/s link shared by the whole run needs to stay compute-bound (README: "Both directions").
+    /// what one 100 Mbit/s link shared by the whole run needs to stay compute-bound (docs/pulls-and-local-steps.md).
     #[arg(long, default_value_t = 16)]
     local_steps: u32,
     /// Outer (Nesterov) learning rate of local-step rounds.
     #[arg(long, default_value_t = 0.7)]
     outer_lr: f32,
-    /// Outer (Nesterov) momentum of local-step rounds (DiLoCo's 0.9 measured worse here at H = 4..64; README).
+    /// Outer (Nesterov) momentum of local-step rounds (DiLoCo's 0.9 is worse here: docs/pulls-and-local-steps.md).
     #[arg(long, default_value_t = 0.5)]
     outer_momentum: f32,
     /// Epochs (passes over each worker's partition; default 30, or 1 with --model gpt).
@@ -125,7 +125,7 @@ struct Args {
     #[arg(long)]
     work_dir: Option<PathBuf>,
     /// Loss-spike rollback (`[rollback]` with its defaults): the shards roll back together to a snapshot from before
-    /// a spike (README: "Loss-spike rollback").
+    /// a spike (docs/rollback.md).
     #[arg(long)]
     rollback: bool,
 }

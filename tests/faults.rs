@@ -175,7 +175,7 @@ fn partitioned_worker_heals_and_ssp_bound_holds() {
     let c = Cluster::new(spec());
     // The worker is cut off from both shards (its link to the cluster fails), so both evict it. A worker cut off
     // from one shard only keeps heartbeating the other, which keeps waiting for it: per-shard membership makes the
-    // survivors stall for such a partial partition's length, not the timeout (README, "Known limit: partial partitions").
+    // survivors stall for such a partial partition's length, not the timeout (docs/protocol.md, "partial partitions").
     let proxies = [UdpProxy::start(c.servers[0]), UdpProxy::start(c.servers[1])];
     let via_proxy = c.write_config("cluster-proxy.toml", &[proxies[0].addr, proxies[1].addr]);
     let via_proxy = via_proxy.display().to_string();

@@ -36,7 +36,7 @@ fn config(precision: ComputePrecision) -> Config {
     cfg.train.eval_every = 100;
     cfg.train.precision = precision;
     cfg.optimizer.lr = 3e-3;
-    // The quickstart's outer momentum (DiLoCo's 0.9 trains worse here: README "Local-step rounds").
+    // The quickstart's outer momentum (DiLoCo's 0.9 trains worse here: docs/pulls-and-local-steps.md).
     cfg.optimizer.outer.momentum = 0.5;
     cfg.optimizer.schedule = Schedule::WarmupCosine {
         warmup: 30,

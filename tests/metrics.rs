@@ -1,5 +1,5 @@
 //! Metrics contract: scrape `--metrics` of a real shard and a real worker during a run (HTTP GET /metrics over
-//! loopback TCP) and check the DESIGN.md §6 names are there with sane values.
+//! loopback TCP) and check the docs/design.md §6 names are there with sane values.
 
 mod support;
 

@@ -1,4 +1,4 @@
-//! Prometheus metrics for operators (DESIGN.md §6 names): the server's and the worker's metric sets, registered in a
+//! Prometheus metrics (names fixed in docs/design.md §6): the server's and the worker's metric sets, registered in a
 //! `prometheus-client` registry, and a minimal HTTP exporter serving the text format at `/metrics`. Recording is a
 //! few atomic operations and never blocks; the exporter runs on its own task and only reads.
 

@@ -1,4 +1,4 @@
-//! The JSON run report (DESIGN.md §6) written by workers, servers and the embedded cluster, and the staleness
+//! The JSON run report (docs/design.md §6) written by workers, servers and the embedded cluster, and the staleness
 //! histogram shape it carries. Plain data: building it is the caller's job, this module only fixes the schema.
 
 use std::path::Path;
@@ -16,7 +16,7 @@ pub struct HistogramBucket {
     pub count: u64,
 }
 
-/// The run report; the required keys of DESIGN.md §6 plus a few extensions (documented in the README).
+/// The run report; the required keys of docs/design.md §6 plus the extensions listed there.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct RunReport {
     /// Dataset name (`fashion-mnist`, `digits`, ...).

@@ -1,5 +1,5 @@
 //! Feeds arbitrary and damaged `cluster.toml` texts to the parser and validator: any panic is a finding. Half the
-//! inputs are raw text; the other half are a complete configuration (every section of DESIGN.md's example, with
+//! inputs are raw text; the other half are a complete configuration (every section of docs/design.md's example, with
 //! extensions) with one value replaced by text from the input, so that every key's validation is reached. A
 //! configuration that parses must also answer its derived questions (layout, codec, model dimensions).
 #![no_main]

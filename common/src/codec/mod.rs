@@ -25,7 +25,7 @@ pub use feedback::ErrorFeedback;
 pub use header::{FrameHeader, HEADER_LEN, MAGIC, MAX_BUCKET, MIN_BUCKET, VERSION};
 pub use rng::seed_for;
 
-/// zstd level used for bodies (fast; see DESIGN.md §4 for its cost).
+/// zstd level used for bodies (fast; see docs/design.md §4 for its cost).
 pub const ZSTD_LEVEL: i32 = 1;
 
 /// How gradient values are represented on the wire.

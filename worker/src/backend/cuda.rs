@@ -1074,7 +1074,7 @@ pub fn model_factory(
     let hidden = match cfg.kind {
         ModelKind::Mlp => cfg.hidden.clone(),
         ModelKind::Logreg => Vec::new(),
-        // The GPT is a candle model; candle's CUDA backend needs nvcc at build time (README, "Training a transformer").
+        // The GPT is a candle model; candle's CUDA backend needs nvcc at build time (docs/transformer.md).
         ModelKind::Gpt => {
             return Err(BackendError::Unsupported(
                 "the GPT runs on the CPU backend (--device cpu); the CUDA backend trains the MLP and logreg".into(),
