@@ -10,6 +10,7 @@ use anyhow::Result;
 use clap::Parser;
 
 use tether::common::config::{Config, OptimizerConfig};
+use tether::common::layout::model_io;
 use tether::server::optim::Optimizer;
 use tether::worker::data::Partition;
 use tether::worker::model;
@@ -39,7 +40,7 @@ fn main() -> Result<()> {
     if let Some(n) = note {
         println!("note: {n}");
     }
-    let (features, classes) = cfg.model_io()?;
+    let (features, classes) = model_io(&cfg)?;
     let mut m = model::build(&cfg.model, features, classes);
     let mut params = m.layout().init_all(cfg.model.seed);
     let mut grad = vec![0.0; params.len()];

@@ -288,8 +288,7 @@ impl LocalCluster {
             let mut m = match factory {
                 Some(f) => f(),
                 None => {
-                    let (f, c) = eval_cfg
-                        .model_io()
+                    let (f, c) = tether_common::layout::model_io(&eval_cfg)
                         .unwrap_or((test_eval.features, test_eval.classes));
                     model::build(&eval_cfg.model, f, c)
                 }

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use support::{free_tcp_addr, http_get, metric, Cluster, Rng, Spec};
 use tether::common::codec::{CodecConfig, Encoder};
 use tether::common::config::Config;
+use tether::common::layout::model_layout;
 use tether::common::net::{
     client_endpoint, client_handshake, connect, ControlChannel, TlsFiles, TransportTuning,
 };
@@ -208,7 +209,7 @@ fn server_survives_hostile_input_and_still_trains() {
         ..Spec::default()
     });
     let cfg = Config::load(&c.path("cluster.toml")).unwrap();
-    let layout = cfg.layout().unwrap();
+    let layout = model_layout(&cfg).unwrap();
     let range = layout.shard_range(0, 2);
     let t = Target {
         addr: c.servers[0],
@@ -370,7 +371,7 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         ..Spec::default()
     });
     let cfg = Config::load(&c.path("cluster.toml")).unwrap();
-    let layout = cfg.layout().unwrap();
+    let layout = model_layout(&cfg).unwrap();
     let t = Target {
         addr: c.servers[0],
         layout_hash: layout.hash(),

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use support::{free_tcp_addr, http_get, metric, Cluster, Spec};
 use tether::common::codec::{CodecConfig, Encoder};
 use tether::common::config::Config;
+use tether::common::layout::model_layout;
 use tether::common::net::{
     client_endpoint, client_handshake, connect, send_bulk, ControlChannel, TlsFiles,
     TransportTuning,
@@ -30,7 +31,7 @@ fn many_concurrent_pushers_are_all_served_with_bounded_memory() {
         ..Spec::default()
     });
     let cfg = Config::load(&c.path("cluster.toml")).unwrap();
-    let layout = cfg.layout().unwrap();
+    let layout = model_layout(&cfg).unwrap();
     assert_eq!(layout.len(), 650);
     let maddr = free_tcp_addr();
     let m = maddr.to_string();

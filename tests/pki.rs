@@ -12,6 +12,7 @@ use std::time::Duration;
 use support::{free_tcp_addr, http_get, metric, num, serial, Cluster, Spec};
 use tether::common::codec::{CodecConfig, Encoder};
 use tether::common::config::Config;
+use tether::common::layout::model_layout;
 use tether::common::net::{
     certificate_serial, client_endpoint, client_handshake, connect, connect_shard, ControlChannel,
     TlsFiles, TransportTuning,
@@ -85,7 +86,7 @@ fn a_worker_key_cannot_act_as_another_rank() {
         ..Spec::default()
     });
     let cfg = Config::load(&c.path("cluster.toml")).unwrap();
-    let layout = cfg.layout().unwrap();
+    let layout = model_layout(&cfg).unwrap();
     let (layout_hash, shard_len) = (layout.hash(), layout.shard_range(0, 1).len());
     let maddr = free_tcp_addr();
     let m = maddr.to_string();
@@ -203,7 +204,7 @@ fn a_revoked_worker_is_refused_and_a_rank_issued_later_joins_the_running_cluster
     // The revoked certificate (rank 1's, newer serial) gets no connection, before any frame.
     let rt = runtime();
     let cfg = Config::load(&c.path("cluster.toml")).unwrap();
-    let layout_hash = cfg.layout().unwrap().hash();
+    let layout_hash = model_layout(&cfg).unwrap().hash();
     let refused = rt.block_on(async {
         let ep = client_endpoint(&revoked, &TransportTuning::default()).unwrap();
         let attempt = async {

@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use tether_bench::stats::quantile;
 use tether_common::config::Config;
+use tether_common::layout::model_layout;
 use tether_common::net::TlsFiles;
 use tether_worker::trainer::{prepare_worker, WorkerOptions, WorkerReport};
 
@@ -125,7 +126,7 @@ pub fn run(a: &IngestArgs) -> Result<IngestReport> {
     std::fs::write(&cfg_path, rc.text())?;
     certificates(dir.path(), &[], a.shards, a.workers)?;
     let cfg = Config::load(&cfg_path)?;
-    let layout = cfg.layout()?;
+    let layout = model_layout(&cfg)?;
     let server_bin = sibling("tether-server")?;
     let mut shards = Vec::new();
     // TETHER_BENCH_PERF=FILE profiles shard 0 with `perf record` (flat, 999 Hz) into FILE.

@@ -134,8 +134,7 @@ impl RunReport {
     /// A report whose run-description fields (dataset, model, params, workers, shards, staleness bound,
     /// compression, epochs) come from `cfg`; the measured fields start empty.
     pub fn for_config(cfg: &crate::config::Config) -> RunReport {
-        let dims: Vec<String> = cfg
-            .model_dims()
+        let dims: Vec<String> = crate::layout::model_dims(cfg)
             .unwrap_or_default()
             .iter()
             .map(|d| d.to_string())
@@ -153,7 +152,9 @@ impl RunReport {
             dataset: cfg.data.dataset.to_string(),
             model,
             precision: cfg.train.precision.to_string(),
-            params: cfg.layout().map(|l| l.len() as u64).unwrap_or(0),
+            params: crate::layout::model_layout(cfg)
+                .map(|l| l.len() as u64)
+                .unwrap_or(0),
             workers: cfg.cluster.workers,
             shards: cfg.cluster.servers.len() as u32,
             staleness_bound: cfg.cluster.staleness.to_string(),

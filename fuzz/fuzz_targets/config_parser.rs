@@ -8,6 +8,7 @@ use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
 use tether_common::config::Config;
+use tether_common::layout;
 
 /// `(key line prefix, original value)` of the template; the input replaces one value.
 const TEMPLATE: &[(&str, &str)] = &[
@@ -64,9 +65,9 @@ fuzz_target!(|data: &[u8]| {
     };
     if let Ok(cfg) = Config::parse(&text, Path::new("/etc/tether")) {
         let _ = cfg.validate();
-        let _ = cfg.model_io();
-        let _ = cfg.model_dims();
-        let _ = cfg.layout();
+        let _ = layout::model_io(&cfg);
+        let _ = layout::model_dims(&cfg);
+        let _ = layout::model_layout(&cfg);
         let _ = cfg.compression.codec().validate();
     }
 });

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{Config, Staleness};
+use tether_common::layout::model_layout;
 use tether_common::protocol::{encode_push, Outcome, Precision, PullMode, PushFrame};
 use tether_common::testing::noise;
 use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Hello, Pull, ReplyBody};
@@ -60,7 +61,7 @@ fn main() {
     cfg.cluster.tls_dir = dir.path().join("certs");
     cfg.checkpoint.dir = dir.path().join("ckpt");
     cfg.checkpoint.every_updates = 0;
-    let params = cfg.layout().expect("layout").len();
+    let params = model_layout(&cfg).expect("layout").len();
     report("process start", params);
 
     // One q4 frame per worker, encoded before the shard exists so the encoder's temporaries do not count.

@@ -1,5 +1,6 @@
-//! Tether parameter-server shards: the pure cores (optimizers, the SSP clock table, checkpoints, `ShardCore`) and
-//! the shells around them (the `ShardActor`, per-connection sessions, the shard server and its binary).
+//! Tether parameter-server shards: the pure cores (optimizers, the update rule of the training mode, the SSP clock
+//! table, checkpoints, `ShardCore`) and the shells around them (the `ShardActor`, per-connection sessions, the shard
+//! server and its binary).
 
 pub mod actor;
 pub mod checkpoint;
@@ -14,5 +15,6 @@ pub mod rollback;
 pub mod session;
 pub mod shard;
 pub mod spike;
+pub mod update_rule;
 
 pub use error::Error;

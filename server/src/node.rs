@@ -11,7 +11,7 @@ use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
 use tether_common::config::Config;
-use tether_common::layout::Layout;
+use tether_common::layout::{model_layout, Layout};
 use tether_common::metrics::ServerMetrics;
 use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
 use tether_common::protocol::{ErrorCode, FrameLimits};
@@ -23,6 +23,7 @@ use crate::error::Error;
 use crate::remote::RemoteStore;
 use crate::session::{serve_connection, SessionContext};
 use crate::shard::{ShardCore, ShardSpec, ShardStats};
+use crate::update_rule;
 
 /// At most this many connections are served at once per shard; more wait in the accept queue.
 pub const MAX_CONNECTIONS: usize = 1024;
@@ -84,13 +85,13 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     };
     let layout = match opts.layout {
         Some(l) => l,
-        None => cfg.layout()?,
+        None => model_layout(cfg)?,
     };
     let spec = ShardSpec {
         shard: opts.shard,
         shards,
         seed: cfg.model.seed,
-        optimizer: cfg.shard_optimizer(),
+        optimizer: update_rule::shard_optimizer(cfg),
         staleness: cfg.cluster.staleness,
         worker_timeout_ms: cfg.cluster.worker_timeout_ms,
         spike_factor: opts.spike_factor,
@@ -153,7 +154,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         (opts.shard, core.version()),
     );
     core.set_public(cfg.compression.pull_codec(), lineage);
-    core.set_push_scale(cfg.push_scale());
+    core.set_push_scale(update_rule::push_scale(cfg));
     core.set_rollback(&cfg.rollback);
     let tls = match opts.tls {
         Some(t) => t,

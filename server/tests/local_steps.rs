@@ -6,6 +6,7 @@ use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::{Config, Staleness};
 use tether_common::layout::{Init, Layout, TensorSpec};
 use tether_server::shard::{Push, ShardCore, ShardSpec};
+use tether_server::update_rule::{push_scale, shard_optimizer};
 
 const N: usize = 100;
 const WORKERS: u32 = 3;
@@ -29,13 +30,13 @@ fn core(cfg: &Config) -> ShardCore {
         shard: 0,
         shards: 1,
         seed: 1,
-        optimizer: cfg.shard_optimizer(),
+        optimizer: shard_optimizer(cfg),
         staleness: cfg.cluster.staleness,
         worker_timeout_ms: 60_000,
         spike_factor: 0.0,
     };
     let mut c = ShardCore::new(&layout(), &spec);
-    c.set_push_scale(cfg.push_scale());
+    c.set_push_scale(push_scale(cfg));
     for w in 0..WORKERS {
         c.join(w, 0);
     }
@@ -86,7 +87,7 @@ fn round(c: &mut ShardCore, r: u64) -> Vec<Vec<f32>> {
 #[test]
 fn the_outer_step_is_nesterov_on_each_push_scaled_by_one_over_workers() {
     let cfg = cfg(0.7, 0.9);
-    let o = cfg.shard_optimizer();
+    let o = shard_optimizer(&cfg);
     assert_eq!(
         (o.kind, o.lr, o.momentum),
         (cfg.optimizer.outer.kind, 0.7, 0.9)

@@ -19,6 +19,7 @@ use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, PutPayload};
 use tether_common::config::{Config, Staleness};
+use tether_common::layout::model_layout;
 use tether_server::checkpoint::{CheckpointStore, ShardSnapshot, MANIFEST_FILE, WEIGHTS_FILE};
 use tether_server::remote::RemoteStore;
 
@@ -314,7 +315,7 @@ fn a_shard_checkpoints_to_the_store_in_the_background_and_resumes_from_it() {
     ] {
         std::env::set_var(k, v);
     }
-    let params = cfg.layout().unwrap().len();
+    let params = model_layout(&cfg).unwrap().len();
     let sys = actix_rt::System::with_tokio_rt(|| {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

@@ -110,7 +110,7 @@ fn run() -> Result<()> {
     let model = match device {
         Device::Cpu => None,
         Device::Cuda(ordinal) => {
-            let (features, classes) = cfg.model_io()?;
+            let (features, classes) = tether_common::layout::model_io(&cfg)?;
             let (info, factory) =
                 backend::cuda::model_factory(ordinal, &cfg.model, features, classes)
                     .with_context(|| format!("device {device}"))?;

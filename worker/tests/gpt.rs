@@ -6,7 +6,7 @@ use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
 use tether_common::config::{ComputePrecision, Config, DatasetKind, ModelKind};
-use tether_common::layout::{gpt_layout, mlp_layout, GptShape};
+use tether_common::layout::{gpt_layout, mlp_layout, model_io, model_layout, GptShape};
 use tether_worker::data::{kjv_excerpt, windows};
 use tether_worker::model::{self, gpt_model, CandleModel, CandleModule, Mlp, Model};
 
@@ -216,8 +216,8 @@ fn the_workers_gpt_has_the_layout_the_shards_build() {
     cfg.model.kind = ModelKind::Gpt;
     cfg.data.dataset = DatasetKind::KjvExcerpt;
     cfg.validate().unwrap();
-    let shards = cfg.layout().unwrap();
-    assert_eq!(shards.len(), cfg.gpt_shape().params());
+    let shards = model_layout(&cfg).unwrap();
+    assert_eq!(shards.len(), GptShape::from_model(&cfg.model).params());
     assert_eq!(
         shards.len(),
         4 * (12 * 128 * 128 + 13 * 128) + (256 + 64 + 2) * 128
@@ -241,7 +241,7 @@ fn the_workers_gpt_has_the_layout_the_shards_build() {
         .all(|&v| v == 0.0));
     // Text data needs the GPT; the GPT needs text data.
     cfg.model.kind = ModelKind::Mlp;
-    assert!(cfg.model_io().is_err());
+    assert!(model_io(&cfg).is_err());
     cfg.model.kind = ModelKind::Gpt;
     cfg.data.dataset = DatasetKind::Digits;
     assert!(cfg.validate().is_err());

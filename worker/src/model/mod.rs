@@ -16,7 +16,7 @@ pub use logreg::LogReg;
 pub use mlp::Mlp;
 
 use tether_common::config::{ComputePrecision, Config, ModelConfig, ModelKind};
-use tether_common::layout::Layout;
+use tether_common::layout::{model_io, GptShape, Layout};
 
 /// A differentiable model over a flat parameter vector.
 ///
@@ -135,10 +135,10 @@ pub fn build_for(cfg: &Config) -> Result<Box<dyn Model>, CandleError> {
             }
             .into());
         }
-        let (features, classes) = cfg.model_io()?;
+        let (features, classes) = model_io(cfg)?;
         return Ok(build(&cfg.model, features, classes));
     }
-    let model = gpt_model(cfg.gpt_shape(), precision)?;
+    let model = gpt_model(GptShape::from_model(&cfg.model), precision)?;
     Ok(match precision {
         ComputePrecision::F32 => Box::new(model),
         _ => Box::new(model.with_loss_scaling(cfg.train.loss_scale, cfg.train.loss_scale_window)),

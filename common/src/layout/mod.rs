@@ -1,10 +1,16 @@
 //! The model's flat parameter space: named tensors laid end to end in one f32 index space, how shards split it, and
 //! the deterministic initial values. Everything here is a pure function of its inputs: the initial value of a
 //! parameter depends only on (seed, tensor, global index), never on how many shards the layout is split into.
+//! [`model`] holds the built-in model families' layouts and their derivation from `cluster.toml`, which servers and
+//! workers both use so that they agree on the space.
 
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
+
+pub mod model;
+
+pub use model::{gpt_layout, mlp_layout, model_dims, model_io, model_layout, GptShape};
 
 /// How a tensor's initial values are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -195,87 +201,6 @@ impl Layout {
         self.init_range(seed, 0..self.total, &mut v);
         v
     }
-}
-
-/// The layout of a fully connected network with layer widths `dims` (input first, classes last): for each layer k
-/// (1-based) `fck.weight` `[in, out]` (He-uniform, bound √(6/in)) then `fck.bias` `[out]` (zeros). With two widths it
-/// is multinomial logistic regression. Servers and workers both build the model's layout from this function.
-pub fn mlp_layout(dims: &[usize]) -> Layout {
-    let mut specs = Vec::with_capacity(2 * dims.len().saturating_sub(1));
-    for (k, w) in dims.windows(2).enumerate() {
-        let bound = (6.0 / w[0] as f64).sqrt() as f32;
-        specs.push(TensorSpec::new(
-            format!("fc{}.weight", k + 1),
-            &[w[0], w[1]],
-            Init::Uniform { bound },
-        ));
-        specs.push(TensorSpec::new(
-            format!("fc{}.bias", k + 1),
-            &[w[1]],
-            Init::Zeros,
-        ));
-    }
-    Layout::new(specs)
-}
-
-/// Shape of the built-in GPT (nanoGPT's naming): a byte-level decoder-only transformer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GptShape {
-    /// Vocabulary size (256: bytes).
-    pub vocab: usize,
-    /// Context length in tokens.
-    pub context: usize,
-    /// Transformer blocks.
-    pub layers: usize,
-    /// Attention heads per block (divides `dim`).
-    pub heads: usize,
-    /// Embedding width.
-    pub dim: usize,
-}
-
-impl GptShape {
-    /// Number of parameters: `layers × (12·dim² + 13·dim) + (vocab + context + 2)·dim`.
-    pub fn params(&self) -> usize {
-        let c = self.dim;
-        self.layers * (12 * c * c + 13 * c) + (self.vocab + self.context + 2) * c
-    }
-}
-
-/// The layout of the built-in GPT. Weights are `[in, out]` (`y = x·W + b`), normal(0, 0.02) like GPT-2, with the
-/// residual projections (`attn.proj`, `mlp.proj`) scaled by 1/√(2·layers); biases zero; layer-norm gains one. The
-/// output head is tied to `wte` (no separate tensor). Servers and workers both build the GPT's layout from this
-/// function; the candle model checks every tensor it creates against it.
-pub fn gpt_layout(g: &GptShape) -> Layout {
-    let c = g.dim;
-    let w = Init::Normal { std: 0.02 };
-    let proj = Init::Normal {
-        std: (0.02 / (2.0 * g.layers as f64).sqrt()) as f32,
-    };
-    let (zeros, ones) = (Init::Zeros, Init::Const { value: 1.0 });
-    let mut specs = vec![
-        TensorSpec::new("wte", &[g.vocab, c], w),
-        TensorSpec::new("wpe", &[g.context, c], w),
-    ];
-    for l in 0..g.layers {
-        let t = |s: &str| format!("h.{l}.{s}");
-        specs.extend([
-            TensorSpec::new(t("ln_1.weight"), &[c], ones),
-            TensorSpec::new(t("ln_1.bias"), &[c], zeros),
-            TensorSpec::new(t("attn.qkv.weight"), &[c, 3 * c], w),
-            TensorSpec::new(t("attn.qkv.bias"), &[3 * c], zeros),
-            TensorSpec::new(t("attn.proj.weight"), &[c, c], proj),
-            TensorSpec::new(t("attn.proj.bias"), &[c], zeros),
-            TensorSpec::new(t("ln_2.weight"), &[c], ones),
-            TensorSpec::new(t("ln_2.bias"), &[c], zeros),
-            TensorSpec::new(t("mlp.fc.weight"), &[c, 4 * c], w),
-            TensorSpec::new(t("mlp.fc.bias"), &[4 * c], zeros),
-            TensorSpec::new(t("mlp.proj.weight"), &[4 * c, c], proj),
-            TensorSpec::new(t("mlp.proj.bias"), &[c], zeros),
-        ]);
-    }
-    specs.push(TensorSpec::new("ln_f.weight", &[c], ones));
-    specs.push(TensorSpec::new("ln_f.bias", &[c], zeros));
-    Layout::new(specs)
 }
 
 /// Balanced contiguous split of `total` elements: shard `shard` of `shards` (the first `total % shards` get one more).

@@ -1,0 +1,270 @@
+//! The configuration's contract: defaults (serde's path and the sections' `Default` cannot diverge), path
+//! resolution, unknown keys named in every section, and values refused by validation naming their key.
+
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::codec::Scheme;
+
+#[test]
+fn minimal_file_gets_defaults_and_resolves_paths() {
+    let cfg = Config::parse(
+        "[cluster]\nservers = [\"127.0.0.1:7000\"]\n",
+        Path::new("/etc/tether"),
+    )
+    .unwrap();
+    assert_eq!(cfg.cluster.workers, 4);
+    assert_eq!(cfg.cluster.staleness, Staleness::Bounded(3));
+    assert_eq!(cfg.cluster.tls_dir, PathBuf::from("/etc/tether/certs"));
+    assert_eq!(cfg.checkpoint.dir, PathBuf::from("/etc/tether/ckpt"));
+    assert_eq!(cfg.data.path, default_data_dir());
+    assert_eq!(cfg.compression.scheme, Scheme::Q4);
+    assert_eq!(cfg.optimizer.kind, OptimizerKind::Adam);
+    assert_eq!(cfg.model.hidden, vec![256, 128]);
+}
+
+#[test]
+fn design_doc_example_parses() {
+    let text = r#"
+[cluster]
+servers = ["127.0.0.1:7000", "127.0.0.1:7001"]
+workers = 4
+staleness = 3
+worker_timeout_ms = 5000
+tls_dir = "certs"
+[model]
+kind = "mlp"
+hidden = [256, 128]
+seed = 42
+[data]
+dataset = "fashion-mnist"
+path = "/usr/share/datasets/fashion-mnist"
+[train]
+batch = 128
+epochs = 5
+eval_every = 200
+[optimizer]
+kind = "adam"
+lr = 1e-3
+[compression]
+scheme = "q4"
+bucket = 512
+error_feedback = true
+zstd = true
+[checkpoint]
+dir = "ckpt"
+every_updates = 500
+keep = 3
+"#;
+    let cfg = Config::parse(text, Path::new("/x")).unwrap();
+    assert_eq!(cfg.cluster.servers.len(), 2);
+    assert!(cfg.compression.zstd);
+}
+
+#[test]
+fn staleness_accepts_inf_and_numbers_only() {
+    let p = |s: &str| {
+        Config::parse(
+            &format!("[cluster]\nservers=[\"a:1\"]\nstaleness={s}\n"),
+            Path::new("/"),
+        )
+    };
+    assert_eq!(
+        p("\"inf\"").unwrap().cluster.staleness,
+        Staleness::Unbounded
+    );
+    assert_eq!(p("0").unwrap().cluster.staleness, Staleness::Bounded(0));
+    assert!(p("-1").is_err());
+    assert!(p("\"soon\"").is_err());
+}
+
+#[test]
+fn unknown_keys_are_errors_naming_the_key() {
+    let e = Config::parse(
+        "[cluster]\nservers=[\"a:1\"]\nworkerz = 3\n",
+        Path::new("/"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("workerz"), "{e}");
+    let e = Config::parse(
+        "[cluster]\nservers=[\"a:1\"]\n[optimiser]\nlr=1\n",
+        Path::new("/"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("optimiser"), "{e}");
+}
+
+#[test]
+fn missing_servers_and_bad_values_are_rejected() {
+    assert!(Config::parse("[cluster]\nworkers = 2\n", Path::new("/")).is_err());
+    let e = Config::parse(
+        "[cluster]\nservers=[\"a:1\"]\n[optimizer]\nlr = -1.0\n",
+        Path::new("/"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("optimizer.lr"), "{e}");
+    assert!(Config::parse(
+        "[cluster]\nservers=[\"a:1\"]\n[compression]\nscheme=\"q3\"\n",
+        Path::new("/")
+    )
+    .is_err());
+}
+
+/// One minimal file: the required key only.
+const MINIMAL: &str = "[cluster]\nservers = [\"a:1\"]\n";
+
+#[test]
+fn missing_keys_and_sections_take_the_default_impls() {
+    // An empty base leaves relative defaults (certs, ckpt) as they are, so the parse compares field by field.
+    let expected = Config::with_servers(vec!["a:1".into()]);
+    assert_eq!(Config::parse(MINIMAL, Path::new("")).unwrap(), expected);
+    let empty_sections = format!(
+        "{MINIMAL}[model]\n[data]\n[train]\n[optimizer]\n[optimizer.outer]\n[compression]\n[checkpoint]\n\
+         [rollback]\n"
+    );
+    assert_eq!(
+        Config::parse(&empty_sections, Path::new("")).unwrap(),
+        expected
+    );
+}
+
+#[test]
+fn defaults_written_out_read_back_unchanged() {
+    let cfg = Config::with_servers(vec!["a:1".into(), "b:2".into()]);
+    let text = toml::to_string(&cfg).unwrap();
+    assert_eq!(Config::parse(&text, Path::new("")).unwrap(), cfg, "{text}");
+}
+
+#[test]
+fn documented_defaults_are_the_default_impls() {
+    // The values the field docs state, in one place, against what `Default` builds.
+    let c = Config::with_servers(vec!["a:1".into()]);
+    let cl = &c.cluster;
+    assert_eq!(
+        (
+            cl.workers,
+            cl.staleness,
+            cl.worker_timeout_ms,
+            cl.heartbeat_ms
+        ),
+        (4, Staleness::Bounded(3), 5000, 500)
+    );
+    assert_eq!(cl.tls_dir, PathBuf::from("certs"));
+    assert!(cl.revoked.is_empty());
+    let m = &c.model;
+    assert_eq!(
+        (m.kind, m.hidden.clone(), m.seed),
+        (ModelKind::Mlp, vec![256, 128], 42)
+    );
+    assert_eq!((m.features, m.classes), (None, None));
+    assert_eq!((m.layers, m.heads, m.dim, m.context), (4, 4, 128, 64));
+    assert_eq!(c.data.dataset, DatasetKind::FashionMnist);
+    assert_eq!(
+        (c.data.path.clone(), c.data.test_path.clone()),
+        (default_data_dir(), None)
+    );
+    let t = &c.train;
+    assert_eq!(
+        (t.batch, t.epochs, t.eval_every, t.clip_norm, t.seed),
+        (128, 5, 200, 5.0, 7)
+    );
+    assert_eq!(
+        (t.local_steps, t.max_steps, t.precision),
+        (0, 0, ComputePrecision::F32)
+    );
+    assert_eq!((t.loss_scale, t.loss_scale_window), (65536.0, 200));
+    let o = &c.optimizer;
+    assert_eq!(
+        (o.kind, o.lr, o.momentum, o.beta1, o.beta2, o.eps),
+        (OptimizerKind::Adam, 1e-3, 0.9, 0.9, 0.999, 1e-8)
+    );
+    assert_eq!(
+        (o.weight_decay, o.schedule, o.staleness_aware),
+        (0.0, Schedule::Constant, false)
+    );
+    assert_eq!(
+        (o.outer.kind, o.outer.lr, o.outer.momentum),
+        (OptimizerKind::Nesterov, 0.7, 0.9)
+    );
+    let z = &c.compression;
+    assert_eq!(
+        (z.scheme, z.bucket, z.error_feedback, z.zstd),
+        (Scheme::Q4, 512, true, true)
+    );
+    assert_eq!(z.rounding, crate::codec::Rounding::Stochastic);
+    assert_eq!(
+        (z.pull_bf16, z.pull, z.pull_scheme),
+        (false, PullKind::Delta, Scheme::Q4)
+    );
+    let k = &c.checkpoint;
+    assert_eq!(
+        (
+            k.dir.clone(),
+            k.every_updates,
+            k.keep,
+            k.url.clone(),
+            k.local
+        ),
+        (PathBuf::from("ckpt"), 500, 3, None, true)
+    );
+    let r = c.rollback;
+    assert_eq!(
+        (
+            r.enabled,
+            r.factor,
+            r.rounds,
+            r.window,
+            r.every,
+            r.keep,
+            r.lr_scale,
+            r.lr_rounds
+        ),
+        (false, 3.0, 2, 16, 10, 3, 1.0, 0)
+    );
+}
+
+#[test]
+fn unknown_keys_are_errors_naming_the_key_in_every_section() {
+    for (section, extra) in [
+        ("cluster", ""),
+        ("model", "\n[model]"),
+        ("data", "\n[data]"),
+        ("train", "\n[train]"),
+        ("optimizer", "\n[optimizer]"),
+        ("optimizer.outer", "\n[optimizer.outer]"),
+        (
+            "optimizer.schedule",
+            "\n[optimizer.schedule]\nkind = \"warmup_cosine\"\nwarmup = 1\ntotal = 2",
+        ),
+        ("compression", "\n[compression]"),
+        ("checkpoint", "\n[checkpoint]"),
+        ("rollback", "\n[rollback]"),
+    ] {
+        let text = format!("{MINIMAL}{extra}\nno_such_key_here = 1\n");
+        let e = Config::parse(&text, Path::new("/")).unwrap_err();
+        assert!(
+            matches!(e, ConfigError::Parse { .. }) && e.to_string().contains("no_such_key_here"),
+            "[{section}]: {e}"
+        );
+    }
+}
+
+#[test]
+fn missing_or_empty_servers_and_zero_workers_are_refused_naming_the_key() {
+    for text in ["[cluster]\nworkers = 2\n", "[cluster]\nservers = []\n"] {
+        let e = Config::parse(text, Path::new("/")).unwrap_err();
+        assert!(e.to_string().contains("cluster.servers"), "{e}");
+    }
+    let e = Config::parse(&format!("{MINIMAL}workers = 0\n"), Path::new("/")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ConfigError::Invalid {
+                key: "cluster.workers",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("cluster.workers"), "{e}");
+}

@@ -1,0 +1,108 @@
+//! Validation of a parsed `cluster.toml`: every range and cross-section consistency rule, each failure an
+//! [`ConfigError::Invalid`] naming the offending key. Pure: it reads the configuration and changes nothing.
+
+use super::{Config, ConfigError, ModelKind};
+
+impl Config {
+    /// Checks ranges and consistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &'static str, reason: &str| {
+            Err(ConfigError::Invalid {
+                key,
+                reason: reason.to_string(),
+            })
+        };
+        if self.cluster.servers.is_empty() {
+            return bad("cluster.servers", "at least one server address is required");
+        }
+        if self.cluster.workers == 0 {
+            return bad("cluster.workers", "must be at least 1");
+        }
+        if self.cluster.worker_timeout_ms == 0 {
+            return bad("cluster.worker_timeout_ms", "must be positive");
+        }
+        if let Some(s) = self
+            .cluster
+            .revoked
+            .iter()
+            .find(|s| crate::pki::parse_serial(s).is_none())
+        {
+            return bad(
+                "cluster.revoked",
+                &format!("{s:?} is not a certificate serial (hex, at most 20 bytes)"),
+            );
+        }
+        if self.train.batch == 0 {
+            return bad("train.batch", "must be at least 1");
+        }
+        if !(self.train.clip_norm >= 0.0 && self.train.clip_norm.is_finite()) {
+            return bad("train.clip_norm", "must be a finite non-negative number");
+        }
+        if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
+            return bad("optimizer.lr", "must be a finite positive number");
+        }
+        if !(0.0..1.0).contains(&self.optimizer.beta1)
+            || !(0.0..1.0).contains(&self.optimizer.beta2)
+        {
+            return bad("optimizer.beta1/beta2", "must be in [0, 1)");
+        }
+        if self.compression.bucket == 0 || self.compression.bucket > (1 << 20) {
+            return bad("compression.bucket", "must be in 1..=1048576");
+        }
+        if !(self.optimizer.outer.lr > 0.0 && self.optimizer.outer.lr.is_finite()) {
+            return bad("optimizer.outer.lr", "must be a finite positive number");
+        }
+        if !(0.0..1.0).contains(&self.optimizer.outer.momentum) {
+            return bad("optimizer.outer.momentum", "must be in [0, 1)");
+        }
+        if let Some(url) = &self.checkpoint.url {
+            let ok = url
+                .strip_prefix("s3://")
+                .is_some_and(|rest| !rest.is_empty() && !rest.starts_with('/'));
+            if !ok {
+                return bad("checkpoint.url", "must be s3://bucket[/prefix]");
+            }
+        }
+        if self.checkpoint.keep == 0 {
+            return bad("checkpoint.keep", "must be at least 1");
+        }
+        self.rollback.validate(self.cluster.staleness)?;
+        if self.model.kind == ModelKind::Mlp && self.model.hidden.contains(&0) {
+            return bad("model.hidden", "layer widths must be positive");
+        }
+        if self.model.kind == ModelKind::Gpt {
+            let m = &self.model;
+            if m.layers == 0 || m.layers > 64 || m.context == 0 || m.context > 4096 {
+                return bad(
+                    "model.layers/context",
+                    "need 1..=64 layers and a context of 1..=4096",
+                );
+            }
+            if m.heads == 0 || m.dim == 0 || !m.dim.is_multiple_of(m.heads) || m.dim > 8192 {
+                return bad(
+                    "model.heads/dim",
+                    "dim must be a positive multiple of heads, at most 8192",
+                );
+            }
+            if !self.data.dataset.is_text() {
+                return bad(
+                    "data.dataset",
+                    "a GPT trains on a text dataset (kjv, kjv-excerpt, text)",
+                );
+            }
+        }
+        if !(self.train.loss_scale >= 1.0 && self.train.loss_scale <= 1.0e30) {
+            return bad("train.loss_scale", "must be in [1, 1e30]");
+        }
+        if self.train.loss_scale_window == 0 {
+            return bad("train.loss_scale_window", "must be at least 1");
+        }
+        if self.model.features == Some(0) || self.model.classes.is_some_and(|c| c < 2) {
+            return bad(
+                "model.features/classes",
+                "need at least one feature and two classes",
+            );
+        }
+        Ok(())
+    }
+}
