@@ -93,7 +93,10 @@ fn model() -> Box<dyn Model> {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("embed_candle_model: {}", tether::common::error_chain::ErrorChain(e.as_ref()));
+        eprintln!(
+            "embed_candle_model: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

@@ -148,7 +148,10 @@ impl Model for TanhNet {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("embed_custom_model: {}", tether::common::error_chain::ErrorChain(e.as_ref()));
+        eprintln!(
+            "embed_custom_model: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

@@ -145,7 +145,10 @@ fn single(args: &Args, cfg: &mut Config) -> Result<Curve> {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("gpt_cluster_vs_single: {}", tether::common::error_chain::ErrorChain(e.as_ref()));
+        eprintln!(
+            "gpt_cluster_vs_single: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

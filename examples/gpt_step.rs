@@ -54,7 +54,10 @@ fn pct(v: &[f64], q: f64) -> f64 {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("gpt_step: {}", tether::common::error_chain::ErrorChain(e.as_ref()));
+        eprintln!(
+            "gpt_step: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

@@ -132,7 +132,10 @@ struct Args {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("quickstart: {}", tether::common::error_chain::ErrorChain(e.as_ref()));
+        eprintln!(
+            "quickstart: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

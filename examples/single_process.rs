@@ -34,7 +34,10 @@ struct Args {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("single_process: {}", tether::common::error_chain::ErrorChain(e.as_ref()));
+        eprintln!(
+            "single_process: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

@@ -130,7 +130,10 @@ fn sim_config(a: &SimArgs) -> Result<SimConfig> {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("tether-bench: {}", tether_common::error_chain::ErrorChain(e.as_ref()));
+        eprintln!(
+            "tether-bench: {}",
+            tether_common::error_chain::ErrorChain(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

@@ -52,10 +52,7 @@ mod tests {
         let repeats = Repeats {
             inner: std::io::Error::other("disk on fire"),
         };
-        assert_eq!(
-            ErrorChain(&repeats).to_string(),
-            "outer says disk on fire"
-        );
+        assert_eq!(ErrorChain(&repeats).to_string(), "outer says disk on fire");
         let defers = Defers {
             inner: std::io::Error::other("disk on fire"),
         };

@@ -568,7 +568,7 @@ impl Driver {
             server: self.servers[shard].clone(),
             refusal,
             check,
-            paths: self.tls_paths.clone(),
+            paths: Box::new(self.tls_paths.clone()),
         }
     }
 

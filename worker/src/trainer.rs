@@ -50,8 +50,8 @@ pub enum WorkerError {
         refusal: tether_common::net::HandshakeRefusal,
         /// The file to look at first: our CA when we refused the shard, our certificate when it refused us.
         check: std::path::PathBuf,
-        /// Every file of this worker's TLS identity.
-        paths: tether_common::net::TlsPaths,
+        /// Every file of this worker's TLS identity (boxed: errors stay small).
+        paths: Box<tether_common::net::TlsPaths>,
     },
     /// A shard answered with something inconsistent with the layout.
     #[error("shard {shard}: {reason}")]

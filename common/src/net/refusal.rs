@@ -83,7 +83,8 @@ impl HandshakeRefusal {
     /// What the alert means for a certificate, in a few words.
     fn meaning(&self) -> &'static str {
         match self.alert {
-            48 => "not signed by the trusted CA",
+            // A CA of another name is unknown; one of the same name (another cluster's keygen) fails the signature.
+            48 | 51 => "not signed by the trusted CA",
             44 => "revoked",
             45 => "expired or not yet valid",
             42 | 43 | 46 => "not acceptable",
