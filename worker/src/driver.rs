@@ -164,7 +164,8 @@ pub struct DriverConfig {
     pub mode: PullMode,
     /// Heartbeat period.
     pub heartbeat: Duration,
-    /// Give up when a shard stays unreachable this long.
+    /// Give up when a shard stays unreachable this long (transient failures; a permanent refusal, such as a TLS
+    /// alert, gives up at once).
     pub reconnect_deadline: Duration,
     /// The files of this worker's TLS identity, named when a shard refuses the handshake.
     pub tls_paths: TlsPaths,

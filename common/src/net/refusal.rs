@@ -109,3 +109,66 @@ impl fmt::Display for HandshakeRefusal {
         f.write_str(")")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{HandshakeRefusal, RefusedBy};
+    use crate::net::NetError;
+
+    fn ours(code: quinn::TransportErrorCode) -> quinn::ConnectionError {
+        quinn::ConnectionError::TransportError(quinn_proto::TransportError {
+            code,
+            frame: None,
+            reason: "invalid peer certificate: UnknownIssuer".into(),
+        })
+    }
+
+    fn theirs(code: quinn::TransportErrorCode) -> quinn::ConnectionError {
+        quinn::ConnectionError::ConnectionClosed(quinn::ConnectionClose {
+            error_code: code,
+            frame_type: None,
+            reason: bytes::Bytes::from_static(b"invalid peer certificate: Revoked"),
+        })
+    }
+
+    #[test]
+    fn a_tls_alert_is_a_permanent_refusal_and_says_who_refused() {
+        let crypto = quinn::TransportErrorCode::crypto;
+        let unknown = HandshakeRefusal::classify(&ours(crypto(48))).unwrap();
+        assert_eq!((unknown.by, unknown.alert), (RefusedBy::Us, 48));
+        assert_eq!(unknown.alert_name(), "unknown_ca");
+        assert!(unknown.to_string().contains("not signed by the trusted CA"));
+        let revoked = HandshakeRefusal::classify(&theirs(crypto(44))).unwrap();
+        assert_eq!((revoked.by, revoked.alert), (RefusedBy::Peer, 44));
+        assert_eq!(revoked.detail, "invalid peer certificate: Revoked");
+        assert!(revoked
+            .to_string()
+            .contains("the peer refused our certificate: revoked"));
+        assert!(NetError::from(theirs(crypto(45))).is_permanent());
+        assert!(matches!(
+            NetError::from(ours(crypto(116))),
+            NetError::Refused(_)
+        ));
+    }
+
+    #[test]
+    fn transient_failures_are_no_refusal_and_are_retried() {
+        let transient = [
+            quinn::ConnectionError::TimedOut,
+            quinn::ConnectionError::Reset,
+            quinn::ConnectionError::LocallyClosed,
+            // A local TLS failure (internal_error) and a transport error other than an alert.
+            ours(quinn::TransportErrorCode::crypto(80)),
+            ours(quinn::TransportErrorCode::PROTOCOL_VIOLATION),
+            theirs(quinn::TransportErrorCode::CONNECTION_REFUSED),
+        ];
+        for e in transient {
+            assert_eq!(HandshakeRefusal::classify(&e), None, "{e}");
+            let net = NetError::from(e);
+            assert!(matches!(net, NetError::Connection(_)), "{net}");
+            assert!(!net.is_permanent(), "{net}");
+        }
+        assert!(!NetError::Resolve("shard-0:7000".into()).is_permanent());
+        assert!(NetError::from(quinn::ConnectionError::VersionMismatch).is_permanent());
+    }
+}

@@ -1,5 +1,5 @@
 //! TLS material and rustls configurations (ring provider, TLS 1.3, ALPN `tether/1`, mutual authentication): a
-//! node's bundle (see [`crate::pki`]), and the verifiers, which add the cluster's deny list of revoked serials to
+//! node's bundle (see [`crate::pki`]) and the files it came from, and the verifiers, which add the cluster's deny list of revoked serials to
 //! webpki's chain, validity-period and usage checks on both sides.
 
 use std::fmt;
