@@ -460,6 +460,28 @@ impl Driver {
         Ok(())
     }
 
+    /// The error that ends the worker when connecting to `shard` failed for good: a TLS refusal names the file to
+    /// fix (our CA when we refused the shard's certificate, our certificate when the shard refused it).
+    fn permanent_failure(&self, shard: usize, error: NetError) -> WorkerError {
+        let NetError::Refused(refusal) = error else {
+            return WorkerError::Net {
+                shard,
+                source: error,
+            };
+        };
+        let check = match refusal.by {
+            RefusedBy::Us => self.tls_paths.ca.clone(),
+            RefusedBy::Peer => self.tls_paths.cert.clone(),
+        };
+        WorkerError::Refused {
+            shard,
+            server: self.servers[shard].clone(),
+            refusal,
+            check,
+            paths: Box::new(self.tls_paths.clone()),
+        }
+    }
+
     fn handle(&mut self, msg: Inbound, params: Option<&mut [f32]>) -> Result<(), WorkerError> {
         let current = |links: &Vec<Option<LinkIo>>, shard: usize, gen: u64| {
             links[shard].as_ref().is_some_and(|io| io.gen == gen)
@@ -479,7 +501,7 @@ impl Driver {
                     Err(e) => {
                         debug!(rank = self.rank, shard, error = %e, "connect failed");
                         if e.is_permanent() {
-                            return Err(self.refused(shard, e));
+                            return Err(self.permanent_failure(shard, e));
                         }
                         self.outages[shard].last_error = Some(e.to_string());
                         self.reconnect(shard)?;
@@ -549,28 +571,6 @@ impl Driver {
             }
         }
         Ok(())
-    }
-
-    /// The error that ends the worker when connecting to `shard` failed for good: a TLS refusal names the file to
-    /// fix (our CA when we refused the shard's certificate, our certificate when the shard refused it).
-    fn refused(&self, shard: usize, error: NetError) -> WorkerError {
-        let NetError::Refused(refusal) = error else {
-            return WorkerError::Net {
-                shard,
-                source: error,
-            };
-        };
-        let check = match refusal.by {
-            RefusedBy::Us => self.tls_paths.ca.clone(),
-            RefusedBy::Peer => self.tls_paths.cert.clone(),
-        };
-        WorkerError::Refused {
-            shard,
-            server: self.servers[shard].clone(),
-            refusal,
-            check,
-            paths: Box::new(self.tls_paths.clone()),
-        }
     }
 
     /// Validates a reply in place and, when the session says it answers the current request, converts its values
