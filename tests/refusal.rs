@@ -1,7 +1,8 @@
 //! Permanent TLS refusals end a worker at once, naming the refusal and the file to fix, and the shard logs the
 //! refused handshake with the peer's address at its default level: a worker whose bundle is another cluster's (it
-//! refuses the shard's certificate: unknown CA) and a worker whose certificate is revoked (the shard refuses it). A
-//! real shard and real workers in one process, on loopback.
+//! refuses the shard's certificate: unknown CA) and a worker whose certificate is revoked (the shard refuses it),
+//! while a transient failure is still retried until the reconnect deadline. A real shard and real workers in one
+//! process, on loopback.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -52,8 +53,9 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
     }
 }
 
-/// Runs worker `rank` with `tls` against the shards in `cfg` and returns its error and how long it took to get it.
-async fn refused_worker(
+/// Runs worker `rank` with `tls` against the shards in `cfg`, giving up on an unreachable shard after `deadline`,
+/// and returns its error and how long it took to get it.
+async fn failed_worker(
     cfg: &Config,
     rank: u32,
     tls: TlsFiles,
@@ -61,6 +63,7 @@ async fn refused_worker(
         Arc<tether::worker::data::Dataset>,
         Arc<tether::worker::data::Dataset>,
     ),
+    deadline: Duration,
 ) -> (WorkerError, Duration) {
     let opts = WorkerOptions {
         rank,
@@ -73,8 +76,7 @@ async fn refused_worker(
         progress: None,
         faults: Vec::new(),
         metrics: None,
-        // What `tether-worker` waits by default for a shard that is down: a refusal must not wait for it.
-        reconnect_deadline: Duration::from_secs(60),
+        reconnect_deadline: deadline,
         step_delay: Duration::ZERO,
         straggle: None,
         model: None,
@@ -83,7 +85,7 @@ async fn refused_worker(
     let prepared = prepare_worker(opts).expect("worker prepares");
     match tokio::time::timeout(PROMPT, prepared.run()).await {
         Ok(Err(e)) => (e, started.elapsed()),
-        Ok(Ok(_)) => panic!("rank {rank} trained with a refused identity"),
+        Ok(Ok(_)) => panic!("rank {rank} trained"),
         Err(_) => panic!("rank {rank} still retrying after {PROMPT:?}"),
     }
 }
@@ -119,7 +121,10 @@ fn a_refused_tls_identity_stops_the_worker_at_once_and_the_shard_logs_it() {
     let other_ca = TlsFiles::for_worker(&foreign, 0).unwrap();
     let (other_ca_paths, revoked_paths) = (other_ca.paths.clone(), revoked.paths.clone());
 
-    let (unknown_ca, revoked_err) = block_on_system(async move {
+    // What `tether-worker` waits by default for a shard that is down: a refusal must not wait for it.
+    let patient = Duration::from_secs(60);
+    let retry_for = Duration::from_secs(1);
+    let (unknown_ca, revoked_err, transient) = block_on_system(async move {
         let shard = start_shard(
             &cfg,
             ShardOptions {
@@ -130,10 +135,14 @@ fn a_refused_tls_identity_stops_the_worker_at_once_and_the_shard_logs_it() {
         .await
         .expect("shard starts");
         cfg.cluster.servers = vec![shard.local_addr.to_string()];
-        let unknown_ca = refused_worker(&cfg, 0, other_ca, &data).await;
-        let revoked = refused_worker(&cfg, 1, revoked, &data).await;
+        let unknown_ca = failed_worker(&cfg, 0, other_ca, &data, patient).await;
+        let revoked = failed_worker(&cfg, 1, revoked, &data, patient).await;
         shard.kill();
-        (unknown_ca, revoked)
+        // A failure that is not a refusal (here: an address quinn cannot dial) is retried until the deadline.
+        cfg.cluster.servers = vec!["127.0.0.1:0".to_string()];
+        let good = TlsFiles::for_worker(&cfg.cluster.tls_dir, 0).unwrap();
+        let transient = failed_worker(&cfg, 0, good, &data, retry_for).await;
+        (unknown_ca, revoked, transient)
     });
 
     // Another cluster's bundle: this worker refuses the shard's certificate; its CA file is the one to check.
@@ -168,6 +177,7 @@ fn a_refused_tls_identity_stops_the_worker_at_once_and_the_shard_logs_it() {
     // A revoked certificate: the shard refuses it; the certificate file is the one to replace.
     let (err, took) = revoked_err;
     let text = err.to_string();
+    let revoked_text = text.clone();
     assert!(took < PROMPT, "{took:?}: {text}");
     match &err {
         WorkerError::Refused { refusal, check, .. } => {
@@ -182,6 +192,15 @@ fn a_refused_tls_identity_stops_the_worker_at_once_and_the_shard_logs_it() {
         "{text}"
     );
 
+    let (err, took) = transient;
+    let text = err.to_string();
+    assert!(took >= retry_for, "gave up after {took:?}: {text}");
+    assert!(
+        matches!(err, WorkerError::Net { .. })
+            && text.contains("unreachable for 1s (last attempt: cannot connect"),
+        "{text}"
+    );
+
     // The shard said so at its default level, with each peer's address.
     let logged = log.text();
     let refusals: Vec<&str> = logged
@@ -191,7 +210,7 @@ fn a_refused_tls_identity_stops_the_worker_at_once_and_the_shard_logs_it() {
         })
         .collect();
     println!(
-        "worker errors:\n{unknown_ca_text}\n{text}\nshard log:\n{}",
+        "worker errors:\n{unknown_ca_text}\n{revoked_text}\n{text}\nshard log:\n{}",
         refusals.join("\n")
     );
     assert!(
