@@ -42,7 +42,7 @@ impl HandshakeRefusal {
             quinn::ConnectionError::ConnectionClosed(c) => (
                 RefusedBy::Peer,
                 u64::from(c.error_code),
-                String::from_utf8_lossy(&c.reason).into_owned(),
+                peer_text(&c.reason),
             ),
             _ => return None,
         };
@@ -96,6 +96,19 @@ impl HandshakeRefusal {
     }
 }
 
+/// The peer's close reason as one line fit for a log: at most [`MAX_PEER_TEXT`] characters, control characters
+/// (a forged log line's newline among them) replaced.
+fn peer_text(reason: &[u8]) -> String {
+    String::from_utf8_lossy(reason)
+        .chars()
+        .take(MAX_PEER_TEXT)
+        .map(|c| if c.is_control() { '\u{fffd}' } else { c })
+        .collect()
+}
+
+/// Longest close reason of a peer's that is kept.
+const MAX_PEER_TEXT: usize = 200;
+
 impl fmt::Display for HandshakeRefusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let whose = match self.by {
@@ -145,6 +158,17 @@ mod tests {
             .to_string()
             .contains("the peer refused our certificate: revoked"));
         assert!(NetError::from(theirs(crypto(45))).is_permanent());
+        // The peer's words reach a log: one bounded line, whatever it sent.
+        let forged = quinn::ConnectionError::ConnectionClosed(quinn::ConnectionClose {
+            error_code: crypto(42),
+            frame_type: None,
+            reason: bytes::Bytes::from(format!("bad\nWARN forged{}", "x".repeat(1000))),
+        });
+        let detail = HandshakeRefusal::classify(&forged).unwrap().detail;
+        assert!(
+            !detail.contains('\n') && detail.chars().count() == 200,
+            "{detail}"
+        );
         assert!(matches!(
             NetError::from(ours(crypto(116))),
             NetError::Refused(_)
