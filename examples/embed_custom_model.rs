@@ -146,7 +146,17 @@ impl Model for TanhNet {
     }
 }
 
-fn main() -> Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!(
+            "embed_custom_model: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     let mut cfg = Config::with_servers(loopback_servers(2));
     cfg.cluster.workers = 3;
     cfg.cluster.staleness = Staleness::Bounded(2);

@@ -25,10 +25,10 @@ use tether::{loopback_servers, LocalCluster};
 #[derive(Parser, Debug)]
 struct Args {
     /// Workers of the cluster.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     workers: u32,
     /// Shards of the cluster.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     shards: usize,
     /// Inner steps per round of the cluster (0: a q4 push every step under SSP s = 1).
     #[arg(long, default_value_t = 16)]
@@ -76,8 +76,8 @@ fn time_to(curve: &Curve, target: f64) -> Option<f64> {
 }
 
 fn config(args: &Args) -> Config {
-    let mut cfg = Config::with_servers(loopback_servers(args.shards.max(1)));
-    cfg.cluster.workers = args.workers.max(1);
+    let mut cfg = Config::with_servers(loopback_servers(args.shards));
+    cfg.cluster.workers = args.workers;
     cfg.model.kind = ModelKind::Gpt;
     cfg.data.dataset = args.dataset;
     cfg.train.batch = args.batch;
@@ -143,7 +143,17 @@ fn single(args: &Args, cfg: &mut Config) -> Result<Curve> {
     Ok(curve)
 }
 
-fn main() -> Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!(
+            "gpt_cluster_vs_single: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     tether::common::logging::init("warn");
     let args = Args::parse();
     let mut cfg = config(&args);

@@ -52,7 +52,17 @@ fn pct(v: &[f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-fn main() -> Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!(
+            "gpt_step: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     let args = Args::parse();
     // Before the first candle op: candle sizes its matmul thread pool from this variable.
     std::env::set_var("RAYON_NUM_THREADS", args.threads.max(1).to_string());

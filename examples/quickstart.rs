@@ -25,10 +25,10 @@ use tether::{loopback_servers, LocalCluster};
 #[command(name = "quickstart")]
 struct Args {
     /// Number of workers.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     workers: u32,
     /// Number of parameter shards.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     shards: usize,
     /// Staleness bound in push rounds: 0 = BSP, N = SSP, inf = fully asynchronous (default: 0 with local steps, whose
     /// round is 16 steps long; 3 with a push every step).
@@ -130,7 +130,17 @@ struct Args {
     rollback: bool,
 }
 
-fn main() -> Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!(
+            "quickstart: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     tether::common::logging::init("warn");
     let args = Args::parse();
     let kind = match args.model.as_str() {
@@ -140,8 +150,8 @@ fn main() -> Result<()> {
         o => anyhow::bail!("unknown model {o:?} (mlp|logreg|gpt)"),
     };
     let gpt = kind == ModelKind::Gpt;
-    let mut cfg = Config::with_servers(loopback_servers(args.shards.max(1)));
-    cfg.cluster.workers = args.workers.max(1);
+    let mut cfg = Config::with_servers(loopback_servers(args.shards));
+    cfg.cluster.workers = args.workers;
     cfg.cluster.staleness = args.staleness.unwrap_or(if args.local_steps > 0 {
         Staleness::Bounded(0)
     } else {
@@ -272,8 +282,7 @@ fn parse_optimizer(s: &str) -> Result<OptimizerKind> {
 
 fn show_progress(mut rx: mpsc::UnboundedReceiver<tether::worker::trainer::Progress>) {
     let tty = std::io::stderr().is_terminal();
-    let mut totals: HashMap<u32, u64> = HashMap::new();
-    let mut done = 0u64;
+    let mut tally = StepTally::default();
     let (mut wire, mut fp32) = (0u64, 0u64);
     let mut loss_ema: Option<f32> = None;
     let mut acc: Option<f32> = None;
@@ -282,18 +291,19 @@ fn show_progress(mut rx: mpsc::UnboundedReceiver<tether::worker::trainer::Progre
     let bar = tty.then(|| {
         let b = ProgressBar::new(0);
         b.set_style(
+            // Inner steps in local-step rounds, where one event reports a whole round.
             ProgressStyle::with_template("{bar:30} {pos}/{len} steps {per_sec} {msg}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         b
     });
     while let Some(p) = rx.blocking_recv() {
-        if totals.insert(p.rank, p.total).is_none() {
+        if tally.record(p.rank, p.step, p.total) {
             if let Some(b) = &bar {
-                b.set_length(totals.values().sum());
+                b.set_length(tally.total());
             }
         }
-        done += 1;
+        let done = tally.done();
         wire += p.wire_bytes;
         fp32 += p.fp32_bytes;
         if p.loss.is_finite() {
@@ -320,7 +330,7 @@ fn show_progress(mut rx: mpsc::UnboundedReceiver<tether::worker::trainer::Progre
             }
             None if last_line.elapsed().as_secs() >= 5 => {
                 last_line = Instant::now();
-                let total: u64 = totals.values().sum();
+                let total = tally.total();
                 eprintln!(
                     "[{:6.1}s] step {done}/{total} ({:.0} steps/s)  {msg}",
                     started.elapsed().as_secs_f64(),
@@ -332,6 +342,34 @@ fn show_progress(mut rx: mpsc::UnboundedReceiver<tether::worker::trainer::Progre
     }
     if let Some(b) = bar {
         b.finish_and_clear();
+    }
+}
+
+/// Steps done and to do, summed over the workers, in one unit: steps (inner steps in local-step rounds). A progress
+/// event reports a worker's steps so far, which a local-step round advances by all its inner steps at once.
+#[derive(Debug, Default)]
+struct StepTally {
+    /// Per rank: (steps done, steps it will run).
+    ranks: HashMap<u32, (u64, u64)>,
+}
+
+impl StepTally {
+    /// Records that `rank` has done `step` of its `total` steps; returns whether the overall total changed.
+    fn record(&mut self, rank: u32, step: u64, total: u64) -> bool {
+        let before = self.total();
+        let entry = self.ranks.entry(rank).or_default();
+        *entry = (entry.0.max(step), total);
+        self.total() != before
+    }
+
+    /// Steps done by all workers.
+    fn done(&self) -> u64 {
+        self.ranks.values().map(|r| r.0).sum()
+    }
+
+    /// Steps all workers will run.
+    fn total(&self) -> u64 {
+        self.ranks.values().map(|r| r.1).sum()
     }
 }
 
@@ -541,4 +579,43 @@ fn plot(r: &RunReport, path: &Path) -> Result<()> {
     )?;
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{Args, StepTally};
+
+    #[test]
+    fn zero_workers_or_shards_are_refused_not_rounded_up() {
+        for flag in ["--workers", "--shards"] {
+            let err = Args::try_parse_from(["quickstart", flag, "0"]).unwrap_err();
+            let text = err.to_string();
+            assert!(text.contains(flag) && text.contains("'0'"), "{text}");
+        }
+        let args = Args::try_parse_from(["quickstart", "--workers", "1", "--shards", "1"]).unwrap();
+        assert_eq!((args.workers, args.shards), (1, 1));
+    }
+
+    #[test]
+    fn local_step_rounds_count_inner_steps_and_the_run_ends_at_its_total() {
+        // 2 workers, 40 inner steps each, rounds of 16: events at steps 16, 32 and 40 (the short last round).
+        let mut tally = StepTally::default();
+        assert!(tally.record(0, 16, 40));
+        assert!(tally.record(1, 16, 40));
+        assert_eq!((tally.done(), tally.total()), (32, 80));
+        assert!(!tally.record(0, 32, 40));
+        assert_eq!(tally.done(), 48);
+        for rank in 0..2 {
+            tally.record(rank, 40, 40);
+        }
+        assert_eq!(tally.done(), tally.total());
+        // A push every step: one event per step.
+        let mut every = StepTally::default();
+        for step in 1..=5 {
+            every.record(7, step, 5);
+        }
+        assert_eq!((every.done(), every.total()), (5, 5));
+    }
 }

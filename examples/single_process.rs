@@ -33,7 +33,17 @@ struct Args {
     target: Option<f32>,
 }
 
-fn main() -> Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!(
+            "single_process: {}",
+            tether::common::error_chain::ErrorChain(e.as_ref())
+        );
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     let args = Args::parse();
     let mut cfg = Config::with_servers(vec!["127.0.0.1:0".into()]);
     let (train, test, note) = load_data(&mut cfg)?;

@@ -128,7 +128,17 @@ fn sim_config(a: &SimArgs) -> Result<SimConfig> {
     Ok(c)
 }
 
-fn main() -> Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!(
+            "tether-bench: {}",
+            tether_common::error_chain::ErrorChain(e.as_ref())
+        );
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     tether_common::logging::init("warn");
     match Cli::parse().cmd {
         Cmd::Ingest { args, floors, json } => {

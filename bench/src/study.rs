@@ -315,7 +315,10 @@ impl Measured {
 /// Draws a plot; a plot that cannot be drawn is reported, not fatal (the tables are the record).
 fn plot_or_warn(r: Result<()>, name: &str) {
     if let Err(e) = r {
-        eprintln!("study: plot {name} not drawn: {e:#}");
+        eprintln!(
+            "study: plot {name} not drawn: {}",
+            tether_common::error_chain::ErrorChain(e.as_ref())
+        );
     }
 }
 

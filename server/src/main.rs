@@ -11,6 +11,7 @@ use prometheus_client::registry::Registry;
 use tracing::info;
 
 use tether_common::config::Config;
+use tether_common::error_chain::ErrorChain;
 use tether_common::metrics::{self, ServerMetrics};
 use tether_server::node::{shard_report, start_shard, ShardOptions};
 
@@ -207,7 +208,7 @@ fn keygen(command: &Command) -> Result<()> {
 fn main() {
     tether_common::logging::init("info");
     if let Err(e) = run() {
-        eprintln!("tether-server: {e:#}");
+        eprintln!("tether-server: {}", ErrorChain(e.as_ref()));
         std::process::exit(1);
     }
 }

@@ -61,7 +61,13 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext
     let conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
-            debug!(%peer, error = %e, "TLS/QUIC handshake refused");
+            match NetError::from(e) {
+                // An operator must see a peer turned away for its certificate (or ours): it will not get in.
+                NetError::Refused(refusal) => {
+                    warn!(%peer, %refusal, "TLS handshake refused")
+                }
+                other => debug!(%peer, error = %other, "QUIC handshake failed"),
+            }
             return;
         }
         Err(_) => {

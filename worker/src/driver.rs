@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 
 use tether_common::net::{
     client_handshake, connect_shard, recv_bulk_any, ControlChannel, ControlReceiver, ControlSender,
-    NetError,
+    NetError, RefusedBy, TlsPaths,
 };
 use tether_common::protocol::{
     access_delta, access_params, Control, FrameHeader, FrameKind, FrameLimits, Outcome, Precision,
@@ -85,6 +85,8 @@ struct Outage {
     attempt: u64,
     backoff: Duration,
     connecting: bool,
+    /// Why the last attempt failed.
+    last_error: Option<String>,
 }
 
 /// Latency samples a report keeps (the first ones; 4 MiB at most per vector).
@@ -120,6 +122,7 @@ pub struct Driver {
     next_gen: u64,
     epoch: Instant,
     deadline: Duration,
+    tls_paths: TlsPaths,
     /// Pushes refused (or dropped by a rejoin), for the residual policy; drained by the trainer.
     pub refused: Vec<Refused>,
     /// Reconnections after a link broke.
@@ -161,8 +164,11 @@ pub struct DriverConfig {
     pub mode: PullMode,
     /// Heartbeat period.
     pub heartbeat: Duration,
-    /// Give up when a shard stays unreachable this long.
+    /// Give up when a shard stays unreachable this long (transient failures; a permanent refusal, such as a TLS
+    /// alert, gives up at once).
     pub reconnect_deadline: Duration,
+    /// The files of this worker's TLS identity, named when a shard refuses the handshake.
+    pub tls_paths: TlsPaths,
 }
 
 impl Driver {
@@ -191,6 +197,7 @@ impl Driver {
             next_gen: 0,
             epoch: Instant::now(),
             deadline: cfg.reconnect_deadline,
+            tls_paths: cfg.tls_paths,
             refused: Vec::new(),
             reconnects: 0,
             rolled_back: Vec::new(),
@@ -403,10 +410,14 @@ impl Driver {
         if now.duration_since(since) > self.deadline {
             return Err(WorkerError::Net {
                 shard,
-                source: NetError::Resolve(format!(
-                    "{} unreachable for {:?}",
-                    self.servers[shard], self.deadline
-                )),
+                source: NetError::Unreachable {
+                    server: self.servers[shard].clone(),
+                    waited: self.deadline,
+                    last: outage
+                        .last_error
+                        .clone()
+                        .unwrap_or_else(|| "the link was lost".into()),
+                },
             });
         }
         let delay = outage.backoff;
@@ -449,6 +460,28 @@ impl Driver {
         Ok(())
     }
 
+    /// The error that ends the worker when connecting to `shard` failed for good: a TLS refusal names the file to
+    /// fix (our CA when we refused the shard's certificate, our certificate when the shard refused it).
+    fn permanent_failure(&self, shard: usize, error: NetError) -> WorkerError {
+        let NetError::Refused(refusal) = error else {
+            return WorkerError::Net {
+                shard,
+                source: error,
+            };
+        };
+        let check = match refusal.by {
+            RefusedBy::Us => self.tls_paths.ca.clone(),
+            RefusedBy::Peer => self.tls_paths.cert.clone(),
+        };
+        WorkerError::Refused {
+            shard,
+            server: self.servers[shard].clone(),
+            refusal,
+            check,
+            paths: Box::new(self.tls_paths.clone()),
+        }
+    }
+
     fn handle(&mut self, msg: Inbound, params: Option<&mut [f32]>) -> Result<(), WorkerError> {
         let current = |links: &Vec<Option<LinkIo>>, shard: usize, gen: u64| {
             links[shard].as_ref().is_some_and(|io| io.gen == gen)
@@ -467,9 +500,10 @@ impl Driver {
                     Ok(c) => self.install(shard, c)?,
                     Err(e) => {
                         debug!(rank = self.rank, shard, error = %e, "connect failed");
-                        if e.remote_close_code().is_some() || matches!(e, NetError::Protocol(_)) {
-                            return Err(WorkerError::Net { shard, source: e });
+                        if e.is_permanent() {
+                            return Err(self.permanent_failure(shard, e));
                         }
+                        self.outages[shard].last_error = Some(e.to_string());
                         self.reconnect(shard)?;
                     }
                 }

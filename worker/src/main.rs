@@ -13,6 +13,7 @@ use prometheus_client::registry::Registry;
 use tracing::info;
 
 use tether_common::config::Config;
+use tether_common::error_chain::ErrorChain;
 use tether_common::metrics::{self, WorkerMetrics};
 use tether_common::net::TlsFiles;
 use tether_common::report::RunReport;
@@ -60,7 +61,7 @@ struct Cli {
 fn main() {
     tether_common::logging::init("info");
     if let Err(e) = run() {
-        eprintln!("tether-worker: {e:#}");
+        eprintln!("tether-worker: {}", ErrorChain(e.as_ref()));
         std::process::exit(1);
     }
 }

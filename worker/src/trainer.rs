@@ -39,6 +39,20 @@ pub enum WorkerError {
         /// The cause.
         source: NetError,
     },
+    /// A TLS handshake with a shard ended with an alert: retrying with the same files cannot succeed.
+    #[error("shard {shard} at {server}: TLS handshake refused: {refusal}; check {check} (this worker's bundle: {paths})", check = .check.display())]
+    Refused {
+        /// The shard.
+        shard: usize,
+        /// Its address as configured.
+        server: String,
+        /// Who refused, and the alert.
+        refusal: tether_common::net::HandshakeRefusal,
+        /// The file to look at first: our CA when we refused the shard, our certificate when it refused us.
+        check: std::path::PathBuf,
+        /// Every file of this worker's TLS identity (boxed: errors stay small).
+        paths: Box<tether_common::net::TlsPaths>,
+    },
     /// A shard answered with something inconsistent with the layout.
     #[error("shard {shard}: {reason}")]
     Protocol {
@@ -60,9 +74,9 @@ pub enum WorkerError {
 pub struct Progress {
     /// Worker rank.
     pub rank: u32,
-    /// Steps completed by this worker.
+    /// Steps completed by this worker (inner steps: a local-step round advances it by all of its inner steps).
     pub step: u64,
-    /// Steps this worker will run.
+    /// Steps this worker will run (in the same unit as `step`).
     pub total: u64,
     /// Loss of the step.
     pub loss: f32,
@@ -521,6 +535,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
                 .max(10),
         ),
         reconnect_deadline: opts.reconnect_deadline,
+        tls_paths: opts.tls.paths.clone(),
     });
     let report = WorkerReport {
         rank: opts.rank,

@@ -7,17 +7,19 @@
 
 mod endpoint;
 mod identity;
+mod refusal;
 mod session;
 mod tls;
 mod tuning;
 
 pub use endpoint::{client_endpoint, client_endpoint_on, connect, connect_shard, server_endpoint};
 pub use identity::{certificate_serial, peer_identity, peer_shard, server_shard, PeerIdentity};
+pub use refusal::{HandshakeRefusal, RefusedBy};
 pub use session::{
     client_handshake, close_with, recv_bulk, recv_bulk_any, reject, send_bulk, send_bulk_chunks,
     server_accept_hello, BulkFrame, ControlChannel, ControlReceiver, ControlSender,
 };
-pub use tls::TlsFiles;
+pub use tls::{TlsFiles, TlsPaths};
 pub use tuning::TransportTuning;
 
 use std::path::PathBuf;
@@ -52,9 +54,12 @@ pub enum NetError {
     /// A connection could not be started (bad server name, endpoint closing).
     #[error("cannot connect: {0}")]
     Connect(#[from] quinn::ConnectError),
-    /// The connection failed or was closed (by us or the peer).
+    /// The connection failed or was closed (by us or the peer); a TLS alert becomes [`NetError::Refused`].
     #[error("connection lost: {0}")]
-    Connection(#[from] quinn::ConnectionError),
+    Connection(quinn::ConnectionError),
+    /// The TLS handshake ended with an alert: retrying with the same certificate, key and CA cannot succeed.
+    #[error("TLS handshake refused: {0}")]
+    Refused(HandshakeRefusal),
     /// Writing to a stream failed.
     #[error("stream write failed: {0}")]
     Write(#[from] quinn::WriteError),
@@ -73,12 +78,36 @@ pub enum NetError {
     /// A server address did not resolve.
     #[error("cannot resolve {0}")]
     Resolve(String),
+    /// A server stayed unreachable past the reconnect deadline (every attempt failed transiently).
+    #[error("{server} unreachable for {waited:?} (last attempt: {last})")]
+    Unreachable {
+        /// The address as configured.
+        server: String,
+        /// How long the client kept trying.
+        waited: std::time::Duration,
+        /// Why the last attempt failed.
+        last: String,
+    },
     /// The peer's certificate is missing or names no Tether identity.
     #[error("peer identity: {0}")]
     Identity(String),
 }
 
 impl NetError {
+    /// Whether retrying cannot help until a file or a configuration changes: a TLS refusal, a certificate naming
+    /// the wrong node, a protocol violation or refusal (e.g. another protocol version), a peer that closed the
+    /// connection with an application code, or a QUIC version mismatch. Everything else (unreachable, timed out,
+    /// reset, not resolved yet) is transient.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            NetError::Refused(_)
+                | NetError::Identity(_)
+                | NetError::Protocol(_)
+                | NetError::Connection(quinn::ConnectionError::VersionMismatch)
+        ) || self.remote_close_code().is_some()
+    }
+
     /// The error code to close the connection with, when this error is the peer's fault.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
@@ -95,6 +124,15 @@ impl NetError {
                 Some(close.error_code.into_inner())
             }
             _ => None,
+        }
+    }
+}
+
+impl From<quinn::ConnectionError> for NetError {
+    fn from(e: quinn::ConnectionError) -> NetError {
+        match HandshakeRefusal::classify(&e) {
+            Some(refusal) => NetError::Refused(refusal),
+            None => NetError::Connection(e),
         }
     }
 }

@@ -17,14 +17,14 @@ fn read_error(e: std::io::Error) -> NetError {
         .get_ref()
         .and_then(|inner| inner.downcast_ref::<quinn::ReadError>())
     {
-        Some(quinn::ReadError::ConnectionLost(lost)) => NetError::Connection(lost.clone()),
+        Some(quinn::ReadError::ConnectionLost(lost)) => NetError::from(lost.clone()),
         _ => NetError::Read(e),
     }
 }
 
 fn write_error(e: quinn::WriteError) -> NetError {
     match e {
-        quinn::WriteError::ConnectionLost(lost) => NetError::Connection(lost),
+        quinn::WriteError::ConnectionLost(lost) => NetError::from(lost),
         other => NetError::Write(other),
     }
 }

@@ -1,8 +1,9 @@
 //! TLS material and rustls configurations (ring provider, TLS 1.3, ALPN `tether/1`, mutual authentication): a
-//! node's bundle (see [`crate::pki`]), and the verifiers, which add the cluster's deny list of revoked serials to
+//! node's bundle (see [`crate::pki`]) and the files it came from, and the verifiers, which add the cluster's deny list of revoked serials to
 //! webpki's chain, validity-period and usage checks on both sides.
 
-use std::path::Path;
+use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -25,6 +26,31 @@ pub struct TlsFiles {
     pub key: PrivateKeyDer<'static>,
     /// Serials (big-endian, no leading zeros) whose certificates are refused at the handshake.
     pub revoked: Arc<[Vec<u8>]>,
+    /// The files the identity was read from (what a user fixes when a peer refuses it).
+    pub paths: TlsPaths,
+}
+
+/// Where a [`TlsFiles`] was loaded from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsPaths {
+    /// The cluster CA certificate.
+    pub ca: PathBuf,
+    /// This endpoint's certificate chain.
+    pub cert: PathBuf,
+    /// This endpoint's private key.
+    pub key: PathBuf,
+}
+
+impl fmt::Display for TlsPaths {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CA {}, certificate {}, key {}",
+            self.ca.display(),
+            self.cert.display(),
+            self.key.display()
+        )
+    }
 }
 
 impl Clone for TlsFiles {
@@ -34,6 +60,7 @@ impl Clone for TlsFiles {
             cert: self.cert.clone(),
             key: self.key.clone_key(),
             revoked: self.revoked.clone(),
+            paths: self.paths.clone(),
         }
     }
 }
@@ -143,6 +170,11 @@ impl TlsFiles {
             cert: cert_chain,
             key: key_der,
             revoked: Arc::from(Vec::new()),
+            paths: TlsPaths {
+                ca: ca.to_path_buf(),
+                cert: cert.to_path_buf(),
+                key: key.to_path_buf(),
+            },
         })
     }
 
