@@ -11,9 +11,9 @@ use clap::Parser;
 
 use tether::common::config::{Config, OptimizerConfig};
 use tether::server::optim::Optimizer;
+use tether::worker::data::load_configured;
 use tether::worker::data::Partition;
 use tether::worker::model;
-use tether::worker::trainer::load_data;
 
 /// Single-process baseline trainer.
 #[derive(Parser, Debug)]
@@ -35,7 +35,7 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut cfg = Config::with_servers(vec!["127.0.0.1:0".into()]);
-    let (train, test, note) = load_data(&mut cfg)?;
+    let (train, test, note) = load_configured(&mut cfg)?;
     if let Some(n) = note {
         println!("note: {n}");
     }
