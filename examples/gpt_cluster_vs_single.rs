@@ -17,9 +17,14 @@ use clap::Parser;
 
 use tether::common::config::{Config, DatasetKind, ModelKind, OptimizerKind, Schedule, Staleness};
 use tether::common::optim::Optimizer;
+use tether::worker::data::load_configured;
 use tether::worker::model;
-use tether::worker::trainer::load_data;
 use tether::{loopback_servers, LocalCluster};
+
+/// The process's allocator (the library leaves it to the binary): mimalloc reuses freed blocks instead of handing
+/// large ones back to the kernel, so candle's per-op tensors are not faulted in afresh every step.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Cluster against single process, GPT, time to the same validation loss.
 #[derive(Parser, Debug)]
@@ -97,7 +102,7 @@ fn config(args: &Args) -> Config {
 }
 
 fn single(args: &Args, cfg: &mut Config) -> Result<Curve> {
-    let (train, val, note) = load_data(cfg)?;
+    let (train, val, note) = load_configured(cfg)?;
     if let Some(n) = note {
         println!("note: {n}");
     }

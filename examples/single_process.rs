@@ -12,9 +12,9 @@ use clap::Parser;
 use tether::common::config::{Config, OptimizerConfig};
 use tether::common::layout::model_io;
 use tether::server::optim::Optimizer;
+use tether::worker::data::load_configured;
 use tether::worker::data::Partition;
 use tether::worker::model;
-use tether::worker::trainer::load_data;
 
 /// Single-process baseline trainer.
 #[derive(Parser, Debug)]
@@ -46,7 +46,7 @@ fn main() {
 fn run() -> Result<()> {
     let args = Args::parse();
     let mut cfg = Config::with_servers(vec!["127.0.0.1:0".into()]);
-    let (train, test, note) = load_data(&mut cfg)?;
+    let (train, test, note) = load_configured(&mut cfg)?;
     if let Some(n) = note {
         println!("note: {n}");
     }

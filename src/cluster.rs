@@ -16,10 +16,11 @@ use tether_common::report::RunReport;
 use tether_server::actor::{GetPublic, GetWeights};
 use tether_server::node::{start_shard, RunningShard, ShardOptions};
 use tether_server::shard::ShardStats;
+use tether_worker::data::load_configured;
 use tether_worker::model;
 use tether_worker::step::GradientFault;
-use tether_worker::trainer::{
-    load_data, prepare_worker, ModelFactory, Progress, Straggle, WorkerOptions, WorkerReport,
+use tether_worker::{
+    prepare_worker, ModelFactory, Progress, Straggle, WorkerOptions, WorkerReport,
 };
 
 /// Errors running a local cluster.
@@ -46,7 +47,7 @@ pub enum ClusterError {
         /// Its rank.
         rank: u32,
         /// The cause.
-        source: tether_worker::trainer::WorkerError,
+        source: tether_worker::WorkerError,
     },
     /// A task panicked or the runtime could not start.
     #[error("runtime: {0}")]
@@ -137,7 +138,7 @@ impl LocalCluster {
     ) -> Result<(RunReport, Vec<WorkerReport>, Vec<ShardPublic>), ClusterError> {
         let mut cfg = self.config.clone();
         let started = Instant::now();
-        let (train, test, note) = load_data(&mut cfg)?;
+        let (train, test, note) = load_configured(&mut cfg)?;
         if let Some(n) = &note {
             info!("{n}");
         }
@@ -342,7 +343,6 @@ pub fn build_report(
         let step = pts.iter().map(|p| p.0).sum::<u64>();
         loss_curve.push((step, secs, loss));
     }
-    let final_train_loss = tether_common::report::final_loss(&loss_curve);
     let mut hist = tether_server::clock::StalenessHistogram::default();
     for s in shards {
         hist.merge(&s.staleness);
@@ -365,51 +365,22 @@ pub fn build_report(
     // The last point of each is the worker's own final evaluation; the caller adds the shards' final model.
     let mut val_loss_curve = eval_curve(|w| &w.val_loss_curve);
     val_loss_curve.pop();
-    let precision: Vec<_> = workers.iter().filter_map(|w| w.precision).collect();
-    let (rollbacks, rounds_lost, rollbacks_missed, rollback_log) =
-        tether_server::rollback::report_fields(
-            shards
-                .iter()
-                .map(|s| (s.rollbacks.as_slice(), s.rollbacks_missed)),
-        );
-    RunReport {
-        rollbacks,
-        rounds_lost,
-        rollbacks_missed,
-        rollback_log,
-        steps: workers.iter().map(|w| w.steps).sum(),
-        wall_seconds,
-        final_train_loss,
-        final_test_accuracy,
-        wire_bytes_pushed: workers.iter().map(|w| w.wire_bytes_pushed).sum(),
-        fp32_bytes_pushed: workers.iter().map(|w| w.fp32_bytes_pushed).sum(),
-        wire_bytes_pulled: workers.iter().map(|w| w.wire_bytes_pulled).sum(),
-        fp32_bytes_pulled: workers.iter().map(|w| w.fp32_bytes_pulled).sum(),
-        updates_applied: shards.iter().map(|s| s.updates_applied).sum(),
-        updates_rejected: shards.iter().map(ShardStats::rejected_total).sum(),
-        max_clock_lead_observed: shards
+    let mut report = RunReport::for_config(cfg);
+    report.set_rollbacks(tether_server::rollback::report_fields(
+        shards
             .iter()
-            .map(|s| s.max_lead)
-            .chain(workers.iter().map(|w| w.max_clock_lead))
-            .max()
-            .unwrap_or(0),
-        max_staleness_observed: hist.max(),
-        staleness_histogram: hist.report_buckets(),
-        loss_curve,
-        accuracy_curve,
-        val_loss_curve,
-        loss_scale_overflows: precision.iter().map(|p| p.overflows).sum(),
-        loss_scale_growths: precision.iter().map(|p| p.growths).sum(),
-        final_loss_scale: precision
-            .iter()
-            .map(|p| f64::from(p.loss_scale))
-            .reduce(f64::min),
-        nonfinite_skipped: workers.iter().map(|w| w.nonfinite_skipped).sum(),
-        pushes_refused: workers.iter().map(|w| w.pushes_refused).sum(),
-        stale_replies_dropped: workers.iter().map(|w| w.stale_replies_dropped).sum(),
-        reconnects: workers.iter().map(|w| w.reconnects).sum(),
-        pull_wait_seconds: workers.iter().map(|w| w.pull_wait_seconds).sum(),
-        compute_seconds: workers.iter().map(|w| w.compute_seconds).sum(),
-        ..RunReport::for_config(cfg)
+            .map(|s| (s.rollbacks.as_slice(), s.rollbacks_missed)),
+    ));
+    // The traffic is the workers' (what they pushed and pulled); the shards add their updates and clock leads.
+    for w in workers {
+        report.add_worker(&w.counters());
     }
+    for s in shards {
+        report.add_shard(&s.counters());
+    }
+    report.set_staleness(hist.max(), hist.report_buckets());
+    report.set_curves(loss_curve, accuracy_curve, val_loss_curve);
+    report.wall_seconds = wall_seconds;
+    report.final_test_accuracy = final_test_accuracy;
+    report
 }

@@ -184,7 +184,7 @@ fn delta_pulls_rebuild_the_shards_public_copy_bit_for_bit() {
             .expect("delta pulls created the public copy");
         let (start, end) = ranges[k];
         assert_eq!(values.len(), end - start);
-        let holders: Vec<&tether::worker::trainer::WorkerReport> = workers
+        let holders: Vec<&tether::worker::WorkerReport> = workers
             .iter()
             .filter(|w| w.final_public.get(k).copied().flatten() == Some(*newest))
             .collect();

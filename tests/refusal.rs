@@ -13,7 +13,8 @@ use tether::common::config::{Config, DatasetKind};
 use tether::common::net::{certificate_serial, RefusedBy, TlsFiles};
 use tether::common::pki::{format_serial, generate_dev};
 use tether::server::node::{start_shard, ShardOptions};
-use tether::worker::trainer::{load_data, prepare_worker, WorkerError, WorkerOptions};
+use tether::worker::data::load_configured as load_data;
+use tether::worker::{prepare_worker, WorkerError, WorkerOptions};
 use tether::{block_on_system, loopback_servers};
 
 /// How long a refused worker may take to give up: far less than its reconnect deadline.

@@ -15,7 +15,7 @@ use tether::common::config::{
 };
 use tether::common::report::RunReport;
 use tether::worker::step::GradientFault;
-use tether::worker::trainer::WorkerReport;
+use tether::worker::WorkerReport;
 use tether::{loopback_servers, LocalCluster};
 
 /// The faulty step (one worker, no skips: in per-step mode it is also the round, in local-step rounds of H steps the

@@ -224,11 +224,7 @@ pub struct Synthetic {
 
 impl Synthetic {
     /// A factory of synthetic models over `layout` (one noise vector shared by every instance).
-    pub fn factory(
-        layout: Layout,
-        features: usize,
-        classes: usize,
-    ) -> tether_worker::trainer::ModelFactory {
+    pub fn factory(layout: Layout, features: usize, classes: usize) -> tether_worker::ModelFactory {
         let grad = Arc::new(tether_common::testing::noise(layout.len(), 0x5EED, 1e-3));
         Arc::new(move || {
             Box::new(Synthetic {

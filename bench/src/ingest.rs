@@ -15,7 +15,7 @@ use tether_bench::stats::quantile;
 use tether_common::config::Config;
 use tether_common::layout::model_layout;
 use tether_common::net::TlsFiles;
-use tether_worker::trainer::{prepare_worker, WorkerOptions, WorkerReport};
+use tether_worker::{prepare_worker, WorkerOptions, WorkerReport};
 
 use crate::cluster::{
     certificates, cpu_seconds, free_port, hidden_for, pull_lines, sibling, Proc, RunConfig,
@@ -223,7 +223,7 @@ pub fn run_workers(
     certs: &Path,
     servers: &[String],
     train: Arc<tether_worker::data::Dataset>,
-    factory: tether_worker::trainer::ModelFactory,
+    factory: tether_worker::ModelFactory,
     workers: u32,
 ) -> Result<Vec<WorkerReport>> {
     tether::block_on_system(async {

@@ -1,6 +1,6 @@
 //! The discrete-event simulator of a Tether cluster: plain Rust, parameters in, a [`SimReport`] out.
 //!
-//! What it models is what `worker::trainer::train_loop` and the shard actor do. Each worker loops: pull at clock `c`
+//! What it models is what the worker's training loop (`tether_worker::PreparedWorker::run`) and the shard actor do. Each worker loops: pull at clock `c`
 //! (one request per shard), wait until every shard answered, compute the round (a lognormal step time, optionally
 //! stretched by a straggler model, plus the worker's codec work), push one frame to every shard without waiting for
 //! the outcome, and pull again at `c + 1`. Each shard is one CPU (its actor) that serves applies and pull replies in

@@ -1,5 +1,7 @@
-//! The JSON run report (docs/design.md §6) written by workers, servers and the embedded cluster, and the staleness
-//! histogram shape it carries. Plain data: building it is the caller's job, this module only fixes the schema.
+//! The JSON run report (docs/design.md §6) written by workers, servers and the embedded cluster, the staleness
+//! histogram shape it carries, and the one way to build it: [`RunReport::for_config`] fills the run description,
+//! then each role adds what it measured through typed parts ([`WorkerCounters`], [`ShardCounters`], [`Traffic`],
+//! [`Rollbacks`], the curves), so no caller restates the struct. Plain data: nothing here measures anything.
 
 use std::path::Path;
 
@@ -174,6 +176,67 @@ impl RunReport {
         }
     }
 
+    /// Adds one worker's counters: sums, except the clock lead (the largest) and the loss scale (the smallest).
+    pub fn add_worker(&mut self, w: &WorkerCounters) {
+        self.steps += w.steps;
+        self.add_traffic(&w.traffic);
+        self.max_clock_lead_observed = self.max_clock_lead_observed.max(w.max_clock_lead);
+        self.nonfinite_skipped += w.nonfinite_skipped;
+        self.pushes_refused += w.pushes_refused;
+        self.stale_replies_dropped += w.stale_replies_dropped;
+        self.reconnects += w.reconnects;
+        self.pull_wait_seconds += w.pull_wait_seconds;
+        self.compute_seconds += w.compute_seconds;
+        if let Some(l) = w.loss_scale {
+            self.loss_scale_overflows += l.overflows;
+            self.loss_scale_growths += l.growths;
+            self.final_loss_scale = Some(self.final_loss_scale.map_or(l.scale, |s| s.min(l.scale)));
+        }
+    }
+
+    /// Adds one shard's counters: the updates are summed, the clock lead is the largest.
+    pub fn add_shard(&mut self, s: &ShardCounters) {
+        self.updates_applied += s.updates_applied;
+        self.updates_rejected += s.updates_rejected;
+        self.max_clock_lead_observed = self.max_clock_lead_observed.max(s.max_clock_lead);
+    }
+
+    /// Adds bytes moved (a worker's, or what a shard received and sent).
+    pub fn add_traffic(&mut self, t: &Traffic) {
+        self.wire_bytes_pushed += t.wire_bytes_pushed;
+        self.fp32_bytes_pushed += t.fp32_bytes_pushed;
+        self.wire_bytes_pulled += t.wire_bytes_pulled;
+        self.fp32_bytes_pulled += t.fp32_bytes_pulled;
+    }
+
+    /// Sets the staleness of applied gradients: the largest seen and the histogram.
+    pub fn set_staleness(&mut self, max: u64, histogram: Vec<HistogramBucket>) {
+        self.max_staleness_observed = max;
+        self.staleness_histogram = histogram;
+    }
+
+    /// Sets the shards' loss-spike rollbacks.
+    pub fn set_rollbacks(&mut self, r: Rollbacks) {
+        self.rollbacks = r.rollbacks;
+        self.rounds_lost = r.rounds_lost;
+        self.rollbacks_missed = r.missed;
+        self.rollback_log = r.log;
+    }
+
+    /// Sets the curves, `[step, seconds, value]` each, and the final training loss from the loss curve
+    /// ([`final_loss`]).
+    pub fn set_curves(
+        &mut self,
+        loss: Vec<(u64, f64, f64)>,
+        accuracy: Vec<(u64, f64, f64)>,
+        val_loss: Vec<(u64, f64, f64)>,
+    ) {
+        self.final_train_loss = final_loss(&loss);
+        self.loss_curve = loss;
+        self.accuracy_curve = accuracy;
+        self.val_loss_curve = val_loss;
+    }
+
     /// Sets `final_val_loss` and, for text corpora, `final_bits_per_char` from the last point of `val_loss_curve`.
     pub fn finish_val_loss(&mut self, text: bool) {
         self.final_val_loss = self.val_loss_curve.last().map(|v| v.2);
@@ -218,6 +281,80 @@ impl RunReport {
         std::fs::write(&tmp, text)?;
         std::fs::rename(tmp, path)
     }
+}
+
+/// Bytes moved in both directions, and what per-step f32 synchronization would have moved for the same steps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Encoded push bytes.
+    pub wire_bytes_pushed: u64,
+    /// The same pushes as raw f32.
+    pub fp32_bytes_pushed: u64,
+    /// Bytes of pull replies.
+    pub wire_bytes_pulled: u64,
+    /// The same pulls as raw f32.
+    pub fp32_bytes_pulled: u64,
+}
+
+/// A mixed-precision worker's dynamic loss scaling.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossScale {
+    /// Steps skipped because the scaled gradient overflowed.
+    pub overflows: u64,
+    /// Times the scale doubled after a clean window.
+    pub growths: u64,
+    /// The scale at the end.
+    pub scale: f64,
+}
+
+/// What one worker measured, as a run report counts it ([`RunReport::add_worker`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkerCounters {
+    /// Push rounds completed.
+    pub steps: u64,
+    /// Bytes pushed and pulled.
+    pub traffic: Traffic,
+    /// Largest clock lead seen in a pull answer.
+    pub max_clock_lead: u64,
+    /// Gradients not pushed because they were not finite.
+    pub nonfinite_skipped: u64,
+    /// Pushes (or skip markers) refused by a shard or dropped by a rejoin.
+    pub pushes_refused: u64,
+    /// Pull replies dropped because they answered a superseded request.
+    pub stale_replies_dropped: u64,
+    /// Reconnections after a shard went away.
+    pub reconnects: u64,
+    /// Seconds waiting for pulls.
+    pub pull_wait_seconds: f64,
+    /// Seconds computing rounds.
+    pub compute_seconds: f64,
+    /// Loss scaling, for a model computing below f32.
+    pub loss_scale: Option<LossScale>,
+}
+
+/// What one shard counted, as a run report sums it ([`RunReport::add_shard`]); its traffic and staleness are added
+/// separately, since a cluster's report counts the workers' traffic and merges the shards' histograms.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShardCounters {
+    /// Updates applied.
+    pub updates_applied: u64,
+    /// Updates rejected.
+    pub updates_rejected: u64,
+    /// Largest clock lead seen when answering a pull.
+    pub max_clock_lead: u64,
+}
+
+/// The shards' loss-spike rollbacks as a run report carries them ([`RunReport::set_rollbacks`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rollbacks {
+    /// Rollbacks (the most any shard did: every shard rolls back together).
+    pub rollbacks: u64,
+    /// Rounds discarded (the most of any shard).
+    pub rounds_lost: u64,
+    /// Alarms with no snapshot to roll back to, summed over shards.
+    pub missed: u64,
+    /// `[shard, alarm round, round restored]` for every shard's rollbacks.
+    pub log: Vec<(u32, u64, u64)>,
 }
 
 /// The final training loss of a loss curve: the mean over its last 20 points (NaN for an empty curve), so one
@@ -274,5 +411,71 @@ mod tests {
         ] {
             assert!(v.get(key).is_some(), "missing {key}");
         }
+    }
+
+    #[test]
+    fn parts_merge_as_sums_with_the_extremes_where_they_belong() {
+        let mut r = RunReport::default();
+        let w = |steps, lead, scale| WorkerCounters {
+            steps,
+            traffic: Traffic {
+                wire_bytes_pushed: 10,
+                fp32_bytes_pushed: 80,
+                wire_bytes_pulled: 20,
+                fp32_bytes_pulled: 160,
+            },
+            max_clock_lead: lead,
+            nonfinite_skipped: 1,
+            pushes_refused: 2,
+            stale_replies_dropped: 3,
+            reconnects: 4,
+            pull_wait_seconds: 0.5,
+            compute_seconds: 1.5,
+            loss_scale: Some(LossScale {
+                overflows: 1,
+                growths: 2,
+                scale,
+            }),
+        };
+        r.add_worker(&w(5, 3, 1024.0));
+        r.add_worker(&w(7, 2, 256.0));
+        r.add_worker(&WorkerCounters::default());
+        r.add_shard(&ShardCounters {
+            updates_applied: 9,
+            updates_rejected: 1,
+            max_clock_lead: 4,
+        });
+        r.add_shard(&ShardCounters {
+            updates_applied: 3,
+            updates_rejected: 0,
+            max_clock_lead: 1,
+        });
+        assert_eq!(r.steps, 12);
+        assert_eq!(
+            (
+                r.wire_bytes_pushed,
+                r.fp32_bytes_pushed,
+                r.wire_bytes_pulled,
+                r.fp32_bytes_pulled
+            ),
+            (20, 160, 40, 320)
+        );
+        assert_eq!(r.max_clock_lead_observed, 4);
+        assert_eq!(
+            (
+                r.nonfinite_skipped,
+                r.pushes_refused,
+                r.stale_replies_dropped,
+                r.reconnects
+            ),
+            (2, 4, 6, 8)
+        );
+        assert_eq!((r.pull_wait_seconds, r.compute_seconds), (1.0, 3.0));
+        assert_eq!((r.loss_scale_overflows, r.loss_scale_growths), (2, 4));
+        assert_eq!(r.final_loss_scale, Some(256.0));
+        assert_eq!((r.updates_applied, r.updates_rejected), (12, 1));
+        r.set_curves(vec![(1, 0.1, 2.0), (2, 0.2, 4.0)], vec![], vec![]);
+        assert_eq!(r.final_train_loss, 3.0);
+        assert_eq!(r.loss_curve.len(), 2);
     }
 }

@@ -260,21 +260,13 @@ impl RunningShard {
 
 /// The shard's part of a run report.
 pub fn shard_report(cfg: &Config, stats: &ShardStats) -> RunReport {
-    let (rollbacks, rounds_lost, rollbacks_missed, rollback_log) =
-        crate::rollback::report_fields([(stats.rollbacks.as_slice(), stats.rollbacks_missed)]);
-    RunReport {
-        rollbacks,
-        rounds_lost,
-        rollbacks_missed,
-        rollback_log,
-        updates_applied: stats.updates_applied,
-        updates_rejected: stats.rejected_total(),
-        wire_bytes_pushed: stats.wire_bytes,
-        fp32_bytes_pushed: stats.fp32_bytes,
-        wire_bytes_pulled: stats.pulled_bytes,
-        max_clock_lead_observed: stats.max_lead,
-        max_staleness_observed: stats.staleness.max(),
-        staleness_histogram: stats.staleness.report_buckets(),
-        ..RunReport::for_config(cfg)
-    }
+    let mut report = RunReport::for_config(cfg);
+    report.set_rollbacks(crate::rollback::report_fields([(
+        stats.rollbacks.as_slice(),
+        stats.rollbacks_missed,
+    )]));
+    report.add_shard(&stats.counters());
+    report.add_traffic(&stats.traffic());
+    report.set_staleness(stats.staleness.max(), stats.staleness.report_buckets());
+    report
 }

@@ -73,12 +73,11 @@ pub struct Alarm {
     pub min_clock: u64,
 }
 
-/// The run-report view of shards' rollbacks: `(rollbacks, rounds_lost, missed, log)`. Every shard rolls back
-/// together, so the counts are the most any shard did (the missed alarms are summed); the log lists each shard's
-/// rollbacks as `[shard, alarm round, round restored]`.
+/// The run-report view of shards' rollbacks. Every shard rolls back together, so the counts are the most any shard
+/// did (the missed alarms are summed); the log lists each shard's rollbacks as `[shard, alarm round, round restored]`.
 pub fn report_fields<'a>(
     shards: impl IntoIterator<Item = (&'a [RollbackRecord], u64)>,
-) -> (u64, u64, u64, Vec<(u32, u64, u64)>) {
+) -> tether_common::report::Rollbacks {
     let (mut rollbacks, mut lost, mut missed, mut log) = (0, 0, 0, Vec::new());
     for (records, m) in shards {
         rollbacks = rollbacks.max(records.len() as u64);
@@ -86,7 +85,12 @@ pub fn report_fields<'a>(
         missed += m;
         log.extend(records.iter().map(|r| (r.shard, r.at_round, r.to_round)));
     }
-    (rollbacks, lost, missed, log)
+    tether_common::report::Rollbacks {
+        rollbacks,
+        rounds_lost: lost,
+        missed,
+        log,
+    }
 }
 
 /// Rollback bookkeeping of one shard.

@@ -279,6 +279,26 @@ impl ShardStats {
     pub fn rejected_total(&self) -> u64 {
         self.rejected.values().sum()
     }
+
+    /// The counters a run report sums over shards.
+    pub fn counters(&self) -> tether_common::report::ShardCounters {
+        tether_common::report::ShardCounters {
+            updates_applied: self.updates_applied,
+            updates_rejected: self.rejected_total(),
+            max_clock_lead: self.max_lead,
+        }
+    }
+
+    /// The bytes this shard received (pushes) and sent (pull replies); it does not count an f32 reference for
+    /// pulls.
+    pub fn traffic(&self) -> tether_common::report::Traffic {
+        tether_common::report::Traffic {
+            wire_bytes_pushed: self.wire_bytes,
+            fp32_bytes_pushed: self.fp32_bytes,
+            wire_bytes_pulled: self.pulled_bytes,
+            fp32_bytes_pulled: 0,
+        }
+    }
 }
 
 /// Gradient-norm spike guard: rejects a gradient whose norm exceeds `factor` × the running median of recent norms.

@@ -22,8 +22,8 @@ use tether_common::protocol::{
     ProtocolError, PublicRef, PullMode, Welcome,
 };
 
+use crate::error::WorkerError;
 use crate::session::{rebuild_public, DeltaDecoder, Event, Transmit, WorkerSession};
-use crate::trainer::WorkerError;
 
 /// What the per-link tasks and connect attempts report to the driver.
 enum Inbound {
@@ -208,11 +208,6 @@ impl Driver {
             stage: Vec::new(),
             delta_decoder: None,
         }
-    }
-
-    /// The public copies this worker holds (delta pulls; empty before the first delta reply).
-    pub fn public(&self) -> &[f32] {
-        &self.public
     }
 
     fn now_ms(&self) -> u64 {
@@ -672,10 +667,7 @@ impl Driver {
         let now = self.now_ms();
         if let Err(e) = self.session.connected(shard, &c.welcome, now) {
             c.conn.close(0u32.into(), b"bad welcome");
-            return Err(WorkerError::Protocol {
-                shard,
-                reason: e.to_string(),
-            });
+            return Err(WorkerError::Protocol { shard, source: e });
         }
         let outage = &mut self.outages[shard];
         if outage.since.is_some() {

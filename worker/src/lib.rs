@@ -1,9 +1,19 @@
-//! Tether workers: models, data loading, compute backends and the worker actor.
+//! Tether workers: models, data loading, compute backends and the worker itself.
+//!
+//! Layers, bottom up (no module imports from one above it): [`model`] and [`data`]; [`backend`] (models on a
+//! device) and [`step`] (gradient → frames); the crate's [`WorkerError`]; [`session`] (the pure protocol state
+//! machine) and the private transport driver around it; and the run layer on top — [`prepare_worker`],
+//! [`PreparedWorker`], [`WorkerOptions`], [`WorkerReport`] — re-exported here.
 
 pub mod backend;
 pub mod data;
-pub mod driver;
+mod driver;
+mod error;
 pub mod model;
+mod run;
 pub mod session;
 pub mod step;
-pub mod trainer;
+
+pub use error::WorkerError;
+pub use model::{Model, ModelFactory};
+pub use run::{prepare_worker, PreparedWorker, Progress, Straggle, WorkerOptions, WorkerReport};

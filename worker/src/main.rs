@@ -18,8 +18,14 @@ use tether_common::metrics::{self, WorkerMetrics};
 use tether_common::net::TlsFiles;
 use tether_common::report::RunReport;
 use tether_worker::backend::{self, Device};
+use tether_worker::data::load_configured;
 use tether_worker::step::GradientFault;
-use tether_worker::trainer::{load_data, prepare_worker, Straggle, WorkerOptions};
+use tether_worker::{prepare_worker, Straggle, WorkerOptions};
+
+/// The process's allocator (the library leaves it to the binary): mimalloc reuses freed blocks instead of handing
+/// large ones back to the kernel, so candle's per-op tensors are not faulted in afresh every step.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Run one Tether training worker.
 #[derive(Parser, Debug)]
@@ -107,7 +113,7 @@ fn run() -> Result<()> {
         .iter()
         .map(|s| parse_fault(s))
         .collect::<Result<Vec<_>>>()?;
-    let (train, test, note) = load_data(&mut cfg)?;
+    let (train, test, note) = load_configured(&mut cfg)?;
     let model = match device {
         Device::Cpu => None,
         Device::Cuda(ordinal) => {
@@ -188,7 +194,7 @@ fn run() -> Result<()> {
             }
         );
         if let Some(path) = report_path {
-            let mut report: RunReport = tether_worker::trainer::worker_run_report(&cfg, &r);
+            let mut report: RunReport = r.run_report(&cfg);
             if let Some(n) = note {
                 report.notes.push(n);
             }

@@ -28,8 +28,7 @@ use tether_common::layout::Layout;
 
 use super::kernels::{KernelSource, SOURCES};
 use super::{BackendError, CudaInfo, PTX_DIR_ENV};
-use crate::model::{Mlp, Model};
-use crate::trainer::ModelFactory;
+use crate::model::{Mlp, Model, ModelFactory};
 
 /// Threads per block of the element-wise and reduction kernels.
 const THREADS: u32 = 256;

@@ -4,7 +4,7 @@
 use tether_common::config::ModelConfig;
 
 use super::{BackendError, CudaInfo};
-use crate::trainer::ModelFactory;
+use crate::model::ModelFactory;
 
 /// Always [`BackendError::NotCompiledWithCuda`] in this build.
 pub fn probe_ordinal(_ordinal: usize) -> Result<CudaInfo, BackendError> {

@@ -1,6 +1,6 @@
 //! Training data: the in-memory [`Dataset`], the readers (IDX for MNIST-style sets, CSV, libsvm, the embedded
-//! digits fallback), [`load`] dispatching on `[data]` of cluster.toml, and the per-worker [`Partition`] with its
-//! allocation-free [`Batcher`].
+//! digits fallback), [`load`] dispatching on `[data]` of cluster.toml, [`load_configured`] with the fallbacks a
+//! fresh machine needs, and the per-worker [`Partition`] with its allocation-free [`Batcher`].
 //!
 //! Invariants: a `Dataset` always holds `len() * features` features and `len()` labels, every label is
 //! `< classes`; readers never panic on bad input and never allocate by an unchecked length field (IDX dims are
@@ -8,6 +8,7 @@
 //! allocation). Every error names the file and, for text formats, the line. Splits and shuffles are deterministic
 //! functions of their seeds.
 
+mod configured;
 mod csv;
 mod digits;
 mod idx;
@@ -20,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use tether_common::config::{DataConfig, DatasetKind};
 
+pub use self::configured::load_configured;
 pub use self::csv::{load_csv, parse_csv};
 pub use self::digits::{digits, digits_all, DIGITS_SAMPLES, DIGITS_TEST};
 pub use self::idx::{load_idx_dir, load_idx_pair, parse_idx_images, parse_idx_labels, IdxFiles};
@@ -353,7 +355,7 @@ pub fn load(cfg: &DataConfig) -> Result<(Dataset, Dataset, DataSource), DataErro
 }
 
 /// `(train, validation, source)` windows of the configured text corpus for a language model with `context` tokens
-/// (see [`split_windows`]); `kjv` falls back to the embedded excerpt only through the trainer's `load_data`.
+/// (see [`split_windows`]); `kjv` falls back to the embedded excerpt only through [`load_configured`].
 pub fn load_text(
     cfg: &DataConfig,
     context: usize,

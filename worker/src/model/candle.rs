@@ -332,23 +332,6 @@ fn store_grad(g: &Tensor, k: f32, out: &mut [f32]) -> candle_core::Result<bool> 
     Ok(finite)
 }
 
-/// Makes glibc keep freed memory in the heap (no `mmap` per large block, no trimming below 1 GiB free), once per
-/// process. Candle allocates every op's output afresh; with glibc's defaults each step returned those blocks to the
-/// kernel and faulted them in again (page faults and zeroing were 10 % of a GPT step; this measured 66 → 61 ms on
-/// `examples/gpt_step`). Called when the first candle model is built; a no-op elsewhere than Linux/glibc.
-pub fn keep_freed_memory() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: mallopt only changes glibc's allocation parameters (it is thread-safe); any value is valid.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-            libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-        }
-    });
-}
-
 /// A candle module as a Tether [`Model`] (CPU device).
 pub struct CandleModel<M> {
     module: M,
@@ -393,7 +376,6 @@ impl<M: CandleModule> CandleModel<M> {
         precision: ComputePrecision,
         build: impl FnOnce(VarBuilder<'_>) -> candle_core::Result<M>,
     ) -> Result<Self, CandleError> {
-        keep_freed_memory();
         let vars = Arc::new(Mutex::new(Vec::new()));
         let errors = Arc::new(Mutex::new(Vec::new()));
         let recorder = Recorder {

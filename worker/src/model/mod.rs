@@ -15,8 +15,13 @@ pub use gpt::{gpt_model, Gpt};
 pub use logreg::LogReg;
 pub use mlp::Mlp;
 
+use std::sync::Arc;
+
 use tether_common::config::{ComputePrecision, Config, ModelConfig, ModelKind};
 use tether_common::layout::{model_io, GptShape, Layout};
+
+/// Builds a fresh instance of a user's model (one per worker, plus one for evaluation).
+pub type ModelFactory = Arc<dyn Fn() -> Box<dyn Model> + Send + Sync>;
 
 /// A differentiable model over a flat parameter vector.
 ///
