@@ -9,7 +9,8 @@ mod support;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use support::{max_step_gap, num, run_undisturbed, serial, Cluster, Proc, Rng, Spec, UdpProxy};
+use support::{max_step_gap, num, run_undisturbed, serial, Cluster, Proc, Spec, UdpProxy};
+use tether::common::testing::TestRng;
 
 /// Per-step delay of every worker: stretches the digits run to ~3 s so faults land mid-run.
 const STEP_DELAY: &str = "10";
@@ -291,7 +292,7 @@ fn straggler_3x_slower_keeps_everyone_within_the_bound() {
 }
 
 /// One fault round: start a cluster, kill a random process at a random time, restart it, run to the end.
-fn kill_round(rng: &mut Rng) -> Result<String, String> {
+fn kill_round(rng: &mut TestRng) -> Result<String, String> {
     let c = Cluster::new(spec());
     let n = c.spec.workers.to_string();
     let mut servers = c.servers(&[]);
@@ -352,7 +353,7 @@ fn random_kill_loop_survives() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(7);
-    let mut rng = Rng::new(seed);
+    let mut rng = TestRng::new(seed);
     let mut failures = Vec::new();
     for i in 0..n {
         match kill_round(&mut rng) {

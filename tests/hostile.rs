@@ -11,7 +11,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{free_tcp_addr, http_get, metric, Cluster, Rng, Spec};
+use support::{free_tcp_addr, http_get, metric, Cluster, Spec};
 use tether::common::codec::{CodecConfig, Encoder};
 use tether::common::config::Config;
 use tether::common::layout::model_layout;
@@ -19,6 +19,7 @@ use tether::common::net::{
     client_endpoint, client_handshake, connect, ControlChannel, TlsFiles, TransportTuning,
 };
 use tether::common::protocol::{encode_push, Control, FrameKind, Hello, PushFrame, Welcome};
+use tether::common::testing::TestRng;
 
 /// The hostile client's rank (the shared client certificate may claim any rank; the real workers are 0 and 1).
 const RANK: u32 = 2;
@@ -75,7 +76,7 @@ async fn closed_by_server(conn: &quinn::Connection) -> bool {
 }
 
 /// Sends every kind of bad push from a valid client; returns how many valid pushes were sent.
-async fn bad_pushes(ep: &quinn::Endpoint, t: &Target, rng: &mut Rng) -> u64 {
+async fn bad_pushes(ep: &quinn::Endpoint, t: &Target, rng: &mut TestRng) -> u64 {
     let mut enc = Encoder::new(CodecConfig::default()).unwrap();
     let grad: Vec<f32> = (0..t.shard_len)
         .map(|i| ((i % 7) as f32 - 3.0) * 1e-3)
@@ -228,7 +229,7 @@ fn server_survives_hostile_input_and_still_trains() {
     ];
     std::thread::sleep(Duration::from_millis(300));
     let (hwm_before, rss_before) = servers[0].memory_kib();
-    let mut rng = Rng::new(0x7e7e);
+    let mut rng = TestRng::new(0x7e7e);
 
     // 1. Random UDP datagrams, including ones shaped like QUIC long headers.
     let udp = UdpSocket::bind("127.0.0.1:0").unwrap();

@@ -32,6 +32,7 @@ use tether::common::protocol::{
     access_delta, access_push, encode_delta_preamble, Control, Outcome, Precision, PublicRef,
     PullMode, Welcome,
 };
+use tether::common::testing::TestRng;
 use tether::server::protocol::{Action, ConnId, Round, ShardProtocol};
 use tether::server::public::{delta_reply, ReplyTo};
 use tether::server::shard::{ShardCore, ShardSpec};
@@ -50,25 +51,6 @@ const TICK_MS: u64 = 50;
 const TIME_LIMIT_MS: u64 = 600_000;
 /// Events after which a schedule counts as stuck.
 const EVENT_LIMIT: usize = 200_000;
-
-/// splitmix64: the scheduler's only source of randomness.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, per_mille: u64) -> bool {
-        self.below(1000) < per_mille
-    }
-}
 
 /// How adversarial a schedule is (drawn per seed).
 #[derive(Debug, Clone, Copy)]
@@ -90,7 +72,7 @@ struct Faults {
 }
 
 impl Faults {
-    fn draw(rng: &mut Rng) -> Faults {
+    fn draw(rng: &mut TestRng) -> Faults {
         let staleness = match rng.below(4) {
             0 => Staleness::Bounded(0),
             1 => Staleness::Bounded(1),
@@ -247,7 +229,8 @@ struct SimShard {
 }
 
 struct Sim {
-    rng: Rng,
+    /// The scheduler's only source of randomness.
+    rng: TestRng,
     faults: Faults,
     now: u64,
     seq: u64,
@@ -315,7 +298,7 @@ fn bound(s: Staleness) -> Option<u64> {
 
 impl Sim {
     fn new(seed: u64) -> Sim {
-        let mut rng = Rng(seed);
+        let mut rng = TestRng::new(seed);
         let faults = Faults::draw(&mut rng);
         let layout = layout();
         let ranges: Vec<(u64, u64)> = (0..SHARDS)
@@ -346,7 +329,7 @@ impl Sim {
         let shards = (0..SHARDS)
             .map(|k| {
                 let mut core = ShardCore::new(&layout, &spec(k, faults.staleness));
-                core.set_public(lossless(), rng.next());
+                core.set_public(lossless(), rng.next_u64());
                 let snapshot = core.snapshot();
                 SimShard {
                     proto: Some(ShardProtocol::new(core)),
@@ -968,7 +951,7 @@ impl Sim {
         let mut core = ShardCore::new(&self.layout, &spec(k, self.faults.staleness));
         core.restore(self.shards[k].snapshot.clone(), self.now)
             .expect("a snapshot of this shard restores");
-        core.set_public(lossless(), self.rng.next());
+        core.set_public(lossless(), self.rng.next_u64());
         // The restored table's rows are live as of now; their join points are what the snapshot holds.
         self.shards[k].proto = Some(ShardProtocol::new(core));
         for w in 0..WORKERS {

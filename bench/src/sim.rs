@@ -14,6 +14,8 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
+use tether_common::testing::TestRng;
+
 /// Everything the simulator needs; [`SimConfig::validate`] refuses nonsense.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SimConfig {
@@ -307,22 +309,6 @@ fn cpu(pool: &mut Option<Pool>, serial: &mut Fifo, t: f64, d: f64) -> f64 {
     }
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(1);
-        tether_common::layout::splitmix64(self.0)
-    }
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
-    }
-}
-
 struct Worker {
     clock: u64,
     waiting: u32,
@@ -368,7 +354,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
     // Lognormal with the given mean and coefficient of variation.
     let sigma2 = (1.0 + cfg.compute_cv * cfg.compute_cv).ln();
     let mu = cfg.compute_s.max(1e-12).ln() - sigma2 / 2.0;
-    let mut rng = Rng(cfg.seed);
+    let mut rng = TestRng::new(cfg.seed);
     let mut pool = cfg.cores.map(|c| Pool {
         free: vec![0.0; c as usize],
     });
@@ -477,7 +463,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimReport, SimError> {
                     wk.stalled += t - wk.pull_started;
                     let mut compute = (mu + sigma2.sqrt() * rng.normal()).exp();
                     if let Some((p, f)) = cfg.straggle {
-                        if rng.uniform() < p {
+                        if rng.next_f64() < p {
                             compute *= f;
                         }
                     }

@@ -7,14 +7,13 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use tether_common::codec::*;
+use tether_common::testing::TestRng;
 
 fn gradient(n: usize) -> Vec<f32> {
-    let mut s = 0x1234_5678_9ABC_DEF0u64;
+    let mut rng = TestRng::new(0x1234_5678_9ABC_DEF0);
     (0..n)
         .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
+            let s = rng.next_u64();
             // Sum of uniforms: roughly gaussian, cheap to generate.
             let a = (s & 0xFFFF) as f32 + ((s >> 16) & 0xFFFF) as f32 + ((s >> 32) & 0xFFFF) as f32;
             (a / 98304.0 - 1.0) * 1e-2

@@ -3,20 +3,12 @@
 //! codec_ratio`.
 
 use tether_common::codec::*;
+use tether_common::testing::TestRng;
 
 fn main() -> Result<(), CodecError> {
     let n = 1 << 20;
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut unit = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
-    let mut gauss = || {
-        let (a, b) = (unit().max(1e-300), unit());
-        ((-2.0 * a.ln()).sqrt() * (2.0 * std::f64::consts::PI * b).cos()) as f32
-    };
+    let mut rng = TestRng::new(0x2545_F491_4F6C_DD1D);
+    let mut gauss = || rng.normal() as f32;
     let dense: Vec<f32> = (0..n).map(|_| gauss() * 1e-2).collect();
     let tiny: Vec<f32> = (0..n)
         .map(|i| {

@@ -13,4 +13,5 @@ pub mod optim;
 pub mod pki;
 pub mod protocol;
 pub mod report;
+pub mod splitmix;
 pub mod testing;

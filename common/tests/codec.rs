@@ -3,29 +3,11 @@
 
 use proptest::prelude::*;
 use tether_common::codec::*;
+use tether_common::testing::TestRng;
 
-/// Deterministic test data: splitmix64 stream.
-struct TestRng(u64);
-
-impl TestRng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn gauss(&mut self) -> f32 {
-        let u1 = self.unit().max(1e-300);
-        let u2 = self.unit();
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-    fn gauss_vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.gauss()).collect()
-    }
+/// `n` standard normal draws from `rng`, as f32.
+fn gauss_vec(rng: &mut TestRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() as f32).collect()
 }
 
 fn cfg(scheme: Scheme, rounding: Rounding, zstd: bool) -> CodecConfig {
@@ -88,9 +70,9 @@ fn names_and_defaults() {
 
 #[test]
 fn unbiased_over_seeds() {
-    let mut rng = TestRng(1);
+    let mut rng = TestRng::new(1);
     let n = 512 + 100;
-    let x = rng.gauss_vec(n);
+    let x = gauss_vec(&mut rng, n);
     let seeds = 2000;
     for scheme in QUANT {
         let l = scheme.levels().unwrap();
@@ -124,7 +106,7 @@ fn unbiased_over_seeds() {
 
 #[test]
 fn variance_within_analytic_and_qsgd_bounds() {
-    let mut rng = TestRng(2);
+    let mut rng = TestRng::new(2);
     let d = 512;
     let seeds = 400;
     for scheme in QUANT {
@@ -134,9 +116,9 @@ fn variance_within_analytic_and_qsgd_bounds() {
         let mut worst_qsgd = 0f64;
         for trial in 0..8 {
             let v = if trial % 2 == 0 {
-                rng.gauss_vec(d)
+                gauss_vec(&mut rng, d)
             } else {
-                (0..d).map(|_| rng.unit() as f32 - 0.5).collect()
+                (0..d).map(|_| rng.next_f64() as f32 - 0.5).collect()
             };
             let scale = f64::from(v.iter().fold(0f32, |m, x| m.max(x.abs())));
             let norm2: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
@@ -172,9 +154,9 @@ fn variance_within_analytic_and_qsgd_bounds() {
 
 #[test]
 fn error_bounds_levels_zeros_and_partial_bucket() {
-    let mut rng = TestRng(3);
+    let mut rng = TestRng::new(3);
     let n = 512 * 3 + 37;
-    let mut x = rng.gauss_vec(n);
+    let mut x = gauss_vec(&mut rng, n);
     x[512..1024].fill(0.0); // an all-zero bucket
     for scheme in QUANT {
         let l = scheme.levels().unwrap();
@@ -239,9 +221,9 @@ fn tiny_and_huge_scales_stay_finite_and_bounded() {
 
 #[test]
 fn error_feedback_tracks_the_sum() {
-    let mut rng = TestRng(4);
+    let mut rng = TestRng::new(4);
     let n = 1000;
-    let g = rng.gauss_vec(n);
+    let g = gauss_vec(&mut rng, n);
     for scheme in [Scheme::Q8, Scheme::Q4, Scheme::Q2] {
         let l = scheme.levels().unwrap() as f64;
         let mut enc = Encoder::new(cfg(scheme, Rounding::Stochastic, false)).unwrap();
@@ -324,7 +306,7 @@ fn non_finite_input_rejected() {
 
 #[test]
 fn determinism_same_seed_same_bytes() {
-    let x = TestRng(5).gauss_vec(3000);
+    let x = gauss_vec(&mut TestRng::new(5), 3000);
     for scheme in QUANT {
         let mut enc = Encoder::new(cfg(scheme, Rounding::Stochastic, false)).unwrap();
         let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
@@ -346,8 +328,8 @@ fn scalar_and_simd_kernels_are_bit_identical() {
         println!("AVX2 not available: skipped the scalar/SIMD comparison");
         return;
     }
-    let mut rng = TestRng(6);
-    let mut x = rng.gauss_vec(512 * 5 + 77);
+    let mut rng = TestRng::new(6);
+    let mut x = gauss_vec(&mut rng, 512 * 5 + 77);
     x[512..1024].fill(0.0);
     x[1024..1536].iter_mut().for_each(|v| *v *= 1e-44);
     x[2000] = 0.0;
@@ -390,11 +372,17 @@ fn scalar_and_simd_kernels_are_bit_identical() {
 
 #[test]
 fn zstd_flag_used_only_when_smaller() {
-    let mut rng = TestRng(7);
+    let mut rng = TestRng::new(7);
     let sparse: Vec<f32> = (0..20000)
-        .map(|i| if i % 50 == 0 { rng.gauss() * 10.0 } else { 0.0 })
+        .map(|i| {
+            if i % 50 == 0 {
+                (rng.normal() as f32) * 10.0
+            } else {
+                0.0
+            }
+        })
         .collect();
-    let noise: Vec<f32> = (0..20000).map(|_| rng.unit() as f32).collect();
+    let noise: Vec<f32> = (0..20000).map(|_| rng.next_f64() as f32).collect();
     for scheme in Scheme::ALL {
         let mut enc = Encoder::new(cfg(scheme, Rounding::Stochastic, true)).unwrap();
         let mut f = Vec::new();

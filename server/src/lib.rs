@@ -6,6 +6,7 @@ pub mod actor;
 pub mod checkpoint;
 pub mod clock;
 pub mod error;
+pub mod median;
 pub mod node;
 pub use tether_common::optim;
 pub mod protocol;

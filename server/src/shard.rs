@@ -18,6 +18,7 @@ use tether_common::protocol::{ErrorCode, PublicRef};
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
+use crate::median::RunningMedian;
 use crate::optim::Optimizer;
 use crate::public::{Answer, PublicCopy};
 use crate::rollback::{Alarm, RollbackPoint, RollbackRecord, RollbackState};
@@ -301,13 +302,12 @@ impl ShardStats {
     }
 }
 
-/// Gradient-norm spike guard: rejects a gradient whose norm exceeds `factor` × the running median of recent norms.
+/// Gradient-norm spike guard: rejects a gradient whose norm exceeds `factor` × the running (upper) median of the
+/// last [`Self::WINDOW`] norms, once [`Self::WARMUP`] of them were seen.
 #[derive(Debug, Clone)]
 struct SpikeGuard {
     factor: f32,
-    recent: Vec<f32>,
-    next: usize,
-    sorted: Vec<f32>,
+    recent: RunningMedian,
 }
 
 impl SpikeGuard {
@@ -317,9 +317,7 @@ impl SpikeGuard {
     fn new(factor: f32) -> Self {
         Self {
             factor,
-            recent: Vec::with_capacity(Self::WINDOW),
-            next: 0,
-            sorted: Vec::with_capacity(Self::WINDOW),
+            recent: RunningMedian::new(Self::WINDOW),
         }
     }
 
@@ -327,19 +325,11 @@ impl SpikeGuard {
         if self.factor <= 0.0 || self.recent.len() < Self::WARMUP {
             return None;
         }
-        self.sorted.clear();
-        self.sorted.extend_from_slice(&self.recent);
-        self.sorted.sort_by(f32::total_cmp);
-        Some(self.sorted[self.sorted.len() / 2] * self.factor)
+        self.recent.upper().map(|m| m * self.factor)
     }
 
     fn record(&mut self, norm: f32) {
-        if self.recent.len() < Self::WINDOW {
-            self.recent.push(norm);
-        } else {
-            self.recent[self.next] = norm;
-            self.next = (self.next + 1) % Self::WINDOW;
-        }
+        self.recent.push(norm);
     }
 }
 
@@ -521,7 +511,7 @@ impl ShardCore {
         rb.rolled_back(&record, alarm.min_clock);
         // Workers holding the old public copy must not apply deltas to it: a new lineage makes them fetch the whole
         // (restored) copy.
-        self.lineage = tether_common::layout::splitmix64(self.lineage ^ rb.epoch());
+        self.lineage = tether_common::splitmix::splitmix64(self.lineage ^ rb.epoch());
         self.public = None;
         tracing::warn!(
             shard = self.shard,

@@ -8,21 +8,17 @@
 //! shards roll back together without talking to each other. Losses are assumed non-negative (cross-entropy): a
 //! median of 0 calls no spike by ratio.
 
-use std::collections::VecDeque;
+use crate::median::{lower_median, RunningMedian};
 
 /// The value of one completed round: the lower median of the workers' losses, a non-finite loss counting as +∞
 /// (so one bad worker out of two or more does not make the round non-finite, a majority does). `None` without losses.
 pub fn round_value(losses: &mut [f32]) -> Option<f32> {
-    if losses.is_empty() {
-        return None;
-    }
     for l in losses.iter_mut() {
         if !l.is_finite() {
             *l = f32::INFINITY;
         }
     }
-    losses.sort_by(f32::total_cmp);
-    Some(losses[(losses.len() - 1) / 2])
+    lower_median(losses)
 }
 
 /// What one round's value means.
@@ -47,9 +43,8 @@ pub enum Verdict {
 pub struct SpikeDetector {
     factor: f32,
     rounds: u32,
-    window: usize,
-    good: VecDeque<f32>,
-    sorted: Vec<f32>,
+    /// The last `window` good rounds.
+    good: RunningMedian,
     streak: u32,
     onset: u64,
 }
@@ -58,27 +53,21 @@ impl SpikeDetector {
     /// A detector calling `rounds` consecutive rounds above `factor` × the median of the last `window` good rounds
     /// (or non-finite) a spike.
     pub fn new(factor: f32, rounds: u32, window: usize) -> Self {
-        let window = window.max(1);
         Self {
             factor,
             rounds: rounds.max(1),
-            window,
-            good: VecDeque::with_capacity(window),
-            sorted: Vec::with_capacity(window),
+            good: RunningMedian::new(window),
             streak: 0,
             onset: 0,
         }
     }
 
-    /// The running median of the good rounds, once `window` of them were seen.
+    /// The running (lower) median of the good rounds, once `window` of them were seen.
     pub fn median(&mut self) -> Option<f32> {
-        if self.good.len() < self.window {
+        if !self.good.is_full() {
             return None;
         }
-        self.sorted.clear();
-        self.sorted.extend(self.good.iter().copied());
-        self.sorted.sort_by(f32::total_cmp);
-        Some(self.sorted[(self.sorted.len() - 1) / 2])
+        self.good.lower()
     }
 
     /// Feeds the value of completed round `round` (rounds come in increasing order; rounds without a value are
@@ -90,10 +79,7 @@ impl SpikeDetector {
                 .is_some_and(|m| m > 0.0 && value > self.factor * m);
         if !suspect {
             self.streak = 0;
-            if self.good.len() == self.window {
-                self.good.pop_front();
-            }
-            self.good.push_back(value);
+            self.good.push(value);
             return Verdict::Good;
         }
         if self.streak == 0 {
@@ -123,11 +109,7 @@ impl SpikeDetector {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A deterministic uniform draw in [0, 1) (splitmix64 of `i`).
-    fn unit(i: u64) -> f32 {
-        (tether_common::layout::splitmix64(i) >> 40) as f32 / (1u64 << 24) as f32
-    }
+    use tether_common::testing::TestRng;
 
     #[test]
     fn round_value_is_the_lower_median_and_survives_one_bad_worker() {
@@ -147,9 +129,10 @@ mod tests {
     fn a_decreasing_noisy_loss_never_alarms() {
         // 5,000 rounds of a loss decaying from 2.3 to ~0.05 with ±60% multiplicative noise, k = 3, m = 2.
         let mut d = SpikeDetector::new(3.0, 2, 16);
+        let mut rng = TestRng::new(0);
         for r in 0..5_000u64 {
             let trend = 0.05 + 2.25 * (-(r as f32) / 300.0).exp();
-            let v = trend * (0.4 + 1.2 * unit(r));
+            let v = trend * (0.4 + 1.2 * rng.next_f32());
             assert!(
                 !matches!(d.observe(r, v), Verdict::Alarm { .. }),
                 "false alarm at round {r} (value {v})"

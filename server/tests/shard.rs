@@ -48,9 +48,7 @@ fn adam_core(spike_factor: f32) -> ShardCore {
 
 /// Deterministic gradient of magnitude about `scale`, different per (worker, clock).
 fn gradient(n: usize, worker: u32, clock: u64, scale: f32) -> Vec<f32> {
-    let seed = 0x9e37_79b9_7f4a_7c15u64
-        ^ (u64::from(worker) << 32)
-        ^ clock.wrapping_mul(0x2545_f491_4f6c_dd1d);
+    let seed = tether_common::splitmix::splitmix64(u64::from(worker) << 32 ^ clock);
     tether_common::testing::noise(n, seed, scale)
 }
 

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 use tether_common::config::Staleness;
+use tether_common::splitmix::{mix64, GAMMA};
 use tether_server::clock::{ClockError, ClockTable, StalenessHistogram};
 
 const TIMEOUT: u64 = 100;
@@ -422,10 +423,7 @@ impl Bsp {
 
 /// A non-linear update of worker `w` at `round` given the value it read.
 fn update(w: usize, round: u64, read: u64) -> u64 {
-    let mut x = read ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ round.rotate_left(17);
-    x ^= x >> 31;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^ (x >> 29)
+    mix64(read ^ (w as u64).wrapping_mul(GAMMA) ^ round.rotate_left(17))
 }
 
 fn sequential(n: usize, rounds: u64) -> u64 {

@@ -514,38 +514,6 @@ pub fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
     })
 }
 
-/// A small seeded xorshift generator (no dependency, reproducible).
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded (0 is mapped to a fixed non-zero state).
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    /// Uniform in `0..n`.
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-
-    /// Fills `buf` with random bytes.
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        for b in buf {
-            *b = self.next_u64() as u8;
-        }
-    }
-}
-
 /// A UDP relay between one client and one upstream address on loopback that can drop every packet (both ways)
 /// while `cut` is set: a network partition of one link, healed by clearing the flag.
 pub struct UdpProxy {

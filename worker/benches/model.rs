@@ -7,20 +7,14 @@
 #![allow(missing_docs)]
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use tether_common::layout::splitmix64;
+use tether_common::testing::TestRng;
 use tether_worker::model::{LogReg, Mlp, Model};
 
 fn synthetic(rows: usize, features: usize, classes: u32) -> (Vec<f32>, Vec<u32>) {
-    let mut s = 7u64;
-    let mut next = || {
-        s = splitmix64(s);
-        s
-    };
-    let x = (0..rows * features)
-        .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32)
-        .collect();
+    let mut rng = TestRng::new(7);
+    let x = (0..rows * features).map(|_| rng.next_f32()).collect();
     let y = (0..rows)
-        .map(|_| (next() % u64::from(classes)) as u32)
+        .map(|_| rng.below(u64::from(classes)) as u32)
         .collect();
     (x, y)
 }

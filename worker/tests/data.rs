@@ -496,6 +496,15 @@ fn epoch_shuffles_differ_and_are_reproducible() {
 }
 
 #[test]
+fn shares_and_epoch_orders_are_pinned() {
+    // Reproducibility contract: values produced before the shuffle's SplitMix64 moved to `tether_common::splitmix`;
+    // a change here changes which samples every worker sees, and when.
+    let p = Partition::new(10, 1, 2, 7).unwrap();
+    assert_eq!(p.indices(), &[3, 6, 7, 2, 5]);
+    assert_eq!(p.epoch_order(3), vec![6, 3, 2, 7, 5]);
+}
+
+#[test]
 fn batcher_fills_buffers_and_covers_the_epoch() {
     let data = Dataset {
         features: 2,

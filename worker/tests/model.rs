@@ -2,25 +2,9 @@
 //! on a separable problem, prediction = argmax of logits, determinism and batch-size changes.
 
 use tether_common::config::{ModelConfig, ModelKind};
-use tether_common::layout::{splitmix64, Init};
+use tether_common::layout::Init;
+use tether_common::testing::TestRng;
 use tether_worker::model::{accuracy, build, mean_loss, LogReg, Mlp, Model};
-
-/// Deterministic uniform stream in [0, 1).
-struct Rng(u64);
-
-impl Rng {
-    fn next_f32(&mut self) -> f32 {
-        self.0 = splitmix64(self.0);
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn sym(&mut self, bound: f32) -> f32 {
-        (2.0 * self.next_f32() - 1.0) * bound
-    }
-    fn below(&mut self, n: u32) -> u32 {
-        self.0 = splitmix64(self.0);
-        (self.0 % u64::from(n)) as u32
-    }
-}
 
 /// f64 reference forward pass straight from the layout names: logits of every row.
 fn reference_logits(model: &Mlp, params: &[f64], x: &[f32]) -> Vec<Vec<f64>> {
@@ -73,11 +57,11 @@ fn reference_loss(model: &Mlp, params: &[f64], x: &[f32], y: &[u32]) -> f64 {
 /// Initial params plus random biases (so the bias path matters in the forward pass too).
 fn test_params(model: &Mlp, seed: u64) -> Vec<f32> {
     let mut p = model.layout().init_all(seed);
-    let mut rng = Rng(seed ^ 0xb1a5);
+    let mut rng = TestRng::new(seed ^ 0xb1a5);
     for (i, t) in model.layout().tensors().iter().enumerate() {
         if t.init == Init::Zeros {
             for v in &mut p[model.layout().tensor_range(i)] {
-                *v = rng.sym(0.3);
+                *v = rng.symmetric(0.3);
             }
         }
     }
@@ -85,9 +69,11 @@ fn test_params(model: &Mlp, seed: u64) -> Vec<f32> {
 }
 
 fn batch(features: usize, classes: u32, rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
-    let mut rng = Rng(seed);
-    let x = (0..rows * features).map(|_| rng.sym(1.5)).collect();
-    let y = (0..rows).map(|_| rng.below(classes)).collect();
+    let mut rng = TestRng::new(seed);
+    let x = (0..rows * features).map(|_| rng.symmetric(1.5)).collect();
+    let y = (0..rows)
+        .map(|_| rng.below(u64::from(classes)) as u32)
+        .collect();
     (x, y)
 }
 
@@ -281,17 +267,17 @@ fn loss_is_stable_for_huge_logits() {
 
 /// Gaussian-ish blobs around well-separated class centres.
 fn blobs(features: usize, classes: u32, rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
-    let mut rng = Rng(seed);
+    let mut rng = TestRng::new(seed);
     let centres: Vec<f32> = (0..classes as usize * features)
-        .map(|_| rng.sym(2.0))
+        .map(|_| rng.symmetric(2.0))
         .collect();
     let mut x = Vec::with_capacity(rows * features);
     let mut y = Vec::with_capacity(rows);
     for _ in 0..rows {
-        let c = rng.below(classes) as usize;
+        let c = rng.below(u64::from(classes)) as usize;
         y.push(c as u32);
         for f in 0..features {
-            let noise = (rng.sym(1.0) + rng.sym(1.0) + rng.sym(1.0)) * 0.4;
+            let noise = (rng.symmetric(1.0) + rng.symmetric(1.0) + rng.symmetric(1.0)) * 0.4;
             x.push(centres[c * features + f] + noise);
         }
     }
@@ -424,7 +410,7 @@ fn user_models_plug_in_through_the_trait() {
 
 /// Synthetic "images": 10 random prototypes in [0, 1]^784 plus per-pixel noise, clipped to [0, 1].
 fn synthetic_images(rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
-    let mut rng = Rng(seed);
+    let mut rng = TestRng::new(seed);
     let protos: Vec<f32> = (0..10 * 784).map(|_| rng.next_f32()).collect();
     let mut x = Vec::with_capacity(rows * 784);
     let mut y = Vec::with_capacity(rows);
@@ -432,7 +418,7 @@ fn synthetic_images(rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
         let c = rng.below(10) as usize;
         y.push(c as u32);
         for p in &protos[c * 784..(c + 1) * 784] {
-            x.push((p + rng.sym(0.6)).clamp(0.0, 1.0));
+            x.push((p + rng.symmetric(0.6)).clamp(0.0, 1.0));
         }
     }
     (x, y)

@@ -3,39 +3,13 @@
 //! visits its slice in a Fisher–Yates order drawn from a SplitMix64 stream seeded by `(seed, rank, epoch)`. Pure and
 //! deterministic; the [`Batcher`] reuses its buffers and never allocates per batch.
 
+use tether_common::splitmix::{mix64, SplitMix64};
+
 use super::{DataError, Dataset};
-
-/// SplitMix64: small, fast, and good enough for shuffles; the whole stream is a function of its seed.
-#[derive(Debug, Clone)]
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix(self.0)
-    }
-
-    /// Uniform in `0..bound` (bound ≥ 1), by multiply-high with rejection of the biased low zone.
-    fn below(&mut self, bound: u64) -> u64 {
-        let threshold = bound.wrapping_neg() % bound;
-        loop {
-            let m = u128::from(self.next_u64()) * u128::from(bound);
-            if (m as u64) >= threshold {
-                return (m >> 64) as u64;
-            }
-        }
-    }
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// Fisher–Yates shuffle of `items` driven by `seed`.
 pub(crate) fn shuffle<T>(items: &mut [T], seed: u64) {
-    let mut rng = SplitMix64(mix(seed));
+    let mut rng = SplitMix64::new(mix64(seed));
     for i in (1..items.len()).rev() {
         // i + 1 ≤ len fits in u64, and the draw is ≤ i.
         let j = rng.below(i as u64 + 1) as usize;
@@ -119,7 +93,7 @@ impl Partition {
     pub fn epoch_order_into(&self, epoch: u64, out: &mut Vec<usize>) {
         out.clear();
         out.extend_from_slice(&self.indices);
-        let seed = mix(mix(self.seed ^ 0x5851_F42D_4C95_7F2D) ^ u64::from(self.rank)) ^ epoch;
+        let seed = mix64(mix64(self.seed ^ 0x5851_F42D_4C95_7F2D) ^ u64::from(self.rank)) ^ epoch;
         shuffle(out, seed);
     }
 }

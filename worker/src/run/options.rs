@@ -74,7 +74,7 @@ impl Straggle {
 
     /// The extra wait after a round of `compute` at `round` for `rank` (deterministic per rank and round).
     pub fn extra(&self, rank: u32, round: u64, compute: Duration) -> Duration {
-        let z = tether_common::layout::splitmix64(u64::from(rank) << 40 ^ round);
+        let z = tether_common::splitmix::splitmix64(u64::from(rank) << 40 ^ round);
         let u = (z >> 11) as f64 / (1u64 << 53) as f64;
         if u < self.probability {
             compute.mul_f64(self.factor - 1.0)
