@@ -4,8 +4,8 @@
 
 use tether_common::config::Staleness;
 use tether_common::protocol::{
-    access_push, Control, ErrorCode, Outcome, Precision, ProtocolError, PublicRef, PullMode,
-    ReplyHeader, Welcome,
+    access_push, encode_params, encode_values, Control, ErrorCode, FrameKind, Outcome, ParamReply,
+    Precision, ProtocolError, PublicRef, PullMode, ReplyHeader, Welcome,
 };
 use tether_worker::session::{Event, PullReply, Settled, Transmit, WorkerSession};
 
@@ -439,4 +439,90 @@ fn a_shard_with_another_staleness_bound_is_refused_and_changes_nothing() {
     assert!(t.is_empty(), "sent {t:?} to a refused shard");
     // The matching bound is accepted.
     s.connected(0, &welcome(0, 0), 0).unwrap();
+}
+
+/// A full reply body from shard `shard` to `request` at clock 0, with `values` in `precision`.
+fn full_reply(
+    shard: usize,
+    request: u64,
+    values: &[f32],
+    precision: Precision,
+) -> rkyv::util::AlignedVec {
+    let mut bytes = Vec::new();
+    encode_values(values, precision, &mut bytes);
+    encode_params(&ParamReply {
+        header: ReplyHeader {
+            shard: shard as u32,
+            request,
+            clock: 0,
+            version: 1,
+            min_clock: 0,
+            epoch: 0,
+            range_start: RANGES[shard].0,
+            range_end: RANGES[shard].1,
+        },
+        precision,
+        values: bytes,
+    })
+    .unwrap()
+}
+
+#[test]
+fn reply_bodies_are_read_into_the_model_and_a_bad_one_changes_nothing() {
+    let mut s = connected(0);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    let v0: Vec<f32> = (0..10).map(|i| i as f32 * 0.5 - 2.0).collect();
+    let v1: Vec<f32> = (0..10).map(|i| 1.0 + i as f32 / 3.0).collect();
+    let mut params = vec![9.0f32; 20];
+    // Not waiting for a pull: a valid reply is counted and dropped, the model untouched.
+    let stray = full_reply(0, r[0].1, &v0, Precision::F32);
+    assert_eq!(
+        s.handle_reply(0, FrameKind::Params, &stray, None),
+        Ok(false)
+    );
+    assert_eq!(s.stats().stale_replies, 1);
+    // A body that does not validate (garbage, or another shard's range): an error, the model untouched, the link
+    // reset.
+    let mut garbage = rkyv::util::AlignedVec::<16>::new();
+    garbage.extend_from_slice(&[0xff; 40]);
+    assert!(s
+        .handle_reply(0, FrameKind::Params, &garbage, Some(&mut params))
+        .is_err());
+    let other_range = full_reply(1, r[0].1, &v0, Precision::F32);
+    assert!(matches!(
+        s.handle_reply(0, FrameKind::Params, &other_range, Some(&mut params)),
+        Err(ProtocolError::BadRange { .. })
+    ));
+    assert_eq!(params, vec![9.0f32; 20]);
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
+    assert_eq!(s.stats().stale_replies, 1, "bad replies are not stale ones");
+    // Shard 1 answers in bf16: its range of the model holds the rounded values, shard 0's range is untouched.
+    let b1 = full_reply(1, r[1].1, &v1, Precision::Bf16);
+    assert_eq!(
+        s.handle_reply(1, FrameKind::Params, &b1, Some(&mut params)),
+        Ok(true)
+    );
+    let rounded: Vec<f32> = v1
+        .iter()
+        .map(|v| half::bf16::from_f32(*v).to_f32())
+        .collect();
+    assert_eq!(&params[10..], &rounded[..]);
+    assert_eq!(&params[..10], &[9.0f32; 10]);
+    // After the reconnect shard 0 is asked again; its f32 reply is read exactly and completes the pull.
+    s.hello(0);
+    s.connected(0, &welcome(0, 0), 1).unwrap();
+    let (t, _) = drain(&mut s);
+    let again = requests(&t);
+    assert_eq!(again.len(), 1);
+    let b0 = full_reply(0, again[0].1, &v0, Precision::F32);
+    assert_eq!(
+        s.handle_reply(0, FrameKind::Params, &b0, Some(&mut params)),
+        Ok(true)
+    );
+    assert_eq!(&params[..10], &v0[..]);
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
 }
