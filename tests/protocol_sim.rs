@@ -15,9 +15,11 @@
 //! - at the end: no slot above 1 (nothing applied twice), every round a shard acknowledged is still in its weights
 //!   unless a crash rolled it back to the checkpoint, every surviving worker finished with every push settled.
 //!
-//! Half the schedules pull deltas of the shards' public copies (lossless f32 deltas, so the slots stay readable):
-//! there the checker also requires that every worker rebuilds its copy bit for bit as the shard holds it, and the
-//! read guarantee is checked on the rebuilt copy, which is what the worker computes on.
+//! Replies travel as the finished frame bodies the shard protocol builds, and the workers read them with the same
+//! [`WorkerSession::handle_reply`] the driver calls; settled rounds are read with the same [`Settled::verdict`].
+//! Every used reply must give the worker, bit for bit, the values the shard answered with, and the read guarantee is
+//! checked on what the worker computes on. Half the schedules pull deltas of the shards' public copies (lossless f32
+//! deltas, so the slots stay readable): there the worker's rebuilt copy must equal the shard's public copy.
 //!
 //! `TETHER_SIM_SCHEDULES` sets how many schedules run (default 10,000), `TETHER_SIM_SEED` replays one seed; a failing
 //! run prints its seed and the whole failure.
@@ -29,14 +31,12 @@ use tether::common::codec::{CodecConfig, Encoder, Scheme};
 use tether::common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether::common::layout::{Init, Layout, TensorSpec};
 use tether::common::protocol::{
-    access_delta, access_push, encode_delta_preamble, Control, Outcome, Precision, PublicRef,
-    PullMode, Welcome,
+    access_push, Control, FrameKind, Outcome, Precision, PullMode, Welcome,
 };
 use tether::common::testing::TestRng;
 use tether::server::protocol::{Action, ConnId, Round, ShardProtocol};
-use tether::server::public::{delta_reply, ReplyTo};
 use tether::server::shard::{ShardCore, ShardSpec};
-use tether::worker::session::{rebuild_public, DeltaDecoder, Event, Transmit, WorkerSession};
+use tether::worker::session::{Event, Settled, Transmit, Verdict, WorkerSession};
 
 const WORKERS: usize = 3;
 const SHARDS: usize = 2;
@@ -109,19 +109,12 @@ enum Lane {
 enum Payload {
     Control(Control),
     Push(bytes::Bytes),
+    /// A pull reply as it travels: the frame the shard protocol finished, byte for byte.
     Reply {
-        request: u64,
-        clock: u64,
-        version: u64,
-        min_clock: u64,
-        values: Vec<f32>,
-        /// Harness bookkeeping, not on the wire: the shard's live members and their join clocks when it answered.
-        live: Vec<(usize, u64)>,
-    },
-    /// A delta reply body as it travels (real header and frames).
-    Delta {
+        kind: FrameKind,
         body: rkyv::util::AlignedVec,
-        /// Harness bookkeeping: the shard's public copy the reply must rebuild, and its live members.
+        /// Harness bookkeeping, not on the wire: the values the worker must end up with (the weights, or the public
+        /// copy for a delta reply), and the shard's live members and their join clocks when it answered.
         expect: Vec<f32>,
         live: Vec<(usize, u64)>,
     },
@@ -202,9 +195,6 @@ struct SimWorker {
     conns: Vec<Option<ConnId>>,
     connecting: Vec<bool>,
     params: Vec<f32>,
-    /// The public copies this worker holds (delta mode).
-    public: Vec<f32>,
-    decoder: DeltaDecoder,
     rounds: u64,
 }
 
@@ -300,6 +290,17 @@ impl Sim {
     fn new(seed: u64) -> Sim {
         let mut rng = TestRng::new(seed);
         let faults = Faults::draw(&mut rng);
+        Sim::build(rng, faults)
+    }
+
+    /// The schedule of `seed` under the given fault mix instead of the drawn one.
+    fn with_faults(seed: u64, faults: Faults) -> Sim {
+        let mut rng = TestRng::new(seed);
+        let _drawn = Faults::draw(&mut rng);
+        Sim::build(rng, faults)
+    }
+
+    fn build(mut rng: TestRng, faults: Faults) -> Sim {
         let layout = layout();
         let ranges: Vec<(u64, u64)> = (0..SHARDS)
             .map(|k| {
@@ -313,6 +314,7 @@ impl Sim {
                     w as u32,
                     layout.hash(),
                     ranges.clone(),
+                    faults.staleness,
                     pull_mode(&faults),
                     HEARTBEAT_MS,
                 ),
@@ -321,8 +323,6 @@ impl Sim {
                 conns: vec![None; SHARDS],
                 connecting: vec![false; SHARDS],
                 params: vec![0.0; layout.len()],
-                public: vec![0.0; layout.len()],
-                decoder: DeltaDecoder::default(),
                 rounds: 0,
             })
             .collect();
@@ -460,15 +460,15 @@ impl Sim {
                             self.note(format!("w{w} pull done at clock {clock}"));
                         }
                     }
-                    Event::Settled {
-                        shard,
-                        clock,
-                        outcome,
-                        frame,
-                    } => {
+                    Event::Settled(settled) => {
                         // An accepted update: the worker learned that its push is in (applied now or before).
-                        let skip = access_push(&frame).map(|f| f.meta().skip).unwrap_or(true);
-                        if !skip && matches!(outcome, Outcome::Applied | Outcome::Duplicate) {
+                        let Settled {
+                            shard,
+                            clock,
+                            outcome,
+                            ..
+                        } = settled;
+                        if settled.verdict() == Verdict::Taken {
                             self.shards[shard].acked.insert((w, clock));
                         }
                         self.note(format!("w{w} s{shard} round {clock}: {outcome:?}"));
@@ -552,77 +552,36 @@ impl Sim {
                 return Ok(());
             };
             match action {
-                Action::Answer(p) if matches!(p.mode, PullMode::Delta { .. }) => {
-                    let PullMode::Delta { have } = p.mode else {
-                        unreachable!("matched above")
-                    };
-                    let (start, end) = self.ranges(k);
+                Action::Answer { pull: p, reply } => {
                     let proto = self.shards[k]
                         .proto
-                        .as_mut()
+                        .as_ref()
                         .expect("shard is up: it produced an action");
-                    let a = proto
-                        .core_mut()
-                        .answer_public(have)
-                        .map_err(|e| format!("shard {k} cannot cut: {e}"))?;
-                    let expect = proto
-                        .core()
-                        .public()
-                        .expect("just answered")
-                        .values()
-                        .to_vec();
-                    let min_clock = proto.core().clocks().min_clock();
-                    let to = ReplyTo {
-                        shard: k as u32,
-                        request: p.request,
-                        clock: p.clock,
-                        min_clock,
-                        epoch: 0,
-                        range: (start as u64, end as u64),
+                    // What the reply must give the worker: the weights, or the public copy it was cut from.
+                    let expect = match p.mode {
+                        PullMode::Delta { .. } => {
+                            proto.public().map(|(_, v)| v.to_vec()).ok_or_else(|| {
+                                format!("shard {k} answered a delta pull without a public copy")
+                            })?
+                        }
+                        PullMode::Full(_) => proto.weights().to_vec(),
                     };
-                    let (header, chunks) = delta_reply(to, a.version, a.newest, a.answer);
                     let mut body = rkyv::util::AlignedVec::new();
-                    body.extend_from_slice(
-                        &encode_delta_preamble(&header).map_err(|e| e.to_string())?,
-                    );
-                    for c in &chunks {
+                    for c in &reply.chunks {
                         body.extend_from_slice(c);
                     }
-                    proto.answered(p.clock, body.len() as u64);
                     let live = self.live_members(k);
-                    // The copy the worker will compute on must satisfy the guarantee for the pull's clock.
+                    // The values the worker will compute on must satisfy the guarantee for the pull's clock.
                     self.check_read(k, p.worker as usize, p.clock, &expect, &live)?;
                     self.send(Msg {
                         conn: p.conn,
                         worker: p.worker as usize,
                         shard: k,
                         lane: Lane::ReplyDown,
-                        payload: Payload::Delta { body, expect, live },
-                    });
-                }
-                Action::Answer(p) => {
-                    let (start, end) = self.ranges(k);
-                    let proto = self.shards[k]
-                        .proto
-                        .as_mut()
-                        .expect("shard is up: it produced an action");
-                    let values = proto.core().weights().to_vec();
-                    let version = proto.core().version();
-                    let min_clock = proto.core().clocks().min_clock();
-                    proto.answered(p.clock, 4 * (end - start) as u64);
-                    let live = self.live_members(k);
-                    self.check_read(k, p.worker as usize, p.clock, &values, &live)?;
-                    self.send(Msg {
-                        conn: p.conn,
-                        worker: p.worker as usize,
-                        shard: k,
-                        lane: Lane::ReplyDown,
                         payload: Payload::Reply {
-                            request: p.request,
-                            clock: p.clock,
-                            version,
-                            min_clock,
-                            values,
+                            kind: reply.kind,
+                            body,
+                            expect,
                             live,
                         },
                     });
@@ -817,9 +776,7 @@ impl Sim {
                         }),
                     });
                 }
-                Payload::Reply { .. } | Payload::Delta { .. } => {
-                    return Err("reply travelling up".into())
-                }
+                Payload::Reply { .. } => return Err("reply travelling up".into()),
             }
             self.drain_shard(k)?;
         } else {
@@ -834,71 +791,41 @@ impl Sim {
                     self.workers[w].session.pull_refused(k, request, code)
                 }
                 Payload::Reply {
-                    request,
-                    clock,
-                    version,
-                    min_clock,
-                    values,
+                    kind,
+                    body,
+                    expect,
                     live,
                 } => {
-                    if self.workers[w]
-                        .session
-                        .reply(k, request, clock, version, min_clock, 0, None)
-                    {
-                        self.used_replies += 1;
-                        // What the worker computes on must satisfy the guarantee for the clock it pulls at.
-                        let pulling_at = self.workers[w].session.clock();
-                        self.check_read(k, w, pulling_at, &values, &live)?;
-                        let (start, end) = self.ranges(k);
-                        self.workers[w].params[start..end].copy_from_slice(&values);
-                    }
-                }
-                Payload::Delta { body, expect, live } => {
-                    let (start, end) = self.ranges(k);
-                    let view = access_delta(&body, start as u64, end as u64)
-                        .map_err(|e| format!("shard {k} sent a bad delta reply: {e}"))?;
-                    let h = view.header;
-                    let newest = PublicRef {
-                        lineage: h.lineage.to_native(),
-                        seq: h.seq.to_native(),
-                    };
+                    // The driver's own reply path: validate, judge, decode into the parameters.
                     let sw = &mut self.workers[w];
-                    let mut stage = vec![0.0f32; end - start];
-                    let held = sw.session.public(k);
-                    if let Err(e) = rebuild_public(
-                        &view,
-                        held,
-                        &sw.public[start..end],
-                        &mut stage,
-                        &mut sw.decoder,
-                    ) {
-                        return Err(format!("worker {w} cannot apply shard {k}'s delta: {e}"));
-                    }
-                    let used = sw.session.reply(
-                        k,
-                        h.request.to_native(),
-                        h.clock.to_native(),
-                        h.version.to_native(),
-                        h.min_clock.to_native(),
-                        h.epoch.to_native(),
-                        Some(newest),
-                    );
+                    let used = sw
+                        .session
+                        .handle_reply(k, kind, &body, Some(&mut sw.params))
+                        .map_err(|e| format!("worker {w} cannot use shard {k}'s reply: {e}"))?;
                     if used {
                         self.used_replies += 1;
-                        if stage
+                        let (start, end) = self.ranges(k);
+                        let got = &self.workers[w].params[start..end];
+                        if got
                             .iter()
                             .zip(&expect)
                             .any(|(a, b)| a.to_bits() != b.to_bits())
                         {
                             return Err(format!(
-                                "worker {w} rebuilt shard {k}'s public copy {newest:?} with other bits than the shard's"
+                                "worker {w} read shard {k}'s {kind:?} reply into other bits than the shard answered with"
                             ));
                         }
+                        if kind == FrameKind::Delta
+                            && self.workers[w].session.public_values()[start..end] != expect[..]
+                        {
+                            return Err(format!(
+                                "worker {w} holds another public copy of shard {k} than the shard"
+                            ));
+                        }
+                        // What the worker computes on must satisfy the guarantee for the clock it pulls at.
                         let pulling_at = self.workers[w].session.clock();
-                        self.check_read(k, w, pulling_at, &stage, &live)?;
-                        let sw = &mut self.workers[w];
-                        sw.public[start..end].copy_from_slice(&stage);
-                        sw.params[start..end].copy_from_slice(&stage);
+                        let values = self.workers[w].params[start..end].to_vec();
+                        self.check_read(k, w, pulling_at, &values, &live)?;
                     }
                 }
                 other => return Err(format!("shard sent {other:?}")),
@@ -991,6 +918,7 @@ impl Sim {
             w as u32,
             self.layout.hash(),
             ranges,
+            self.faults.staleness,
             pull_mode(&self.faults),
             HEARTBEAT_MS,
         );
@@ -1172,7 +1100,8 @@ impl Sim {
                     shard: shard as u32,
                     range_start: r.start as u64,
                     range_end: r.end as u64,
-                    staleness: self.faults.staleness.bound(),
+                    // What the shard runs under, as a server announces its configured bound.
+                    staleness: p.core().clocks().staleness().bound(),
                     min_clock: joined.min_clock,
                     version: joined.version,
                     clock: joined.clock,
@@ -1413,21 +1342,23 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
 #[test]
 fn a_step_ten_times_the_timeout_is_not_silence() {
     // No faults but slow steps: every step lasts 10 × the eviction timeout; heartbeats keep every worker a member.
-    let mut sim = Sim::new(42);
-    sim.faults = Faults {
-        staleness: Staleness::Bounded(1),
-        max_latency_ms: 5,
-        duplicate_per_mille: 0,
-        break_per_mille: 0,
-        stall_per_mille: 0,
-        shard_crash_per_mille: 0,
-        worker_crash_per_mille: 0,
-        slow_step_per_mille: 1000,
-        slow_step_ms: 10 * TIMEOUT_MS,
-        slow_step_jitter_ms: 0,
-        skip_per_mille: 0,
-        delta: true,
-    };
+    let mut sim = Sim::with_faults(
+        42,
+        Faults {
+            staleness: Staleness::Bounded(1),
+            max_latency_ms: 5,
+            duplicate_per_mille: 0,
+            break_per_mille: 0,
+            stall_per_mille: 0,
+            shard_crash_per_mille: 0,
+            worker_crash_per_mille: 0,
+            slow_step_per_mille: 1000,
+            slow_step_ms: 10 * TIMEOUT_MS,
+            slow_step_jitter_ms: 0,
+            skip_per_mille: 0,
+            delta: true,
+        },
+    );
     sim.run().expect("run completes");
     let evictions: u64 = sim.shards.iter().map(|s| s.evictions).sum();
     assert_eq!(evictions, 0, "a slow worker was evicted");

@@ -66,14 +66,16 @@ async fn handle(conn: quinn::Connection, counters: Arc<Counters>) -> Result<(), 
             }
             version += 1;
             let reply = ParamReply {
-                shard: SHARD,
-                request: meta.clock,
-                clock: meta.clock,
-                version,
-                min_clock: 0,
-                epoch: 0,
-                range_start: RANGE.0,
-                range_end: RANGE.1,
+                header: ReplyHeader {
+                    shard: SHARD,
+                    request: meta.clock,
+                    clock: meta.clock,
+                    version,
+                    min_clock: 0,
+                    epoch: 0,
+                    range_start: RANGE.0,
+                    range_end: RANGE.1,
+                },
                 precision: Precision::Bf16,
                 values: vec![0; 2 * (RANGE.1 - RANGE.0) as usize],
             };
@@ -380,7 +382,7 @@ async fn good_worker(conn: quinn::Connection, replies: Arc<AtomicU64>, stop: Arc
             .unwrap();
         let reply = access_params(&frame.body).unwrap();
         reply.check_shape(RANGE.0, RANGE.1).unwrap();
-        assert_eq!(reply.clock.to_native(), clock);
+        assert_eq!(reply.header.clock.to_native(), clock);
         replies.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -7,13 +7,13 @@ use tether_common::protocol::*;
 
 fn all_controls() -> Vec<Control> {
     vec![
-        Control::Hello {
+        Control::Hello(Hello {
             rank: 3,
             protocol_version: PROTOCOL_VERSION,
             layout_hash: 0xdead_beef_0123_4567,
             clock: 12,
-        },
-        Control::Welcome {
+        }),
+        Control::Welcome(Welcome {
             shard: 1,
             range_start: 100,
             range_end: 2_000_000,
@@ -21,8 +21,8 @@ fn all_controls() -> Vec<Control> {
             min_clock: 17,
             version: 99,
             clock: 18,
-        },
-        Control::Welcome {
+        }),
+        Control::Welcome(Welcome {
             shard: 0,
             range_start: 0,
             range_end: 1,
@@ -30,7 +30,7 @@ fn all_controls() -> Vec<Control> {
             min_clock: 0,
             version: 0,
             clock: 0,
-        },
+        }),
         Control::Heartbeat { clock: u64::MAX },
         Control::PullRequest {
             request: 1,
@@ -97,14 +97,16 @@ fn push() -> PushFrame {
 
 fn reply() -> ParamReply {
     ParamReply {
-        shard: 1,
-        request: 77,
-        clock: 11,
-        version: 56,
-        min_clock: 9,
-        epoch: 2,
-        range_start: 10,
-        range_end: 14,
+        header: ReplyHeader {
+            shard: 1,
+            request: 77,
+            clock: 11,
+            version: 56,
+            min_clock: 9,
+            epoch: 2,
+            range_start: 10,
+            range_end: 14,
+        },
         precision: Precision::F32,
         values: [1.0f32, -2.5, 0.0, 3.25]
             .iter()
@@ -178,6 +180,7 @@ fn error_codes_are_stable() {
         (ErrorCode::Shutdown, 16),
         (ErrorCode::UnexpectedMessage, 17),
         (ErrorCode::RolledBack, 18),
+        (ErrorCode::ConfigMismatch, 19),
     ];
     assert_eq!(table, expected);
     for (code, n) in expected {
@@ -185,7 +188,7 @@ fn error_codes_are_stable() {
         assert_eq!(code.close_code().into_inner(), u64::from(n));
     }
     assert_eq!(ErrorCode::from_code(0), None);
-    assert_eq!(ErrorCode::from_code(19), None);
+    assert_eq!(ErrorCode::from_code(20), None);
 }
 
 #[test]

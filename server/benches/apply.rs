@@ -1,6 +1,6 @@
 //! The shard's hot paths: a q4 push through `ShardCore::apply` (validate, decode into scratch, finiteness and norm,
 //! Adam step) at 1M and 8M parameters per shard, next to the bare Adam step on the same size so the cost of
-//! validation and decoding is visible; and the pull path (`actor::encode_values`, f32 → little-endian bytes) at 8M
+//! validation and decoding is visible; and the pull path (`protocol::encode_values`, f32 → little-endian bytes) at 8M
 //! parameters next to a plain memcpy of the same bytes. Criterion reports elements/s = parameters/s; frames/s is
 //! that divided by the shard size.
 //!
@@ -12,9 +12,9 @@ use criterion::{criterion_main, Criterion, Throughput};
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether_common::layout::{Init, Layout, TensorSpec};
+use tether_common::protocol::encode_values;
 use tether_common::protocol::Precision;
 use tether_common::testing::noise;
-use tether_server::actor::encode_values;
 use tether_server::optim::Optimizer;
 use tether_server::shard::{Push, ShardCore, ShardSpec};
 

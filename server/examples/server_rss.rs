@@ -14,7 +14,7 @@ use tether_common::config::{Config, Staleness};
 use tether_common::layout::model_layout;
 use tether_common::protocol::{encode_push, Outcome, Precision, PullMode, PushFrame};
 use tether_common::testing::noise;
-use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Hello, Pull, ReplyBody};
+use tether_server::actor::{ApplyPush, CheckpointNow, GetStats, Hello, Pull};
 use tether_server::node::{start_shard, ShardOptions};
 
 /// One line of /proc/self/status in kB (Linux only; 0 elsewhere).
@@ -106,9 +106,9 @@ fn main() {
                     let pull = Pull { conn: u64::from(w), worker: w, request: clock, clock, mode };
                     let rx = addr.send(pull).await.expect("pull").expect("pull accepted");
                     let reply = rx.await.expect("pull answered").expect("pull ok");
-                    let read_version = reply.version;
-                    if let ReplyBody::Public(a) = &reply.body {
-                        have = Some(a.newest);
+                    let read_version = reply.header.version;
+                    if reply.public.is_some() {
+                        have = reply.public;
                     }
                     drop(reply);
                     let body = encode_push(&PushFrame {

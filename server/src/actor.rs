@@ -1,6 +1,7 @@
 //! `ShardActor`: the actix shell that owns one shard's [`ShardProtocol`] (and through it the `ShardCore`) on its own
-//! Arbiter. It turns messages from the connection sessions into protocol calls and the protocol's actions into
-//! replies: pulls are answered through oneshot channels when the protocol releases them, connections are closed
+//! Arbiter. It turns messages from the connection sessions into protocol calls and moves the protocol's actions to
+//! their sessions: finished pull replies (built by the protocol, byte for byte what goes on the wire) go through
+//! oneshot channels when the protocol releases them, connections are closed
 //! through their kick channel, silent workers are evicted on a timer. Its mailbox is bounded (senders wait when it is
 //! full: backpressure reaches the QUIC streams); checkpoints are snapshotted inside the actor but written on a
 //! blocking thread so training does not stop.
@@ -16,64 +17,16 @@ use tracing::{debug, info, warn};
 use rkyv::util::AlignedVec;
 use tether_common::metrics::ServerMetrics;
 use tether_common::protocol::{
-    access_push, ErrorCode, Outcome, Precision, ProtocolError, PublicRef, PullMode,
+    access_push, ErrorCode, Outcome, ProtocolError, PublicRef, PullMode,
 };
 
 use crate::checkpoint::CheckpointStore;
-use crate::protocol::{Action, ConnId, Joined, ShardProtocol};
-use crate::public::Answer;
+use crate::protocol::{Action, ConnId, Joined, ShardProtocol, WireReply};
 use crate::remote::RemoteStore;
 use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REASONS};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
 pub const MAILBOX: usize = 64;
-
-/// Replaces the contents of `out` with `weights` as little-endian values in `precision`: the body of a pull reply.
-/// Sized once (only growth is zero-filled, so a reused buffer is written in one pass) and filled through fixed-width
-/// chunks, so the loop compiles to straight copies (f32) or conversions (bf16) with no per-value capacity checks.
-pub fn encode_values(weights: &[f32], precision: Precision, out: &mut Vec<u8>) {
-    let len = weights.len() * precision.width();
-    out.truncate(len);
-    out.resize(len, 0);
-    match precision {
-        Precision::F32 => {
-            for (dst, v) in out.chunks_exact_mut(4).zip(weights) {
-                dst.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        Precision::Bf16 => {
-            for (dst, v) in out.chunks_exact_mut(2).zip(weights) {
-                dst.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
-            }
-        }
-    }
-}
-
-/// Parameters returned to a pull.
-#[derive(Debug, Clone)]
-pub struct PullReply {
-    /// The request this answers.
-    pub request: u64,
-    /// Shard version of the values.
-    pub version: u64,
-    /// Minimum clock when answered.
-    pub min_clock: u64,
-    /// The pull's clock.
-    pub clock: u64,
-    /// The shard's rollback epoch.
-    pub epoch: u64,
-    /// What to send.
-    pub body: ReplyBody,
-}
-
-/// The payload of a pull reply.
-#[derive(Debug, Clone)]
-pub enum ReplyBody {
-    /// The current weights, little-endian, at this precision (a `Params` frame).
-    Values(Precision, Vec<u8>),
-    /// The public copy (a `Delta` frame).
-    Public(crate::shard::PublicAnswer),
-}
 
 /// A worker's hello on connection `conn` (the explicit rejoin at `clock`). `kick` is fired with a close code when
 /// the shard wants this connection closed (the worker was evicted).
@@ -129,9 +82,10 @@ pub struct ApplyPush {
     pub body: AlignedVec,
 }
 
-/// A pull request; on success the receiver resolves when the SSP gate allows (or with the refusal).
+/// A pull request; on success the receiver resolves with the finished reply when the SSP gate allows (or with the
+/// refusal).
 #[derive(Message)]
-#[rtype(result = "Result<oneshot::Receiver<Result<PullReply, ShardError>>, ShardError>")]
+#[rtype(result = "Result<oneshot::Receiver<Result<WireReply, ShardError>>, ShardError>")]
 pub struct Pull {
     /// The connection.
     pub conn: ConnId,
@@ -169,7 +123,7 @@ pub struct GetPublic;
 pub struct ShardActor {
     proto: ShardProtocol,
     started: Instant,
-    waiting: HashMap<u64, (Instant, oneshot::Sender<Result<PullReply, ShardError>>)>,
+    waiting: HashMap<u64, (Instant, oneshot::Sender<Result<WireReply, ShardError>>)>,
     kicks: HashMap<ConnId, oneshot::Sender<Option<ErrorCode>>>,
     store: Option<Arc<CheckpointStore>>,
     /// Object storage the checkpoints are uploaded to after each local write, and whether local copies are kept.
@@ -248,65 +202,26 @@ impl ShardActor {
         self.started.elapsed().as_millis() as u64
     }
 
-    /// Carries out what the protocol asks for: answers released pulls, refuses dropped ones, closes connections.
+    /// Carries out what the protocol asks for: sends finished replies, refuses dropped pulls, closes connections.
     fn run_actions(&mut self) {
-        let epoch = self.proto.core().epoch();
+        let epoch = self.proto.epoch();
         if epoch > self.epoch {
             if let Some(m) = &self.metrics {
                 m.rollbacks.inc_by(epoch - self.epoch);
-                m.version.set(self.proto.core().version() as i64);
+                m.version.set(self.proto.version() as i64);
             }
         }
         self.epoch = epoch;
         while let Some(action) = self.proto.poll_action() {
             match action {
-                Action::Answer(p) => {
-                    let Some((since, tx)) = self.waiting.remove(&p.token) else {
+                Action::Answer { pull, reply } => {
+                    let Some((since, tx)) = self.waiting.remove(&pull.token) else {
                         continue;
                     };
-                    if tx.is_closed() {
-                        continue;
-                    }
                     if let Some(m) = &self.metrics {
                         m.pull_wait.observe(since.elapsed().as_secs_f64());
                     }
-                    let (version, bytes, body) = match p.mode {
-                        PullMode::Full(precision) => {
-                            let mut values = Vec::new();
-                            encode_values(self.proto.core().weights(), precision, &mut values);
-                            let version = self.proto.core().version();
-                            (version, values.len(), ReplyBody::Values(precision, values))
-                        }
-                        PullMode::Delta { have } => {
-                            match self.proto.core_mut().answer_public(have) {
-                                Ok(a) => {
-                                    let bytes = match &a.answer {
-                                        Answer::NotModified => 0,
-                                        Answer::Full(b) => b.len(),
-                                        Answer::Deltas { cuts, .. } => {
-                                            cuts.iter().map(|c| c.len()).sum()
-                                        }
-                                    };
-                                    (a.version, bytes, ReplyBody::Public(a))
-                                }
-                                Err(e) => {
-                                    warn!(shard = self.proto.core().shard(), error = %e, "cannot cut the public copy");
-                                    let _ = tx.send(Err(ShardError::Codec(e.to_string())));
-                                    continue;
-                                }
-                            }
-                        }
-                    };
-                    self.proto.answered(p.clock, bytes as u64);
-                    let core = self.proto.core();
-                    let _ = tx.send(Ok(PullReply {
-                        request: p.request,
-                        version,
-                        min_clock: core.clocks().min_clock(),
-                        clock: p.clock,
-                        epoch: core.epoch(),
-                        body,
-                    }));
+                    let _ = tx.send(Ok(reply));
                 }
                 Action::Refuse { token, error, .. } => {
                     if let Some((_, tx)) = self.waiting.remove(&token) {
@@ -324,7 +239,7 @@ impl ShardActor {
 
     fn update_live(&self) {
         if let Some(m) = &self.metrics {
-            m.workers_live.set(self.proto.core().clocks().live() as i64);
+            m.workers_live.set(self.proto.live() as i64);
         }
     }
 
@@ -333,10 +248,10 @@ impl ShardActor {
             return;
         }
         // While the loss looks like a spike, a checkpoint could capture it; the next one after the verdict is taken.
-        if self.proto.core().rollback().is_some_and(|r| r.suspect()) {
+        if self.proto.spike_suspected() {
             return;
         }
-        if self.proto.core().version() >= self.last_checkpoint_version + self.every_updates {
+        if self.proto.version() >= self.last_checkpoint_version + self.every_updates {
             let fut = self.spawn_checkpoint(false);
             ctx.spawn(fut.into_actor(self).map(|_, act, _| act.writing = false));
         }
@@ -350,14 +265,14 @@ impl ShardActor {
         let store = self.store.clone();
         let remote = self.remote.clone();
         let uploading = self.uploading.clone();
-        let snap = store.as_ref().map(|_| self.proto.core().snapshot());
-        let version = self.proto.core().version();
+        let snap = store.as_ref().map(|_| self.proto.snapshot());
+        let version = self.proto.version();
         let metrics = self.metrics.clone();
         if snap.is_some() {
             self.writing = true;
             self.last_checkpoint_version = version;
         }
-        let shard = self.proto.core().shard();
+        let shard = self.proto.shard();
         async move {
             let (Some(store), Some(snap)) = (store, snap) else {
                 return Ok(None);
@@ -415,7 +330,7 @@ impl Actor for ShardActor {
             let evicted = act.proto.tick(now);
             if !evicted.is_empty() {
                 warn!(
-                    shard = act.proto.core().shard(),
+                    shard = act.proto.shard(),
                     ?evicted,
                     "evicted silent workers"
                 );
@@ -445,7 +360,7 @@ impl Handler<Hello> for ShardActor {
         if joined.is_ok() {
             self.kicks.insert(msg.conn, msg.kick);
             debug!(
-                shard = self.proto.core().shard(),
+                shard = self.proto.shard(),
                 worker = msg.worker,
                 ?joined,
                 "worker joined"
@@ -516,7 +431,7 @@ impl Handler<ApplyPush> for ShardActor {
             }
         }
         if let Err(e) = &applied {
-            debug!(shard = self.proto.core().shard(), worker = meta.worker, clock = meta.clock, error = %e, "push refused");
+            debug!(shard = self.proto.shard(), worker = meta.worker, clock = meta.clock, error = %e, "push refused");
         }
         self.run_actions();
         if matches!(applied, Ok(Some(_))) {
@@ -527,7 +442,7 @@ impl Handler<ApplyPush> for ShardActor {
 }
 
 impl Handler<Pull> for ShardActor {
-    type Result = Result<oneshot::Receiver<Result<PullReply, ShardError>>, ShardError>;
+    type Result = Result<oneshot::Receiver<Result<WireReply, ShardError>>, ShardError>;
     fn handle(&mut self, msg: Pull, _: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
         let token = self
@@ -543,28 +458,22 @@ impl Handler<Pull> for ShardActor {
 impl Handler<GetStats> for ShardActor {
     type Result = MessageResult<GetStats>;
     fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
-        let core = self.proto.core();
-        MessageResult((core.version(), core.stats().clone(), core.clocks().live()))
+        let p = &self.proto;
+        MessageResult((p.version(), p.stats().clone(), p.live()))
     }
 }
 
 impl Handler<GetPublic> for ShardActor {
     type Result = MessageResult<GetPublic>;
     fn handle(&mut self, _: GetPublic, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(
-            self.proto
-                .core()
-                .public()
-                .map(|p| (p.newest(), p.values().to_vec())),
-        )
+        MessageResult(self.proto.public().map(|(cut, v)| (cut, v.to_vec())))
     }
 }
 
 impl Handler<GetWeights> for ShardActor {
     type Result = MessageResult<GetWeights>;
     fn handle(&mut self, _: GetWeights, _: &mut Context<Self>) -> Self::Result {
-        let core = self.proto.core();
-        MessageResult((core.version(), core.weights().to_vec()))
+        MessageResult((self.proto.version(), self.proto.weights().to_vec()))
     }
 }
 

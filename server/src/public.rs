@@ -19,7 +19,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder};
-use tether_common::protocol::{DeltaHeader, DeltaKind, PublicRef};
+use tether_common::protocol::PublicRef;
 
 /// Values per delta frame.
 pub const DELTA_CHUNK: usize = 1 << 16;
@@ -239,55 +239,6 @@ impl PublicCopy {
         }
         Answer::Full(full_bytes(&self.values))
     }
-}
-
-/// The addressing of one delta reply: which pull it answers and what the shard reports with it.
-#[derive(Debug, Clone, Copy)]
-pub struct ReplyTo {
-    /// Answering shard.
-    pub shard: u32,
-    /// The pull's request id.
-    pub request: u64,
-    /// The pull's clock.
-    pub clock: u64,
-    /// Minimum clock when answered.
-    pub min_clock: u64,
-    /// The shard's rollback epoch.
-    pub epoch: u64,
-    /// The shard's range.
-    pub range: (u64, u64),
-}
-
-/// The header and payload chunks of the delta reply for `answer` (the cut version, the newest cut and what to send):
-/// the header is per reply, the chunks are the shared bytes of the cuts (or of the whole copy).
-pub fn delta_reply(
-    to: ReplyTo,
-    version: u64,
-    newest: PublicRef,
-    answer: Answer,
-) -> (DeltaHeader, Vec<Bytes>) {
-    let (kind, base, frames, chunks) = match answer {
-        Answer::NotModified => (DeltaKind::NotModified, newest.seq, Vec::new(), Vec::new()),
-        Answer::Full(b) => (DeltaKind::Full, newest.seq, vec![b.len() as u32], vec![b]),
-        Answer::Deltas { base, cuts, lens } => (DeltaKind::Deltas, base, lens, cuts),
-    };
-    let header = DeltaHeader {
-        shard: to.shard,
-        request: to.request,
-        clock: to.clock,
-        version,
-        min_clock: to.min_clock,
-        epoch: to.epoch,
-        range_start: to.range.0,
-        range_end: to.range.1,
-        lineage: newest.lineage,
-        base,
-        seq: newest.seq,
-        kind,
-        chunk: DELTA_CHUNK.min((to.range.1 - to.range.0).max(1) as usize) as u32,
-        frames,
-    };
-    (header, chunks)
 }
 
 /// The public values as little-endian f32 bytes without a copy: the reply shares the `Arc` (a cut taken while it is

@@ -14,19 +14,16 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tracing::{debug, info, warn};
 
 use tether_common::net::{
-    close_with, peer_identity, recv_bulk, reject, send_bulk, send_bulk_chunks, server_accept_hello,
+    close_with, peer_identity, recv_bulk, reject, send_bulk_chunks, server_accept_hello,
     ControlChannel, ControlReceiver, ControlSender, NetError,
 };
 use tether_common::protocol::{
-    access_push, encode_delta_preamble, encode_params, Control, ErrorCode, FrameKind, FrameLimits,
-    Outcome, ParamReply, ProtocolError, PullMode, Welcome,
+    access_push, Control, ErrorCode, FrameKind, FrameLimits, Outcome, ProtocolError, PullMode,
+    Welcome,
 };
 
-use crate::actor::{
-    ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, PullReply, ReplyBody, ShardActor,
-};
+use crate::actor::{ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ShardActor};
 use crate::protocol::ConnId;
-use crate::public::{delta_reply, ReplyTo};
 
 /// A peer must finish the handshake within this time.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -297,7 +294,8 @@ impl Session {
                 }
                 Err(_) => return,
             };
-            match send_reply(&conn, ctx.shard, ctx.range, reply).await {
+            // The protocol finished the reply: it goes on the wire as it is.
+            match send_bulk_chunks(&conn, reply.kind, reply.chunks).await {
                 Ok(()) => {}
                 Err(NetError::Protocol(e)) => {
                     warn!(shard = ctx.shard, worker, error = %e, "cannot encode pull reply")
@@ -306,46 +304,6 @@ impl Session {
             }
         });
         true
-    }
-}
-
-/// Sends one pull reply: a `Params` frame with the weights, or a `Delta` frame whose per-reply header is followed
-/// by the shared bytes of the cuts (no copy per worker).
-async fn send_reply(
-    conn: &quinn::Connection,
-    shard: u32,
-    range: (u64, u64),
-    reply: PullReply,
-) -> Result<(), NetError> {
-    match reply.body {
-        ReplyBody::Values(precision, values) => {
-            let frame = ParamReply {
-                shard,
-                request: reply.request,
-                clock: reply.clock,
-                version: reply.version,
-                min_clock: reply.min_clock,
-                epoch: reply.epoch,
-                range_start: range.0,
-                range_end: range.1,
-                precision,
-                values,
-            };
-            send_bulk(conn, FrameKind::Params, &encode_params(&frame)?).await
-        }
-        ReplyBody::Public(a) => {
-            let to = ReplyTo {
-                shard,
-                request: reply.request,
-                clock: reply.clock,
-                min_clock: reply.min_clock,
-                epoch: reply.epoch,
-                range,
-            };
-            let (header, mut chunks) = delta_reply(to, reply.version, a.newest, a.answer);
-            chunks.insert(0, encode_delta_preamble(&header)?);
-            send_bulk_chunks(conn, FrameKind::Delta, chunks).await
-        }
     }
 }
 

@@ -9,12 +9,15 @@ use actix::Addr;
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether_common::layout::{mlp_layout, Layout};
-use tether_common::protocol::{encode_push, ErrorCode, Outcome, Precision, PullMode, PushFrame};
+use tether_common::protocol::{
+    decode_params, encode_push, encode_values, ErrorCode, FrameKind, Outcome, ParamReply,
+    Precision, PullMode, PushFrame,
+};
 use tether_server::actor::{
-    encode_values, ApplyPush, CheckpointNow, GetStats, GetWeights, Heartbeat, Hello, Pull,
-    PullReply, ReplyBody, ShardActor,
+    ApplyPush, CheckpointNow, GetStats, GetWeights, Heartbeat, Hello, Pull, ShardActor,
 };
 use tether_server::checkpoint::CheckpointStore;
+use tether_server::protocol::WireReply;
 use tether_server::protocol::MAX_PARKED_PER_WORKER;
 use tether_server::shard::{ShardCore, ShardError, ShardSpec};
 use tokio::sync::oneshot;
@@ -109,7 +112,7 @@ async fn join_kicked(
     (joined.clock, kicked)
 }
 
-type Reply = oneshot::Receiver<Result<PullReply, ShardError>>;
+type Reply = oneshot::Receiver<Result<WireReply, ShardError>>;
 
 /// Sends a pull of `worker` at `clock`; the receiver resolves when the gate opens. A refusal is an error here.
 async fn pull(
@@ -129,14 +132,21 @@ async fn pull(
     .unwrap()
 }
 
-fn values(reply: &PullReply) -> &[u8] {
-    match &reply.body {
-        ReplyBody::Values(_, v) => v,
-        ReplyBody::Public(_) => panic!("a full pull answered with the public copy"),
-    }
+/// The full reply a finished frame carries, read back as a worker reads it.
+fn params(reply: WireReply) -> ParamReply {
+    assert_eq!(
+        reply.kind,
+        FrameKind::Params,
+        "a full pull answered with the public copy"
+    );
+    decode_params(&reply.chunks.concat()).expect("the shard builds valid replies")
 }
 
-fn f32_values(reply: &PullReply) -> Vec<u32> {
+fn values(reply: &ParamReply) -> &[u8] {
+    &reply.values
+}
+
+fn f32_values(reply: &ParamReply) -> Vec<u32> {
     values(reply)
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
@@ -153,13 +163,18 @@ async fn parked_pull_is_released_by_the_push_that_opens_the_gate() {
     assert_eq!(join(&addr, 0).await, 0);
     assert_eq!(join(&addr, 1).await, 0);
     // Round 0 is open to both.
-    let r = pull(&addr, 0, 0, Precision::F32)
-        .await
-        .unwrap()
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!((r.version, r.clock, r.min_clock), (0, 0, 0));
+    let r = params(
+        pull(&addr, 0, 0, Precision::F32)
+            .await
+            .unwrap()
+            .await
+            .unwrap()
+            .unwrap(),
+    );
+    assert_eq!(
+        (r.header.version, r.header.clock, r.header.min_clock),
+        (0, 0, 0)
+    );
     assert_eq!(push(&addr, 0, 0, 0).await, Ok(1));
     let mut rx = pull(&addr, 0, 1, Precision::F32).await.unwrap();
     // BSP: worker 1 has not pushed round 0, so the pull stays parked.
@@ -170,12 +185,21 @@ async fn parked_pull_is_released_by_the_push_that_opens_the_gate() {
         "answered too early"
     );
     assert_eq!(push(&addr, 1, 0, 0).await, Ok(2));
-    let reply = tokio::time::timeout(Duration::from_secs(5), rx)
-        .await
-        .expect("pull not released")
-        .unwrap()
-        .unwrap();
-    assert_eq!((reply.version, reply.clock, reply.min_clock), (2, 1, 1));
+    let reply = params(
+        tokio::time::timeout(Duration::from_secs(5), rx)
+            .await
+            .expect("pull not released")
+            .unwrap()
+            .unwrap(),
+    );
+    assert_eq!(
+        (
+            reply.header.version,
+            reply.header.clock,
+            reply.header.min_clock
+        ),
+        (2, 1, 1)
+    );
     let (version, weights) = addr.send(GetWeights).await.unwrap();
     assert_eq!(version, 2);
     assert_eq!(
@@ -192,12 +216,14 @@ async fn parked_pull_is_released_by_the_push_that_opens_the_gate() {
 async fn bf16_pull_rounds_each_value() {
     let (addr, arbiter) = start(core(Staleness::Unbounded, 60_000), None, 60_000);
     join(&addr, 0).await;
-    let r = pull(&addr, 0, 0, Precision::Bf16)
-        .await
-        .unwrap()
-        .await
-        .unwrap()
-        .unwrap();
+    let r = params(
+        pull(&addr, 0, 0, Precision::Bf16)
+            .await
+            .unwrap()
+            .await
+            .unwrap()
+            .unwrap(),
+    );
     let (_, weights) = addr.send(GetWeights).await.unwrap();
     assert_eq!(values(&r).len(), 2 * weights.len());
     for (b, w) in values(&r).chunks_exact(2).zip(&weights) {
@@ -225,7 +251,7 @@ async fn a_silent_worker_stops_blocking_within_the_timeout() {
     let deadline = silent_since + Duration::from_millis(TIMEOUT_MS + 2 * TICK_MS + 1_000);
     let reply = loop {
         match tokio::time::timeout(Duration::from_millis(50), &mut rx).await {
-            Ok(r) => break r.unwrap().unwrap(),
+            Ok(r) => break params(r.unwrap().unwrap()),
             Err(_) => {
                 assert!(
                     Instant::now() < deadline,
@@ -246,7 +272,14 @@ async fn a_silent_worker_stops_blocking_within_the_timeout() {
         waited <= Duration::from_millis(TIMEOUT_MS + 2 * TICK_MS + 300),
         "answered only after {waited:?}"
     );
-    assert_eq!((reply.clock, reply.min_clock, reply.version), (1, 1, 1));
+    assert_eq!(
+        (
+            reply.header.clock,
+            reply.header.min_clock,
+            reply.header.version
+        ),
+        (1, 1, 1)
+    );
     let (_, _, live) = addr.send(GetStats).await.unwrap();
     assert_eq!(live, 1, "worker 1 was evicted, worker 0 was not");
     assert_eq!(

@@ -90,7 +90,9 @@ fn pulls_check_membership_connection_and_clock() {
     }
     assert_eq!(p.parked(), 0, "refused pulls hold nothing");
     assert!(p.pull(7, 0, 1, 0, F32, 0).is_ok());
-    assert!(matches!(actions(&mut p).as_slice(), [Action::Answer(a)] if a.request == 1));
+    assert!(
+        matches!(actions(&mut p).as_slice(), [Action::Answer { pull: a, .. }] if a.request == 1)
+    );
     let f = frame(0, 0);
     assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
     assert!(matches!(
@@ -206,10 +208,91 @@ fn eviction_refuses_the_evicted_pulls_and_closes_the_connection() {
     // Worker 0's pull at 1 is released by the eviction.
     assert!(acts
         .iter()
-        .any(|a| matches!(a, Action::Answer(r) if r.worker == 0 && r.request == 5)));
+        .any(|a| matches!(a, Action::Answer { pull: r, .. } if r.worker == 0 && r.request == 5)));
     assert!(!p.core().clocks().is_live(1));
     // Heartbeats on a superseded connection do not keep a worker alive.
     p.hello(12, 0, 1, TIMEOUT).unwrap();
     p.heartbeat(10, 0, 3 * TIMEOUT);
     assert_eq!(p.tick(3 * TIMEOUT), vec![0]);
+}
+
+/// The body of a finished reply, as the worker receives it (one aligned buffer).
+fn body(reply: &tether_server::protocol::WireReply) -> rkyv::util::AlignedVec {
+    let mut b = rkyv::util::AlignedVec::new();
+    for c in &reply.chunks {
+        b.extend_from_slice(c);
+    }
+    b
+}
+
+#[test]
+fn answers_come_out_as_finished_wire_replies_in_the_pulled_precision_and_mode() {
+    use tether_common::protocol::{
+        access_delta, access_params, decode_values, DeltaKind, FrameKind,
+    };
+    let mut p = proto(Staleness::Bounded(0));
+    p.core_mut().set_public(
+        CodecConfig {
+            scheme: Scheme::None,
+            zstd: false,
+            ..CodecConfig::default()
+        },
+        9,
+    );
+    p.hello(1, 0, 0, 0).unwrap();
+    let f = frame(0, 0);
+    assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
+    let weights = p.core().weights().to_vec();
+    assert!(weights.iter().any(|w| *w != 0.0));
+    for (request, precision) in [(10, Precision::F32), (11, Precision::Bf16)] {
+        p.pull(1, 0, request, 1, PullMode::Full(precision), 0)
+            .unwrap();
+        let answered: [Action; 1] = actions(&mut p).try_into().unwrap();
+        let [Action::Answer { pull, reply }] = answered else {
+            panic!("the open gate answers at once");
+        };
+        assert_eq!((pull.request, reply.kind), (request, FrameKind::Params));
+        let b = body(&reply);
+        let r = access_params(&b).unwrap();
+        r.check_shape(0, N as u64).unwrap();
+        let h = r.header.get();
+        assert_eq!(h, reply.header);
+        assert_eq!(
+            (h.shard, h.request, h.clock, h.version, h.min_clock, h.epoch),
+            (0, request, 1, 1, 1, 0)
+        );
+        let mut got = vec![0.0f32; N];
+        decode_values(r.values(), precision, &mut got);
+        let want: Vec<f32> = match precision {
+            Precision::F32 => weights.clone(),
+            Precision::Bf16 => weights
+                .iter()
+                .map(|w| half::bf16::from_f32(*w).to_f32())
+                .collect(),
+        };
+        assert_eq!(got, want);
+    }
+    // A delta pull from nothing held: the whole public copy, whose cut the header names.
+    p.pull(1, 0, 12, 1, PullMode::Delta { have: None }, 0)
+        .unwrap();
+    let answered: [Action; 1] = actions(&mut p).try_into().unwrap();
+    let [Action::Answer { reply, .. }] = answered else {
+        panic!("the open gate answers at once");
+    };
+    assert_eq!(reply.kind, FrameKind::Delta);
+    let b = body(&reply);
+    let view = access_delta(&b, 0, N as u64).unwrap();
+    assert_eq!(view.kind(), DeltaKind::Full);
+    assert_eq!(view.header.header.get(), reply.header);
+    assert_eq!(reply.header.request, 12);
+    let (cut, public) = p.public().unwrap();
+    assert_eq!(reply.public, Some(cut));
+    let mut got = vec![0.0f32; N];
+    decode_values(view.payload, Precision::F32, &mut got);
+    assert_eq!(got, public);
+    assert_eq!(
+        p.stats().pulled_bytes,
+        (4 + 2 + 4) * N as u64,
+        "values counted, headers not"
+    );
 }

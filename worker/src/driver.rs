@@ -2,13 +2,15 @@
 //! messages in order, push frames on uni streams opened in clock order) and two reader tasks (control messages,
 //! pull replies), all feeding one inbox; reconnects with exponential backoff; and the event loop that drives the
 //! session's timers while the trainer waits for a pull or for the compute actor. No protocol rule lives here: every
-//! decision (which reply to use, what to resend, when to heartbeat, when to rejoin) is the session's.
+//! decision (which reply to use, what to resend, when to heartbeat, when to rejoin) is the session's, and so is
+//! reading reply bodies into the model ([`WorkerSession::handle_reply`]); this shell hands it the bytes.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rkyv::util::AlignedVec;
+use tether_common::config::Staleness;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
@@ -17,13 +19,10 @@ use tether_common::net::{
     client_handshake, connect_shard, recv_bulk_any, ControlChannel, ControlReceiver, ControlSender,
     NetError, RefusedBy, TlsPaths,
 };
-use tether_common::protocol::{
-    access_delta, access_params, Control, FrameHeader, FrameKind, FrameLimits, Outcome, Precision,
-    ProtocolError, PublicRef, PullMode, Welcome,
-};
+use tether_common::protocol::{Control, FrameHeader, FrameKind, FrameLimits, PullMode, Welcome};
 
 use crate::error::WorkerError;
-use crate::session::{rebuild_public, DeltaDecoder, Event, Transmit, WorkerSession};
+use crate::session::{Event, Settled, Transmit, Verdict, WorkerSession};
 
 /// What the per-link tasks and connect attempts report to the driver.
 enum Inbound {
@@ -92,19 +91,6 @@ struct Outage {
 /// Latency samples a report keeps (the first ones; 4 MiB at most per vector).
 pub const LATENCY_SAMPLES: usize = 1 << 20;
 
-/// A settled push the trainer must act on (the residual policy).
-#[derive(Debug, Clone)]
-pub struct Refused {
-    /// The shard.
-    pub shard: usize,
-    /// The round.
-    pub clock: u64,
-    /// Why.
-    pub outcome: Outcome,
-    /// The frame as sent.
-    pub frame: Bytes,
-}
-
 /// The network side of one worker.
 pub struct Driver {
     /// The protocol state.
@@ -114,7 +100,6 @@ pub struct Driver {
     servers: Vec<String>,
     server_names: Vec<String>,
     limits: Vec<FrameLimits>,
-    ranges: Vec<(u64, u64)>,
     links: Vec<Option<LinkIo>>,
     outages: Vec<Outage>,
     inbox_tx: mpsc::UnboundedSender<Inbound>,
@@ -124,7 +109,7 @@ pub struct Driver {
     deadline: Duration,
     tls_paths: TlsPaths,
     /// Pushes refused (or dropped by a rejoin), for the residual policy; drained by the trainer.
-    pub refused: Vec<Refused>,
+    pub refused: Vec<Settled>,
     /// Reconnections after a link broke.
     pub reconnects: u64,
     /// Shards that rolled back since the trainer last looked (it resets what it built on their old trajectory).
@@ -136,12 +121,6 @@ pub struct Driver {
     pub push_latency_us: Vec<u32>,
     /// Pushes written to a link and not yet settled: (shard, clock, when).
     in_flight: std::collections::VecDeque<(usize, u64, Instant)>,
-    /// The public copy of every shard this worker holds (delta pulls; empty otherwise).
-    public: Vec<f32>,
-    /// A reply's values are assembled here before they are committed (a bad frame changes nothing).
-    stage: Vec<f32>,
-    /// Decodes delta frames.
-    delta_decoder: Option<DeltaDecoder>,
 }
 
 /// Everything [`Driver::new`] needs.
@@ -160,6 +139,8 @@ pub struct DriverConfig {
     pub limits: Vec<FrameLimits>,
     /// Layout fingerprint.
     pub layout_hash: u64,
+    /// The SSP bound this worker runs under (a shard announcing another is refused).
+    pub staleness: Staleness,
     /// How to pull.
     pub mode: PullMode,
     /// Heartbeat period.
@@ -180,7 +161,8 @@ impl Driver {
             session: WorkerSession::new(
                 cfg.rank,
                 cfg.layout_hash,
-                cfg.ranges.clone(),
+                cfg.ranges,
+                cfg.staleness,
                 cfg.mode,
                 cfg.heartbeat.as_millis() as u64,
             ),
@@ -189,7 +171,6 @@ impl Driver {
             servers: cfg.servers,
             server_names: cfg.server_names,
             limits: cfg.limits,
-            ranges: cfg.ranges,
             links: (0..n).map(|_| None).collect(),
             outages: (0..n).map(|_| Outage::default()).collect(),
             inbox_tx,
@@ -204,9 +185,6 @@ impl Driver {
             bytes_pulled: 0,
             push_latency_us: Vec::new(),
             in_flight: std::collections::VecDeque::new(),
-            public: Vec::new(),
-            stage: Vec::new(),
-            delta_decoder: None,
         }
     }
 
@@ -345,12 +323,8 @@ impl Driver {
                 progressed = true;
                 match e {
                     Event::PullDone { clock } => done = Some(clock),
-                    Event::Settled {
-                        shard,
-                        clock,
-                        outcome,
-                        frame,
-                    } => {
+                    Event::Settled(settled) => {
+                        let (shard, clock) = (settled.shard, settled.clock);
                         if let Some(i) = self
                             .in_flight
                             .iter()
@@ -365,14 +339,9 @@ impl Driver {
                                 }
                             }
                         }
-                        if let Outcome::Refused(code) = outcome {
-                            warn!(rank = self.rank, shard, clock, ?code, "push refused");
-                            self.refused.push(Refused {
-                                shard,
-                                clock,
-                                outcome,
-                                frame,
-                            });
+                        if settled.verdict() == Verdict::Refused {
+                            warn!(rank = self.rank, shard, clock, outcome = ?settled.outcome, "push refused");
+                            self.refused.push(settled);
                         }
                     }
                     Event::Reconnect { shard } => self.reconnect(shard)?,
@@ -551,113 +520,15 @@ impl Driver {
                     return Ok(());
                 }
                 self.bytes_pulled += body.len() as u64;
-                let used = match kind {
-                    FrameKind::Delta => self.use_delta(shard, &body, params),
-                    _ => self.use_reply(shard, &body, params),
-                };
-                if let Err(e) = used {
-                    self.session.forget_public(shard);
+                if let Err(e) = self.session.handle_reply(shard, kind, &body, params) {
+                    // The session forgot the shard's copy and reset the link; the connection goes with it.
                     warn!(rank = self.rank, shard, error = %e, "bad pull reply; reconnecting");
                     if let Some(io) = self.links[shard].take() {
                         io.close(b"bad reply");
                     }
-                    self.session.disconnected(shard);
                 }
             }
         }
-        Ok(())
-    }
-
-    /// Validates a reply in place and, when the session says it answers the current request, converts its values
-    /// into `params`. A stale reply is dropped without touching the model.
-    fn use_reply(
-        &mut self,
-        shard: usize,
-        body: &AlignedVec,
-        params: Option<&mut [f32]>,
-    ) -> Result<(), ProtocolError> {
-        let range = self.ranges[shard];
-        let reply = access_params(body)?;
-        reply.check_shape(range.0, range.1)?;
-        let Some(params) = params else {
-            self.session.stray_reply();
-            return Ok(());
-        };
-        let used = self.session.reply(
-            shard,
-            reply.request.to_native(),
-            reply.clock.to_native(),
-            reply.version.to_native(),
-            reply.min_clock.to_native(),
-            reply.epoch.to_native(),
-            None,
-        );
-        if !used {
-            return Ok(());
-        }
-        let dst = &mut params[range.0 as usize..range.1 as usize];
-        match reply.precision() {
-            Precision::F32 => {
-                for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(4)) {
-                    *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-            Precision::Bf16 => {
-                for (d, b) in dst.iter_mut().zip(reply.values().chunks_exact(2)) {
-                    *d = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Validates a delta reply, builds the shard's new public copy from it (in the stage: a frame that does not
-    /// decode changes nothing), and, when the session says it answers the current request, commits it and copies
-    /// it into `params`. The deltas must start from the copy this worker holds.
-    fn use_delta(
-        &mut self,
-        shard: usize,
-        body: &AlignedVec,
-        params: Option<&mut [f32]>,
-    ) -> Result<(), ProtocolError> {
-        let range = self.ranges[shard];
-        let view = access_delta(body, range.0, range.1)?;
-        let Some(params) = params else {
-            self.session.stray_reply();
-            return Ok(());
-        };
-        let h = view.header;
-        let newest = PublicRef {
-            lineage: h.lineage.to_native(),
-            seq: h.seq.to_native(),
-        };
-        let (start, end) = (range.0 as usize, range.1 as usize);
-        if self.public.len() < params.len() {
-            self.public.resize(params.len(), 0.0);
-            self.stage.resize(params.len(), 0.0);
-        }
-        let decoder = self.delta_decoder.get_or_insert_with(DeltaDecoder::default);
-        rebuild_public(
-            &view,
-            self.session.public(shard),
-            &self.public[start..end],
-            &mut self.stage[start..end],
-            decoder,
-        )?;
-        let used = self.session.reply(
-            shard,
-            h.request.to_native(),
-            h.clock.to_native(),
-            h.version.to_native(),
-            h.min_clock.to_native(),
-            h.epoch.to_native(),
-            Some(newest),
-        );
-        if !used {
-            return Ok(());
-        }
-        self.public[start..end].copy_from_slice(&self.stage[start..end]);
-        params[start..end].copy_from_slice(&self.public[start..end]);
         Ok(())
     }
 

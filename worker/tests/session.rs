@@ -2,10 +2,12 @@
 //! partial pull leaves nothing stale behind), skip markers on the push path, pushes kept byte for byte until their
 //! shard settles them, refusals reported, heartbeats on a timer whatever the step, and rejoins after a clock jump.
 
+use tether_common::config::Staleness;
 use tether_common::protocol::{
-    access_push, Control, ErrorCode, Outcome, Precision, PublicRef, PullMode, Welcome,
+    access_push, encode_params, encode_values, Control, ErrorCode, FrameKind, Outcome, ParamReply,
+    Precision, ProtocolError, PublicRef, PullMode, ReplyHeader, Welcome,
 };
-use tether_worker::session::{Event, Transmit, WorkerSession};
+use tether_worker::session::{Event, PullReply, Settled, Transmit, WorkerSession};
 
 const RANGES: [(u64, u64); 2] = [(0, 10), (10, 20)];
 const HB: u64 = 100;
@@ -15,6 +17,7 @@ fn session() -> WorkerSession {
         3,
         0xabc,
         RANGES.to_vec(),
+        Staleness::Bounded(2),
         PullMode::Full(Precision::F32),
         HB,
     )
@@ -29,6 +32,31 @@ fn welcome(shard: usize, clock: u64) -> Welcome {
         min_clock: clock,
         version: 0,
         clock,
+    }
+}
+
+/// The reply to `request` for a pull at `clock`, reporting `version`, `min_clock` and the rollback `epoch`, and
+/// for a delta reply the cut it leaves the worker holding.
+fn answer(
+    request: u64,
+    clock: u64,
+    version: u64,
+    min_clock: u64,
+    epoch: u64,
+    public: Option<PublicRef>,
+) -> PullReply {
+    PullReply {
+        header: ReplyHeader {
+            shard: 0,
+            request,
+            clock,
+            version,
+            min_clock,
+            epoch,
+            range_start: 0,
+            range_end: 0,
+        },
+        public,
     }
 }
 
@@ -89,7 +117,7 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!(first.len(), 2);
     let (_, old0, _) = first[0];
     // Shard 1 answers; shard 0's link breaks before it does.
-    assert!(s.reply(1, first[1].1, 0, 5, 0, 0, None));
+    assert!(s.reply(1, answer(first[1].1, 0, 5, 0, 0, None)));
     s.disconnected(0);
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
@@ -106,9 +134,9 @@ fn a_reply_to_a_superseded_request_is_never_used() {
     assert_eq!((k, c), (0, 0));
     assert_ne!(new0, old0);
     // The reply to the superseded request turns up late: dropped.
-    assert!(!s.reply(0, old0, 0, 4, 0, 0, None));
+    assert!(!s.reply(0, answer(old0, 0, 4, 0, 0, None)));
     assert!(s.pulling());
-    assert!(s.reply(0, new0, 0, 4, 0, 0, None));
+    assert!(s.reply(0, answer(new0, 0, 4, 0, 0, None)));
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
     assert_eq!(s.stats().stale_replies, 1);
@@ -121,21 +149,21 @@ fn a_reply_from_an_earlier_round_is_not_read_into_the_next() {
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r0 = requests(&t);
-    assert!(s.reply(0, r0[0].1, 0, 1, 0, 0, None));
+    assert!(s.reply(0, answer(r0[0].1, 0, 1, 0, 0, None)));
     // Round 0 is abandoned (a new pull supersedes it) before shard 1's answer arrives.
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r1 = requests(&t);
     assert!(
-        !s.reply(1, r0[1].1, 0, 1, 0, 0, None),
+        !s.reply(1, answer(r0[1].1, 0, 1, 0, 0, None)),
         "answer to the old round"
     );
     assert!(
-        !s.reply(0, r1[0].1, 1, 1, 0, 0, None),
+        !s.reply(0, answer(r1[0].1, 1, 1, 0, 0, None)),
         "right request, wrong clock"
     );
-    assert!(s.reply(0, r1[0].1, 0, 1, 0, 0, None));
-    assert!(s.reply(1, r1[1].1, 0, 1, 0, 0, None));
+    assert!(s.reply(0, answer(r1[0].1, 0, 1, 0, 0, None)));
+    assert!(s.reply(1, answer(r1[1].1, 0, 1, 0, 0, None)));
 }
 
 #[test]
@@ -197,12 +225,12 @@ fn a_refused_push_reaches_the_trainer_and_the_report() {
     let (_, e) = drain(&mut s);
     assert!(matches!(
         e.as_slice(),
-        [Event::Settled {
+        [Event::Settled(Settled {
             shard: 0,
             clock: 0,
             outcome: Outcome::Refused(ErrorCode::NonFinite),
             ..
-        }]
+        })]
     ));
     assert_eq!(s.stats().pushes_refused, 1);
 }
@@ -246,12 +274,12 @@ fn a_clock_jump_at_one_shard_rejoins_the_others_once_settled() {
     // Round 0 at shard 1 was jumped over: dropped and reported, so the residual policy can credit it back.
     assert!(e.iter().any(|x| matches!(
         x,
-        Event::Settled {
+        Event::Settled(Settled {
             shard: 1,
             clock: 0,
             outcome: Outcome::Refused(ErrorCode::Evicted),
             ..
-        }
+        })
     )));
     assert_eq!(s.clock(), 5);
     // Shard 0 still owes the outcome of round 0; only then does it rejoin at 5.
@@ -285,6 +313,7 @@ fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
         3,
         0xabc,
         RANGES.to_vec(),
+        Staleness::Bounded(2),
         PullMode::Delta { have: None },
         HB,
     );
@@ -302,11 +331,11 @@ fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
         "a fresh worker holds nothing"
     );
     let r = requests(&t);
-    assert!(s.reply(0, r[0].1, 0, 1, 0, 0, cut(4)));
+    assert!(s.reply(0, answer(r[0].1, 0, 1, 0, 0, cut(4))));
     // A reply to a request that is not the current one is dropped, and does not change what the worker holds.
-    assert!(!s.reply(1, r[1].1 + 100, 0, 1, 0, 0, cut(9)));
+    assert!(!s.reply(1, answer(r[1].1 + 100, 0, 1, 0, 0, cut(9))));
     assert_eq!(s.public(1), None);
-    assert!(s.reply(1, r[1].1, 0, 1, 0, 0, cut(2)));
+    assert!(s.reply(1, answer(r[1].1, 0, 1, 0, 0, cut(2))));
     assert_eq!((s.public(0), s.public(1)), (cut(4), cut(2)));
     s.push(&mut [vec![1], vec![2]], 0.5).unwrap();
     s.start_pull(1);
@@ -331,8 +360,8 @@ fn a_new_rollback_epoch_is_an_event_before_the_pull_completes_and_skips_carry_th
     s.start_pull(0);
     let (t, _) = drain(&mut s);
     let r = requests(&t);
-    assert!(s.reply(0, r[0].1, 0, 1, 0, 0, None));
-    assert!(s.reply(1, r[1].1, 0, 1, 0, 0, None));
+    assert!(s.reply(0, answer(r[0].1, 0, 1, 0, 0, None)));
+    assert!(s.reply(1, answer(r[1].1, 0, 1, 0, 0, None)));
     let (_, e) = drain(&mut s);
     assert_eq!(
         e,
@@ -348,8 +377,8 @@ fn a_new_rollback_epoch_is_an_event_before_the_pull_completes_and_skips_carry_th
     s.start_pull(1);
     let (t, _) = drain(&mut s);
     let r = requests(&t);
-    assert!(s.reply(0, r[0].1, 1, 2, 1, 0, None));
-    assert!(s.reply(1, r[1].1, 1, 3, 1, 1, None));
+    assert!(s.reply(0, answer(r[0].1, 1, 2, 1, 0, None)));
+    assert!(s.reply(1, answer(r[1].1, 1, 3, 1, 1, None)));
     let (_, e) = drain(&mut s);
     assert_eq!(
         e,
@@ -359,15 +388,141 @@ fn a_new_rollback_epoch_is_an_event_before_the_pull_completes_and_skips_carry_th
         ]
     );
     // A stale reply of another epoch is dropped before it can raise anything.
-    assert!(!s.reply(0, r[0].1, 1, 2, 1, 5, None));
+    assert!(!s.reply(0, answer(r[0].1, 1, 2, 1, 5, None)));
     // The same epoch again is nothing new.
     s.skip(1.0).unwrap();
     s.start_pull(2);
     let (t, _) = drain(&mut s);
     let r = requests(&t);
-    assert!(s.reply(0, r[0].1, 2, 2, 2, 0, None));
-    assert!(s.reply(1, r[1].1, 2, 3, 2, 1, None));
+    assert!(s.reply(0, answer(r[0].1, 2, 2, 2, 0, None)));
+    assert!(s.reply(1, answer(r[1].1, 2, 3, 2, 1, None)));
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::PullDone { clock: 2 }]);
     assert_eq!(s.stats().rollbacks_seen, 1);
+}
+
+#[test]
+fn a_shard_with_another_staleness_bound_is_refused_and_changes_nothing() {
+    let mut s = session();
+    s.hello(0);
+    let mut asynchronous = welcome(0, 0);
+    asynchronous.staleness = None;
+    let err = s.connected(0, &asynchronous, 0).unwrap_err();
+    assert_eq!(
+        err,
+        ProtocolError::StalenessMismatch {
+            shard: 0,
+            shard_bound: None,
+            ours: Some(2),
+        }
+    );
+    assert_eq!(err.code(), ErrorCode::ConfigMismatch);
+    let text = err.to_string();
+    assert!(
+        text.contains("inf") && text.contains('2'),
+        "the error names both bounds: {text}"
+    );
+    let mut looser = welcome(0, 0);
+    looser.staleness = Some(3);
+    assert!(matches!(
+        s.connected(0, &looser, 0),
+        Err(ProtocolError::StalenessMismatch {
+            shard_bound: Some(3),
+            ours: Some(2),
+            ..
+        })
+    ));
+    // Refused welcomes leave the link down: nothing is sent, a pull asks nobody.
+    assert!(!s.connected_to_all());
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    assert!(t.is_empty(), "sent {t:?} to a refused shard");
+    // The matching bound is accepted.
+    s.connected(0, &welcome(0, 0), 0).unwrap();
+}
+
+/// A full reply body from shard `shard` to `request` at clock 0, with `values` in `precision`.
+fn full_reply(
+    shard: usize,
+    request: u64,
+    values: &[f32],
+    precision: Precision,
+) -> rkyv::util::AlignedVec {
+    let mut bytes = Vec::new();
+    encode_values(values, precision, &mut bytes);
+    encode_params(&ParamReply {
+        header: ReplyHeader {
+            shard: shard as u32,
+            request,
+            clock: 0,
+            version: 1,
+            min_clock: 0,
+            epoch: 0,
+            range_start: RANGES[shard].0,
+            range_end: RANGES[shard].1,
+        },
+        precision,
+        values: bytes,
+    })
+    .unwrap()
+}
+
+#[test]
+fn reply_bodies_are_read_into_the_model_and_a_bad_one_changes_nothing() {
+    let mut s = connected(0);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    let v0: Vec<f32> = (0..10).map(|i| i as f32 * 0.5 - 2.0).collect();
+    let v1: Vec<f32> = (0..10).map(|i| 1.0 + i as f32 / 3.0).collect();
+    let mut params = vec![9.0f32; 20];
+    // Not waiting for a pull: a valid reply is counted and dropped, the model untouched.
+    let stray = full_reply(0, r[0].1, &v0, Precision::F32);
+    assert_eq!(
+        s.handle_reply(0, FrameKind::Params, &stray, None),
+        Ok(false)
+    );
+    assert_eq!(s.stats().stale_replies, 1);
+    // A body that does not validate (garbage, or another shard's range): an error, the model untouched, the link
+    // reset.
+    let mut garbage = rkyv::util::AlignedVec::<16>::new();
+    garbage.extend_from_slice(&[0xff; 40]);
+    assert!(s
+        .handle_reply(0, FrameKind::Params, &garbage, Some(&mut params))
+        .is_err());
+    let other_range = full_reply(1, r[0].1, &v0, Precision::F32);
+    assert!(matches!(
+        s.handle_reply(0, FrameKind::Params, &other_range, Some(&mut params)),
+        Err(ProtocolError::BadRange { .. })
+    ));
+    assert_eq!(params, vec![9.0f32; 20]);
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
+    assert_eq!(s.stats().stale_replies, 1, "bad replies are not stale ones");
+    // Shard 1 answers in bf16: its range of the model holds the rounded values, shard 0's range is untouched.
+    let b1 = full_reply(1, r[1].1, &v1, Precision::Bf16);
+    assert_eq!(
+        s.handle_reply(1, FrameKind::Params, &b1, Some(&mut params)),
+        Ok(true)
+    );
+    let rounded: Vec<f32> = v1
+        .iter()
+        .map(|v| half::bf16::from_f32(*v).to_f32())
+        .collect();
+    assert_eq!(&params[10..], &rounded[..]);
+    assert_eq!(&params[..10], &[9.0f32; 10]);
+    // After the reconnect shard 0 is asked again; its f32 reply is read exactly and completes the pull.
+    s.hello(0);
+    s.connected(0, &welcome(0, 0), 1).unwrap();
+    let (t, _) = drain(&mut s);
+    let again = requests(&t);
+    assert_eq!(again.len(), 1);
+    let b0 = full_reply(0, again[0].1, &v0, Precision::F32);
+    assert_eq!(
+        s.handle_reply(0, FrameKind::Params, &b0, Some(&mut params)),
+        Ok(true)
+    );
+    assert_eq!(&params[..10], &v0[..]);
+    let (_, e) = drain(&mut s);
+    assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
 }

@@ -2,7 +2,8 @@
 //!
 //! Encoding rejects NaN/±Inf input and saturates finite values beyond the format's range to its largest finite value
 //! (so a frame never carries an infinity); decoding rejects any non-finite value. fp16 conversion goes through `half`,
-//! which uses F16C when the CPU has it; bf16 is round-to-nearest-even by bit arithmetic. No allocation.
+//! which uses F16C when the CPU has it; bf16 goes through `half` too (round to nearest even), the workspace's one bf16
+//! conversion. No allocation.
 
 use half::{f16, slice::HalfFloatSliceExt};
 
@@ -16,14 +17,6 @@ fn first_non_finite(x: &[f32], base: usize) -> CodecError {
     CodecError::NonFinite {
         index: base + x.iter().position(|v| !v.is_finite()).unwrap_or(0),
     }
-}
-
-/// Round-to-nearest-even f32 → bf16 bits for finite `v` with |v| ≤ bf16::MAX.
-#[inline]
-fn bf16_bits(v: f32) -> u16 {
-    let b = v.to_bits();
-    let round = 0x7FFF + ((b >> 16) & 1);
-    (b.wrapping_add(round) >> 16) as u16
 }
 
 /// Encodes `input` as a raw none/fp16/bf16 body into `body` (exactly the raw body length).
@@ -60,7 +53,7 @@ pub(crate) fn encode_float(
         Scheme::Bf16 => {
             let max = half::bf16::MAX.to_f32();
             for (o, &v) in body.chunks_exact_mut(2).zip(input) {
-                o.copy_from_slice(&bf16_bits(v.clamp(-max, max)).to_le_bytes());
+                o.copy_from_slice(&half::bf16::from_f32(v.clamp(-max, max)).to_le_bytes());
             }
         }
         _ => unreachable!("encode_float is only called for none/fp16/bf16"),
@@ -92,7 +85,7 @@ pub(crate) fn decode_float(
         }
         Scheme::Bf16 => {
             for (o, b) in out.iter_mut().zip(body.chunks_exact(2)) {
-                *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
         _ => unreachable!("decode_float is only called for none/fp16/bf16"),

@@ -262,23 +262,7 @@ pub async fn client_handshake(
 ) -> Result<Welcome, NetError> {
     control.send(&hello.into()).await?;
     match control.recv().await? {
-        Control::Welcome {
-            shard,
-            range_start,
-            range_end,
-            staleness,
-            min_clock,
-            version,
-            clock,
-        } => Ok(Welcome {
-            shard,
-            range_start,
-            range_end,
-            staleness,
-            min_clock,
-            version,
-            clock,
-        }),
+        Control::Welcome(welcome) => Ok(welcome),
         Control::Error { code, message } => Err(ProtocolError::Remote { code, message }.into()),
         other => Err(ProtocolError::UnexpectedMessage(format!(
             "{} instead of Welcome",
@@ -297,26 +281,13 @@ pub async fn server_accept_hello(
     identity: PeerIdentity,
 ) -> Result<Hello, NetError> {
     let checked = match control.recv().await {
-        Ok(Control::Hello {
-            rank,
-            protocol_version,
-            layout_hash,
-            clock,
-        }) => {
-            let hello = Hello {
-                rank,
-                protocol_version,
-                layout_hash,
-                clock,
-            };
-            hello
-                .check(
-                    expected_layout_hash,
-                    |r| identity.allows_rank(r),
-                    &identity.to_string(),
-                )
-                .map(|()| hello)
-        }
+        Ok(Control::Hello(hello)) => hello
+            .check(
+                expected_layout_hash,
+                |r| identity.allows_rank(r),
+                &identity.to_string(),
+            )
+            .map(|()| hello),
         Ok(other) => Err(ProtocolError::UnexpectedMessage(format!(
             "{} before Hello",
             other.name()

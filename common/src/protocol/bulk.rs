@@ -8,7 +8,7 @@
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 
-use super::{Precision, ProtocolError};
+use super::{Precision, ProtocolError, ReplyHeader};
 
 /// One worker's encoded gradient for one shard's range at one clock.
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -39,23 +39,8 @@ pub struct PushFrame {
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[rkyv(derive(Debug))]
 pub struct ParamReply {
-    /// Answering shard.
-    pub shard: u32,
-    /// The request this answers (`Control::PullRequest::request`).
-    pub request: u64,
-    /// The clock of the pull this answers.
-    pub clock: u64,
-    /// Shard version of these values.
-    pub version: u64,
-    /// Minimum clock over live workers when answered.
-    pub min_clock: u64,
-    /// Loss-spike rollbacks this shard made (its trajectory epoch): a change tells the worker to drop what it built
-    /// on the old trajectory (error-feedback residual, inner optimizer state).
-    pub epoch: u64,
-    /// First global index covered.
-    pub range_start: u64,
-    /// One past the last global index covered.
-    pub range_end: u64,
+    /// Which pull this answers and what the shard reports with it (shared with delta replies).
+    pub header: ReplyHeader,
     /// Encoding of `values`.
     pub precision: Precision,
     /// Little-endian f32 or bf16 values, `(range_end - range_start) * precision.width()` bytes.
@@ -137,7 +122,7 @@ impl ArchivedParamReply {
 
     /// Checks that the reply covers `start..end` with exactly as many value bytes as its precision needs.
     pub fn check_shape(&self, start: u64, end: u64) -> Result<(), ProtocolError> {
-        let (got_start, got_end) = (self.range_start.to_native(), self.range_end.to_native());
+        let (got_start, got_end) = self.header.range();
         if got_start != start || got_end != end {
             return Err(ProtocolError::BadRange {
                 start,

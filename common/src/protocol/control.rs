@@ -40,34 +40,9 @@ pub const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Control {
     /// Worker → server, first message: who I am and what model I train.
-    Hello {
-        /// The worker's rank (must match its certificate unless it uses the shared client certificate).
-        rank: u32,
-        /// The worker's [`super::PROTOCOL_VERSION`].
-        protocol_version: u32,
-        /// Hash of the model layout; must equal the server's.
-        layout_hash: u64,
-        /// The clock the worker (re)joins at: its first push round this shard has not acknowledged. This is the
-        /// only way a worker moves its clock without a push or a skip (an explicit rejoin).
-        clock: u64,
-    },
+    Hello(Hello),
     /// Server → worker, answer to `Hello`: the shard's identity and the SSP state to join at.
-    Welcome {
-        /// Shard index.
-        shard: u32,
-        /// First global parameter index owned by the shard.
-        range_start: u64,
-        /// One past the last global parameter index owned by the shard.
-        range_end: u64,
-        /// Staleness bound; `None` means unbounded (asynchronous).
-        staleness: Option<u32>,
-        /// Minimum clock over live workers.
-        min_clock: u64,
-        /// Shard parameter version.
-        version: u64,
-        /// The worker's clock at this shard: the round its next push or skip must carry (≥ the hello's clock).
-        clock: u64,
-    },
+    Welcome(Welcome),
     /// Worker → server liveness signal, sent on a timer for the whole connection (a long step is not silence).
     Heartbeat {
         /// The worker's current clock (informational).
@@ -124,8 +99,8 @@ impl Control {
     /// The variant name, for logs and `UnexpectedMessage` errors.
     pub fn name(&self) -> &'static str {
         match self {
-            Control::Hello { .. } => "Hello",
-            Control::Welcome { .. } => "Welcome",
+            Control::Hello(_) => "Hello",
+            Control::Welcome(_) => "Welcome",
             Control::Heartbeat { .. } => "Heartbeat",
             Control::PullRequest { .. } => "PullRequest",
             Control::PullRefused { .. } => "PullRefused",
@@ -201,60 +176,49 @@ pub fn decode_control(bytes: &[u8]) -> Result<Control, ProtocolError> {
     Ok(msg)
 }
 
-/// The fields of `Control::Hello`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Worker → server, first message of a session: who I am and what model I train (`Control::Hello`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
-    /// The worker's rank.
+    /// The worker's rank (must match its certificate unless it uses the shared client certificate).
     pub rank: u32,
-    /// The worker's protocol version.
+    /// The worker's [`super::PROTOCOL_VERSION`].
     pub protocol_version: u32,
-    /// The worker's layout hash.
+    /// Hash of the model layout; must equal the server's.
     pub layout_hash: u64,
-    /// The clock the worker (re)joins at.
+    /// The clock the worker (re)joins at: its first push round this shard has not acknowledged. This is the only
+    /// way a worker moves its clock without a push or a skip (an explicit rejoin).
     pub clock: u64,
 }
 
-/// The fields of `Control::Welcome`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Server → worker, answer to a [`Hello`]: the shard's identity and the SSP state to join at (`Control::Welcome`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Welcome {
     /// Shard index.
     pub shard: u32,
-    /// Shard range start.
+    /// First global parameter index owned by the shard.
     pub range_start: u64,
-    /// Shard range end.
+    /// One past the last global parameter index owned by the shard.
     pub range_end: u64,
-    /// Staleness bound (`None` = unbounded).
+    /// Staleness bound; `None` means unbounded (asynchronous). A worker configured for another bound refuses the
+    /// shard.
     pub staleness: Option<u32>,
-    /// Minimum live clock.
+    /// Minimum clock over live workers.
     pub min_clock: u64,
-    /// Shard version.
+    /// Shard parameter version.
     pub version: u64,
-    /// The worker's clock at this shard.
+    /// The worker's clock at this shard: the round its next push or skip must carry (≥ the hello's clock).
     pub clock: u64,
 }
 
 impl From<Hello> for Control {
     fn from(h: Hello) -> Control {
-        Control::Hello {
-            rank: h.rank,
-            protocol_version: h.protocol_version,
-            layout_hash: h.layout_hash,
-            clock: h.clock,
-        }
+        Control::Hello(h)
     }
 }
 
 impl From<Welcome> for Control {
     fn from(w: Welcome) -> Control {
-        Control::Welcome {
-            shard: w.shard,
-            range_start: w.range_start,
-            range_end: w.range_end,
-            staleness: w.staleness,
-            min_clock: w.min_clock,
-            version: w.version,
-            clock: w.clock,
-        }
+        Control::Welcome(w)
     }
 }
 

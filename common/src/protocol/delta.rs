@@ -12,7 +12,7 @@ use bytes::Bytes;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 
-use super::ProtocolError;
+use super::{ProtocolError, ReplyHeader};
 
 /// Most frame lengths one header may list (cuts × chunks per cut).
 pub const MAX_DELTA_FRAMES: usize = 4096;
@@ -39,22 +39,9 @@ pub enum DeltaKind {
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 #[rkyv(derive(Debug))]
 pub struct DeltaHeader {
-    /// Answering shard.
-    pub shard: u32,
-    /// The request this answers.
-    pub request: u64,
-    /// The clock of the pull this answers.
-    pub clock: u64,
-    /// Shard version the cut `seq` was taken at (the read version of gradients computed from it).
-    pub version: u64,
-    /// Minimum clock over live workers when answered.
-    pub min_clock: u64,
-    /// Loss-spike rollbacks this shard made (its trajectory epoch; see `ParamReply::epoch`).
-    pub epoch: u64,
-    /// First global index covered.
-    pub range_start: u64,
-    /// One past the last global index covered.
-    pub range_end: u64,
+    /// Which pull this answers and what the shard reports with it (shared with full replies; `version` is the
+    /// version the cut `seq` was taken at).
+    pub header: ReplyHeader,
     /// The shard incarnation the cuts belong to.
     pub lineage: u64,
     /// The cut the deltas start from (the worker's copy); unused for `Full`.
@@ -151,7 +138,7 @@ pub fn access_delta(
         rkyv::access::<ArchivedDeltaHeader, rancor::Error>(&body[PREAMBLE..PREAMBLE + hlen])
             .map_err(|e| invalid(e.to_string()))?;
     let payload = &body[PREAMBLE + hlen..];
-    let (got_start, got_end) = (header.range_start.to_native(), header.range_end.to_native());
+    let (got_start, got_end) = header.header.range();
     if got_start != start || got_end != end {
         return Err(ProtocolError::BadRange {
             start,
@@ -214,14 +201,16 @@ mod tests {
 
     fn header(kind: DeltaKind, base: u64, seq: u64, frames: Vec<u32>) -> DeltaHeader {
         DeltaHeader {
-            shard: 0,
-            request: 1,
-            clock: 2,
-            version: 3,
-            min_clock: 1,
-            epoch: 0,
-            range_start: 10,
-            range_end: 110,
+            header: ReplyHeader {
+                shard: 0,
+                request: 1,
+                clock: 2,
+                version: 3,
+                min_clock: 1,
+                epoch: 0,
+                range_start: 10,
+                range_end: 110,
+            },
             lineage: 7,
             base,
             seq,

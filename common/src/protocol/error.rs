@@ -23,6 +23,7 @@
 //! |   16 | Shutdown          | server is shutting down                                           |
 //! |   17 | UnexpectedMessage | a valid message that is not allowed at this point of the session |
 //! |   18 | RolledBack        | push computed from parameters a loss-spike rollback discarded     |
+//! |   19 | ConfigMismatch    | peer runs under another cluster setting (e.g. the SSP bound)      |
 
 use serde::{Deserialize, Serialize};
 
@@ -67,11 +68,13 @@ pub enum ErrorCode {
     UnexpectedMessage = 17,
     /// Push computed from parameters that a loss-spike rollback discarded (its read version predates the rollback).
     RolledBack = 18,
+    /// Peer runs under another cluster setting than ours (e.g. the staleness bound).
+    ConfigMismatch = 19,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 19] = [
         ErrorCode::BadFrame,
         ErrorCode::Oversized,
         ErrorCode::Truncated,
@@ -90,6 +93,7 @@ impl ErrorCode {
         ErrorCode::Shutdown,
         ErrorCode::UnexpectedMessage,
         ErrorCode::RolledBack,
+        ErrorCode::ConfigMismatch,
     ];
 
     /// The stable numeric value.
@@ -223,6 +227,20 @@ pub enum ProtocolError {
         /// The peer's message.
         message: String,
     },
+    /// The shard announces another staleness bound than the worker is configured for (`None`: unbounded).
+    #[error(
+        "shard {shard} runs with staleness bound {}, this worker is configured for {}",
+        bound_name(*shard_bound),
+        bound_name(*ours)
+    )]
+    StalenessMismatch {
+        /// The shard.
+        shard: u32,
+        /// The bound the shard's welcome announced.
+        shard_bound: Option<u32>,
+        /// The worker's own bound.
+        ours: Option<u32>,
+    },
     /// A violation detected by a higher layer (shard validation, clock checks), carried with its code.
     #[error("{code}: {message}")]
     Rejected {
@@ -247,7 +265,13 @@ impl ProtocolError {
             ProtocolError::WrongShard { .. } => ErrorCode::WrongShard,
             ProtocolError::BadRange { .. } => ErrorCode::BadRange,
             ProtocolError::UnexpectedMessage(_) => ErrorCode::UnexpectedMessage,
+            ProtocolError::StalenessMismatch { .. } => ErrorCode::ConfigMismatch,
             ProtocolError::Remote { code, .. } | ProtocolError::Rejected { code, .. } => *code,
         }
     }
+}
+
+/// A staleness bound as configured: its number, or `inf` for unbounded.
+fn bound_name(bound: Option<u32>) -> String {
+    bound.map_or_else(|| "inf".to_string(), |s| s.to_string())
 }

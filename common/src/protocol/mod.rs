@@ -1,8 +1,8 @@
 //! The wire protocol: message schemas, their encodings and stream framing, with no sockets.
 //!
 //! Control messages ([`Control`]) are bincode 2.0.1; bulk frames ([`PushFrame`], [`ParamReply`], the
-//! [`DeltaHeader`] of a delta reply) are rkyv 0.8
-//! read back with validation; every frame on a stream is `[u32 LE length][u8 kind][body]` with a per-kind size
+//! [`DeltaHeader`] of a delta reply, both opening with the one [`ReplyHeader`]) are rkyv 0.8 read back with
+//! validation; every frame on a stream is `[u32 LE length][u8 kind][body]` with a per-kind size
 //! limit ([`FrameLimits`]). Every decoder accepts arbitrary bytes without panicking and fails with a
 //! [`ProtocolError`], which carries a stable [`ErrorCode`] for the wire.
 
@@ -11,6 +11,8 @@ pub mod control;
 pub mod delta;
 pub mod error;
 pub mod framing;
+pub mod reply;
+pub mod values;
 
 pub use bulk::{
     access_params, access_push, decode_params, decode_push, encode_params, encode_params_into,
@@ -29,10 +31,13 @@ pub use framing::{
     encode_frame, read_frame, split_frame, FrameHeader, FrameKind, FrameLimits, ReadFrameError,
     HEADER_LEN,
 };
+pub use reply::{ArchivedReplyHeader, ReplyHeader};
+pub use values::{decode_values, encode_values};
 
 /// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`]. Version 4
-/// added the rollback `epoch` to pull replies and the `RolledBack` refusal.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// added the rollback `epoch` to pull replies and the `RolledBack` refusal; version 5 opens full and delta replies
+/// with the one [`ReplyHeader`] and adds [`ErrorCode::ConfigMismatch`].
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";

@@ -108,6 +108,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         ranges,
         limits,
         layout_hash: layout.hash(),
+        staleness: cfg.cluster.staleness,
         mode: if cfg.compression.delta_pulls() {
             PullMode::Delta { have: None }
         } else if cfg.compression.pull_bf16 {

@@ -1,12 +1,16 @@
 //! `WorkerSession`: the worker side of the Tether protocol as a sans-IO state machine, in the spirit of
 //! quinn-proto. It holds the worker's clock, what each shard expects next, the pushes sent but not yet settled
-//! (kept byte for byte for resends), the pull round in progress with one request id per shard, and the heartbeat
-//! timers. It takes messages and `now_ms` and returns [`Transmit`]s (what to send where) and [`Event`]s (what the
-//! trainer must know); the driver in `driver.rs` only moves bytes and timers.
+//! (kept byte for byte for resends), the pull round in progress with one request id per shard, the copies of the
+//! shards' public weights ([`reply`]) and the heartbeat timers. It takes messages, reply frame bodies and `now_ms`
+//! and returns [`Transmit`]s (what to send where), [`Event`]s (what the trainer must know) and parameter values;
+//! the driver in `driver.rs` and the protocol harness only move bytes and timers.
 //!
 //! Invariants:
 //! - a pull reply is used only when it answers the shard's current request of the current round, at its clock;
 //!   a reply to a superseded request (a reconnect, a refusal, a clock jump) is dropped, never read into the model;
+//!   a reply that does not validate or decode changes neither the model nor the public copy, and resets its link;
+//! - a shard whose welcome announces another staleness bound than the worker's own is refused
+//!   ([`ProtocolError::StalenessMismatch`]);
 //! - the clock moves by a push or a skip marker on the push path, or by an explicit rejoin in a hello;
 //! - a push stays pending until its shard gives it an outcome, and is resent byte for byte on every reconnect
 //!   (shards make it idempotent by worker and clock); it is never recomputed;
@@ -16,14 +20,19 @@
 //!   [`Event::RolledBack`] before the pull completes, so the trainer drops what it built on the discarded
 //!   trajectory before it computes on the restored parameters.
 
+pub mod reply;
+
 use std::collections::VecDeque;
 
 use bytes::Bytes;
-use tether_common::codec::Decoder;
+use rkyv::util::AlignedVec;
+use tether_common::config::Staleness;
 use tether_common::protocol::{
-    encode_push, Control, DeltaKind, DeltaView, ErrorCode, Hello, Outcome, ProtocolError,
-    PublicRef, PullMode, PushFrame, Welcome,
+    access_delta, access_push, encode_push, Control, ErrorCode, FrameKind, Hello, Outcome,
+    ProtocolError, PublicRef, PullMode, PushFrame, Welcome,
 };
+
+pub use reply::{rebuild_public, DeltaDecoder, PullReply, Replica};
 
 /// Something to send.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,16 +64,7 @@ pub enum Event {
         clock: u64,
     },
     /// A push or skip marker got its outcome at one shard (or was dropped by a rejoin that jumped over it).
-    Settled {
-        /// The shard.
-        shard: usize,
-        /// The round.
-        clock: u64,
-        /// What became of it.
-        outcome: Outcome,
-        /// The frame as sent (for the residual policy on refusal).
-        frame: Bytes,
-    },
+    Settled(Settled),
     /// The link to this shard must be (re)established: close it if it is up, then connect with [`WorkerSession::hello`].
     Reconnect {
         /// The shard.
@@ -78,6 +78,49 @@ pub enum Event {
         /// Its new epoch.
         epoch: u64,
     },
+}
+
+/// A push or skip marker that got its outcome at one shard (or was dropped by a rejoin that jumped over it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settled {
+    /// The shard.
+    pub shard: usize,
+    /// The round.
+    pub clock: u64,
+    /// What became of it.
+    pub outcome: Outcome,
+    /// The frame as sent (for the residual policy on refusal).
+    pub frame: Bytes,
+}
+
+/// What a settled round means for the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The shard holds the round's update (applied now, or before: a resend acknowledged as a duplicate).
+    Taken,
+    /// A skip marker the shard took: the round is finished without an update.
+    Skipped,
+    /// Refused, or dropped by a rejoin: the update is not in the weights, and the residual policy applies to it.
+    Refused,
+}
+
+impl Settled {
+    /// What this outcome means: the one reading of a settled round that the driver (the residual policy) and the
+    /// protocol harness (its checker) share.
+    pub fn verdict(&self) -> Verdict {
+        match self.outcome {
+            Outcome::Refused(_) => Verdict::Refused,
+            Outcome::Applied | Outcome::Duplicate => {
+                // The session built the frame itself; one that did not read back would be a skip of nothing.
+                let skip = access_push(&self.frame).map_or(true, |f| f.meta().skip);
+                if skip {
+                    Verdict::Skipped
+                } else {
+                    Verdict::Taken
+                }
+            }
+        }
+    }
 }
 
 /// Counters the session keeps for the worker's report.
@@ -136,10 +179,26 @@ struct PullRound {
 }
 
 /// The worker side of the protocol.
+///
+/// Call order (as quinn-proto's `Connection`): after [`new`](Self::new), and after every call below, the shell
+/// drains [`poll_transmit`](Self::poll_transmit) (sends each message on its shard's link; a link that is down drops
+/// it) and [`poll_event`](Self::poll_event) (acts on each event), until both return `None`; it sleeps until
+/// [`poll_timeout`](Self::poll_timeout) and then calls [`handle_timeout`](Self::handle_timeout).
+/// - [`Event::Reconnect`] → close the link if it is up, connect, send [`hello`](Self::hello) and, on the welcome,
+///   call [`connected`](Self::connected) (an `Err` refuses the shard); a link that breaks →
+///   [`disconnected`](Self::disconnected);
+/// - a control message from a shard → [`outcome`](Self::outcome) (`PushOutcome`) or
+///   [`pull_refused`](Self::pull_refused) (`PullRefused`);
+/// - a reply frame from a shard → [`handle_reply`](Self::handle_reply) with the model's parameters while a pull is
+///   waited for (`None` otherwise): it validates, judges and decodes the reply, writing used values into them;
+/// - the trainer's step → [`start_pull`](Self::start_pull), then [`push`](Self::push) or [`skip`](Self::skip) once
+///   computed; the pull is complete at [`Event::PullDone`]; at the end, once [`settled`](Self::settled),
+///   [`goodbye`](Self::goodbye).
 #[derive(Debug)]
 pub struct WorkerSession {
     rank: u32,
     layout_hash: u64,
+    staleness: Staleness,
     mode: PullMode,
     heartbeat_ms: u64,
     clock: u64,
@@ -149,22 +208,26 @@ pub struct WorkerSession {
     transmits: VecDeque<Transmit>,
     events: VecDeque<Event>,
     stats: SessionStats,
+    replica: Replica,
 }
 
 impl WorkerSession {
-    /// A session for `rank` over shards covering `ranges`, pulling in `mode` (for `Delta`, the `have` given is
-    /// ignored: the session tracks each shard's copy), with heartbeats every
-    /// `heartbeat_ms`. Every link starts down: the driver connects each shard (see [`Event::Reconnect`]).
+    /// A session for `rank` over shards covering `ranges`, under the SSP bound `staleness` (a shard announcing
+    /// another is refused), pulling in `mode` (for `Delta`, the `have` given is ignored: the session tracks each
+    /// shard's copy), with heartbeats every `heartbeat_ms`. Every link starts down: the driver connects each shard
+    /// (see [`Event::Reconnect`]).
     pub fn new(
         rank: u32,
         layout_hash: u64,
         ranges: Vec<(u64, u64)>,
+        staleness: Staleness,
         mode: PullMode,
         heartbeat_ms: u64,
     ) -> Self {
         let mut s = Self {
             rank,
             layout_hash,
+            staleness,
             mode,
             heartbeat_ms: heartbeat_ms.max(1),
             clock: 0,
@@ -188,6 +251,7 @@ impl WorkerSession {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: SessionStats::default(),
+            replica: Replica::default(),
         };
         for shard in 0..s.links.len() {
             s.events.push_back(Event::Reconnect { shard });
@@ -254,7 +318,8 @@ impl WorkerSession {
         self.transmits.push_back(Transmit::Control { shard, msg });
     }
 
-    /// `shard` welcomed us. Checks the welcome against the layout, drops pending rounds a rejoin jumped over,
+    /// `shard` welcomed us. Checks the welcome against the layout and our staleness bound, drops pending rounds a
+    /// rejoin jumped over,
     /// resends the rest, adopts a higher clock (and schedules rejoins of the shards behind it), and asks for this
     /// round's values if a pull is in progress.
     pub fn connected(
@@ -263,6 +328,13 @@ impl WorkerSession {
         welcome: &Welcome,
         now_ms: u64,
     ) -> Result<(), ProtocolError> {
+        if welcome.staleness != self.staleness.bound() {
+            return Err(ProtocolError::StalenessMismatch {
+                shard: welcome.shard,
+                shard_bound: welcome.staleness,
+                ours: self.staleness.bound(),
+            });
+        }
         let link = &mut self.links[shard];
         if (welcome.range_start, welcome.range_end) != link.range {
             return Err(ProtocolError::BadRange {
@@ -292,12 +364,12 @@ impl WorkerSession {
                 .pop_front()
                 .expect("front exists: checked by is_some_and");
             self.stats.pushes_refused += 1;
-            self.events.push_back(Event::Settled {
+            self.events.push_back(Event::Settled(Settled {
                 shard,
                 clock: p.clock,
                 outcome: Outcome::Refused(ErrorCode::Evicted),
                 frame: p.frame,
-            });
+            }));
         }
         link.next_clock = link
             .pending
@@ -413,27 +485,89 @@ impl WorkerSession {
         self.links[shard].public
     }
 
+    /// The public copies of every shard this worker holds, indexed like the model (empty before the first delta
+    /// reply).
+    pub fn public_values(&self) -> &[f32] {
+        self.replica.values()
+    }
+
     /// The worker's copy of `shard` can no longer be trusted (a delta did not apply): the next pull asks for the
     /// whole copy.
     pub fn forget_public(&mut self, shard: usize) {
         self.links[shard].public = None;
     }
 
-    /// A pull reply arrived from `shard`. Returns true when it answers the shard's current request of this round
-    /// (then the caller reads its values into the model, and the worker holds `public` from then on when given);
-    /// false when it is stale and must be dropped. A used reply of another rollback `epoch` than the last one from
-    /// this shard raises [`Event::RolledBack`] (ahead of the round's `PullDone`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn reply(
+    /// A reply frame of `kind` arrived from `shard`. Validates it against the shard's range and, when `params` is
+    /// given (a pull is waited for) and the reply answers the shard's current request of this round (see
+    /// [`reply`](Self::reply)), writes its values into `params` (a delta reply through the shard's public copy,
+    /// which it then holds). Returns whether the reply was used; a stale or stray one is counted and dropped. A
+    /// reply that does not validate or decode is an error: it changes neither `params` nor the public copy, the copy
+    /// is forgotten (the next pull asks for the whole of it) and the link is reset ([`Event::Reconnect`]).
+    pub fn handle_reply(
         &mut self,
         shard: usize,
-        request: u64,
-        clock: u64,
-        version: u64,
-        min_clock: u64,
-        epoch: u64,
-        public: Option<PublicRef>,
-    ) -> bool {
+        kind: FrameKind,
+        body: &AlignedVec,
+        params: Option<&mut [f32]>,
+    ) -> Result<bool, ProtocolError> {
+        let used = self.read_reply(shard, kind, body, params);
+        if used.is_err() {
+            self.forget_public(shard);
+            self.disconnected(shard);
+        }
+        used
+    }
+
+    fn read_reply(
+        &mut self,
+        shard: usize,
+        kind: FrameKind,
+        body: &AlignedVec,
+        params: Option<&mut [f32]>,
+    ) -> Result<bool, ProtocolError> {
+        let range = self.links[shard].range;
+        let read = match kind {
+            FrameKind::Params => reply::read_full(body, range)?,
+            FrameKind::Delta if params.is_none() => {
+                access_delta(body, range.0, range.1)?;
+                self.stray_reply();
+                return Ok(false);
+            }
+            FrameKind::Delta => {
+                let held = self.links[shard].public;
+                reply::read_delta(body, range, held, &mut self.replica)?
+            }
+            other => {
+                return Err(ProtocolError::UnexpectedMessage(format!(
+                    "a {other:?} frame as a pull reply"
+                )))
+            }
+        };
+        let Some(params) = params else {
+            self.stray_reply();
+            return Ok(false);
+        };
+        if !self.reply(shard, read.reply()) {
+            return Ok(false);
+        }
+        reply::apply(read, range, &mut self.replica, params);
+        Ok(true)
+    }
+
+    /// Judges a pull reply from `shard`. Returns true when it answers the shard's current request of this round
+    /// (then its values are used, and the worker holds `reply.public` from then on when given); false when it is
+    /// stale and must be dropped. A used reply of another rollback epoch than the last one from this shard raises
+    /// [`Event::RolledBack`] (ahead of the round's `PullDone`). [`handle_reply`](Self::handle_reply) calls it for
+    /// every reply frame; call it directly only to judge replies without their bytes.
+    pub fn reply(&mut self, shard: usize, reply: PullReply) -> bool {
+        let PullReply { header, public } = reply;
+        let (request, clock, version, min_clock, epoch) = (
+            header.request,
+            header.clock,
+            header.version,
+            header.min_clock,
+            header.epoch,
+        );
         let Some(round) = &mut self.round else {
             self.stats.stale_replies += 1;
             return false;
@@ -554,12 +688,12 @@ impl WorkerSession {
             Outcome::Duplicate => self.stats.duplicates += 1,
             Outcome::Refused(_) => self.stats.pushes_refused += 1,
         }
-        self.events.push_back(Event::Settled {
+        self.events.push_back(Event::Settled(Settled {
             shard,
             clock,
             outcome,
             frame: p.frame,
-        });
+        }));
         if link.rejoin && link.pending.is_empty() {
             link.up = false;
             self.events.push_back(Event::Reconnect { shard });
@@ -595,68 +729,4 @@ impl WorkerSession {
             }
         }
     }
-}
-
-/// Decoder state for delta replies, sized on first use.
-#[derive(Debug, Default)]
-pub struct DeltaDecoder {
-    decoder: Option<Decoder>,
-    out: Vec<f32>,
-}
-
-/// Builds a shard's new public copy from a validated delta reply into `out` (same length as the shard range):
-/// `held` (the copy the worker holds, `held_ref` naming it) plus the reply's deltas, or the reply's whole copy.
-/// Deltas must start from `held_ref`. Pure and deterministic: every worker that applies the same reply to the same
-/// copy gets the same bits, which are the shard's own. On an error `out` is garbage and `held` is untouched.
-pub fn rebuild_public(
-    view: &DeltaView<'_>,
-    held_ref: Option<PublicRef>,
-    held: &[f32],
-    out: &mut [f32],
-    dec: &mut DeltaDecoder,
-) -> Result<(), ProtocolError> {
-    let h = view.header;
-    if view.kind() != DeltaKind::Full {
-        let base = PublicRef {
-            lineage: h.lineage.to_native(),
-            seq: h.base.to_native(),
-        };
-        if held_ref != Some(base) {
-            return Err(ProtocolError::ValidationFailed(format!(
-                "a delta from {base:?} for a worker holding {held_ref:?}"
-            )));
-        }
-    }
-    match view.kind() {
-        DeltaKind::NotModified => out.copy_from_slice(held),
-        DeltaKind::Full => {
-            // access_delta checked: one frame of exactly 4 bytes per value.
-            for (d, b) in out.iter_mut().zip(view.payload.chunks_exact(4)) {
-                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        DeltaKind::Deltas => {
-            out.copy_from_slice(held);
-            let len = out.len();
-            let chunk = (h.chunk.to_native() as usize).min(len.max(1));
-            let per_cut = len.div_ceil(chunk).max(1);
-            if dec.out.len() < chunk || dec.decoder.is_none() {
-                dec.decoder = Some(Decoder::new(chunk));
-                dec.out = vec![0.0; chunk];
-            }
-            let decoder = dec.decoder.as_mut().expect("set just above");
-            for (i, frame) in view.frames().enumerate() {
-                let at = (i % per_cut) * chunk;
-                let to = (at + chunk).min(len);
-                let d = &mut dec.out[..to - at];
-                decoder.decode(frame, d).map_err(|e| {
-                    ProtocolError::ValidationFailed(format!("delta frame {i}: {e}"))
-                })?;
-                for (p, d) in out[at..to].iter_mut().zip(d.iter()) {
-                    *p += d;
-                }
-            }
-        }
-    }
-    Ok(())
 }

@@ -3,9 +3,10 @@
 //! worker, the explicit rejoin at hello, heartbeats and eviction, idempotent pushes and skip markers (by worker and
 //! clock), the checks on every pull (membership, clock) with a per-worker bound on parked pulls, and leaving.
 //!
-//! It takes messages and `now_ms` and returns outcomes; pulls that can be answered and connections that must be
-//! closed come out of [`ShardProtocol::poll_action`]. No sockets, actors, timers or threads: the `ShardActor` and
-//! the per-connection session tasks only move bytes and timers. Invariants:
+//! It takes messages and `now_ms` and returns outcomes; finished pull replies (the frame bodies, byte for byte what
+//! goes on the wire: see [`reply`]), refusals and connections that must be closed come out of
+//! [`ShardProtocol::poll_action`]. No sockets, actors, timers or threads: the `ShardActor` and the per-connection
+//! session tasks only move bytes and timers. Invariants:
 //! - a pull is answered only when the SSP gate of the clock table allows it, and only for a live member at a clock
 //!   the protocol allows (`own ≤ clock ≤ own + s + 1`);
 //! - a push or skip for `(worker, clock)` changes the weights at most once; a resend of an applied one is
@@ -13,12 +14,19 @@
 //! - every peer-supplied number goes through checked arithmetic and fails with a typed [`ShardError`];
 //! - at most [`MAX_PARKED_PER_WORKER`] pulls per worker wait on the gate, so no peer can take the others' slots.
 
+pub mod reply;
+
 use std::collections::{BTreeMap, VecDeque};
 
 use tether_common::config::Staleness;
-use tether_common::protocol::{ArchivedPushFrame, ErrorCode, Outcome, PullMode};
+use tether_common::protocol::{
+    ArchivedPushFrame, ErrorCode, Outcome, PublicRef, PullMode, ReplyHeader,
+};
 
-use crate::shard::{Applied, Push, ShardCore, ShardError, MAX_CLOCK};
+use crate::checkpoint::ShardSnapshot;
+use crate::shard::{Applied, Push, ShardCore, ShardError, ShardStats, MAX_CLOCK};
+
+pub use reply::WireReply;
 
 /// Identifies one connection (one session) to this shard; the shell assigns them, never reusing one.
 pub type ConnId = u64;
@@ -32,7 +40,7 @@ pub const GOODBYE_DRAIN_MS: u64 = 10_000;
 /// Outcomes of recent rounds remembered per worker, to answer resends idempotently.
 const OUTCOME_WINDOW: usize = 128;
 
-/// A pull the shell must answer now with the shard's current weights.
+/// A pull the gate released: who asked for what.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadyPull {
     /// The token [`ShardProtocol::pull`] returned.
@@ -52,8 +60,13 @@ pub struct ReadyPull {
 /// Something the shell must do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
-    /// Answer this pull now (then call [`ShardProtocol::answered`]).
-    Answer(ReadyPull),
+    /// Send this finished reply to the pull on its connection (a `reply.kind` frame whose body is `reply.chunks`).
+    Answer {
+        /// The pull it answers.
+        pull: ReadyPull,
+        /// The frame, as it goes on the wire.
+        reply: WireReply,
+    },
     /// Refuse this parked pull: it will never be answered (its worker left, was evicted or reconnected).
     Refuse {
         /// The pull's token.
@@ -181,13 +194,38 @@ impl<'a> Round<'a> {
     }
 }
 
+/// What waits in the action queue: a released pull is turned into its finished reply only when polled.
+#[derive(Debug, Clone)]
+enum Queued {
+    Answer(ReadyPull),
+    Do(Action),
+}
+
 /// The server side of the protocol for one shard.
+///
+/// Call order (as quinn-proto's `Connection`): the shell owns one `ShardProtocol` per shard and, for each input,
+/// calls the matching method with the current `now_ms`, then drains [`poll_action`](Self::poll_action) until it
+/// returns `None` and carries every action out:
+/// - a connection authenticated and sent its hello → [`hello`](Self::hello) (answer with the returned [`Joined`]);
+/// - any control message from a worker → [`heartbeat`](Self::heartbeat) (pulls and goodbyes count as well);
+/// - a validated push frame → [`push_frame`](Self::push_frame) (or [`round`](Self::round)); send back the outcome;
+/// - a pull request → [`pull`](Self::pull); an `Err` is refused at once, an `Ok` token is answered or refused later
+///   through [`Action::Answer`] / [`Action::Refuse`] (the reply is finished: send `reply.chunks` as they are);
+/// - a goodbye → [`goodbye`](Self::goodbye); a connection closed → [`closed`](Self::closed); a requester gone
+///   before its answer → [`cancel`](Self::cancel);
+/// - on a timer (a fraction of the eviction timeout) → [`tick`](Self::tick), which evicts silent workers and ends
+///   goodbye drains.
+///
+/// Read-only views ([`version`](Self::version), [`stats`](Self::stats), [`snapshot`](Self::snapshot), ...) serve
+/// metrics and checkpoints; they change nothing.
 pub struct ShardProtocol {
     core: ShardCore,
     members: BTreeMap<u32, Member>,
     parked: Vec<Parked>,
-    actions: VecDeque<Action>,
+    actions: VecDeque<Queued>,
     next_token: u64,
+    /// Converted values of full replies, kept between replies so the allocation is reused.
+    scratch: Vec<u8>,
 }
 
 impl ShardProtocol {
@@ -199,10 +237,11 @@ impl ShardProtocol {
             parked: Vec::new(),
             actions: VecDeque::new(),
             next_token: 0,
+            scratch: Vec::new(),
         }
     }
 
-    /// The shard core (weights, version, clock table, counters).
+    /// The shard core (weights, version, clock table, counters), read-only.
     pub fn core(&self) -> &ShardCore {
         &self.core
     }
@@ -212,14 +251,107 @@ impl ShardProtocol {
         &mut self.core
     }
 
+    /// Shard index.
+    pub fn shard(&self) -> u32 {
+        self.core.shard()
+    }
+
+    /// Shard version (updates applied, counting a restore's).
+    pub fn version(&self) -> u64 {
+        self.core.version()
+    }
+
+    /// The shard's rollback epoch (loss-spike rollbacks made).
+    pub fn epoch(&self) -> u64 {
+        self.core.epoch()
+    }
+
+    /// Live members of the clock table.
+    pub fn live(&self) -> usize {
+        self.core.clocks().live()
+    }
+
+    /// The shard's counters.
+    pub fn stats(&self) -> &ShardStats {
+        self.core.stats()
+    }
+
+    /// The current weights.
+    pub fn weights(&self) -> &[f32] {
+        self.core.weights()
+    }
+
+    /// The newest cut of the public copy and its values, once a delta pull created one.
+    pub fn public(&self) -> Option<(PublicRef, &[f32])> {
+        self.core.public().map(|p| (p.newest(), p.values()))
+    }
+
+    /// Whether the loss-spike detector suspects a spike now (a checkpoint taken now could capture it).
+    pub fn spike_suspected(&self) -> bool {
+        self.core.rollback().is_some_and(|r| r.suspect())
+    }
+
+    /// A consistent copy of everything a checkpoint holds.
+    pub fn snapshot(&self) -> ShardSnapshot {
+        self.core.snapshot()
+    }
+
     /// Pulls waiting on the SSP gate.
     pub fn parked(&self) -> usize {
         self.parked.len()
     }
 
-    /// The next thing the shell must do, if any.
+    /// The next thing the shell must do, if any. A released pull comes out as its finished reply, built from the
+    /// weights (or the public copy) as they are now and counted in the shard's stats; a reply that cannot be built
+    /// (a public cut of non-finite weights) comes out as a refusal.
     pub fn poll_action(&mut self) -> Option<Action> {
-        self.actions.pop_front()
+        match self.actions.pop_front()? {
+            Queued::Do(action) => Some(action),
+            Queued::Answer(pull) => Some(self.finish(pull)),
+        }
+    }
+
+    /// Builds the reply to a released pull.
+    fn finish(&mut self, pull: ReadyPull) -> Action {
+        let range = self.core.range();
+        let header = ReplyHeader {
+            shard: self.core.shard(),
+            request: pull.request,
+            clock: pull.clock,
+            version: self.core.version(),
+            min_clock: self.core.clocks().min_clock(),
+            epoch: self.core.epoch(),
+            range_start: range.start,
+            range_end: range.end,
+        };
+        let built = match pull.mode {
+            PullMode::Full(precision) => {
+                reply::full_reply(header, self.core.weights(), precision, &mut self.scratch)
+                    .map_err(|e| ShardError::Codec(e.to_string()))
+            }
+            PullMode::Delta { have } => self
+                .core
+                .answer_public(have)
+                .map_err(|e| ShardError::Codec(e.to_string()))
+                .and_then(|a| {
+                    reply::delta_reply(header, a).map_err(|e| ShardError::Codec(e.to_string()))
+                }),
+        };
+        match built {
+            Ok(reply) => {
+                self.core.answered(pull.clock, reply.payload_bytes);
+                Action::Answer { pull, reply }
+            }
+            Err(error) => {
+                tracing::warn!(shard = self.core.shard(), error = %error, "cannot build a pull reply");
+                Action::Refuse {
+                    token: pull.token,
+                    conn: pull.conn,
+                    request: pull.request,
+                    error,
+                }
+            }
+        }
     }
 
     /// A worker's hello on connection `conn`: the explicit rejoin. The worker's clock becomes
@@ -381,11 +513,6 @@ impl ShardProtocol {
         Ok(token)
     }
 
-    /// The shell answered a pull at `clock` with `bytes` of values; records the clock lead for the report.
-    pub fn answered(&mut self, clock: u64, bytes: u64) -> u64 {
-        self.core.answered(clock, bytes)
-    }
-
     /// A worker said goodbye on `conn` at `clock`: once the shard has taken its rounds below `clock` (they travel on
     /// the push path, which the goodbye may overtake) or [`GOODBYE_DRAIN_MS`] passed, it leaves the clock table
     /// (nobody waits on it), its parked pulls are refused and its connection is closed in order.
@@ -418,10 +545,10 @@ impl ShardProtocol {
         self.core.leave(worker);
         self.members.remove(&worker);
         self.refuse_parked(|p| p.worker == worker, ShardError::NotMember(worker));
-        self.actions.push_back(Action::Close {
+        self.actions.push_back(Queued::Do(Action::Close {
             conn: leaving.conn,
             code: None,
-        });
+        }));
         self.release_ready();
     }
 
@@ -457,10 +584,10 @@ impl ShardProtocol {
         for &w in &evicted {
             self.refuse_parked(|p| p.worker == w, ShardError::NotMember(w));
             if let Some(conn) = self.members.get_mut(&w).and_then(|m| m.conn.take()) {
-                self.actions.push_back(Action::Close {
+                self.actions.push_back(Queued::Do(Action::Close {
                     conn,
                     code: Some(ErrorCode::Evicted),
-                });
+                }));
             }
         }
         if !evicted.is_empty() {
@@ -474,12 +601,12 @@ impl ShardProtocol {
         while i < self.parked.len() {
             if which(&self.parked[i]) {
                 let p = self.parked.swap_remove(i);
-                self.actions.push_back(Action::Refuse {
+                self.actions.push_back(Queued::Do(Action::Refuse {
                     token: p.token,
                     conn: p.conn,
                     request: p.request,
                     error: error.clone(),
-                });
+                }));
             } else {
                 i += 1;
             }
@@ -491,7 +618,7 @@ impl ShardProtocol {
         while i < self.parked.len() {
             if self.core.can_answer(self.parked[i].clock) {
                 let p = self.parked.remove(i);
-                self.actions.push_back(Action::Answer(ReadyPull {
+                self.actions.push_back(Queued::Answer(ReadyPull {
                     token: p.token,
                     conn: p.conn,
                     worker: p.worker,

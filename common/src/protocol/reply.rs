@@ -1,0 +1,53 @@
+//! The header every pull reply carries, full ([`super::ParamReply`]) or delta ([`super::DeltaHeader`]): which pull it
+//! answers and what the shard reports with it. One type for both, so the worker's state machine judges every reply
+//! by the same fields.
+//!
+//! A received header is only read through its archived form inside a validated frame; [`ArchivedReplyHeader::get`]
+//! copies it out as native values.
+
+/// Which pull a reply answers and the shard state it reports (the fields full and delta replies share).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug))]
+pub struct ReplyHeader {
+    /// Answering shard.
+    pub shard: u32,
+    /// The request this answers (`Control::PullRequest::request`).
+    pub request: u64,
+    /// The clock of the pull this answers.
+    pub clock: u64,
+    /// Shard version of the values (for a delta reply: the version its cut was taken at, the read version of
+    /// gradients computed from it).
+    pub version: u64,
+    /// Minimum clock over live workers when answered.
+    pub min_clock: u64,
+    /// Loss-spike rollbacks this shard made (its trajectory epoch): a change tells the worker to drop what it built
+    /// on the old trajectory (error-feedback residual, inner optimizer state).
+    pub epoch: u64,
+    /// First global index covered.
+    pub range_start: u64,
+    /// One past the last global index covered.
+    pub range_end: u64,
+}
+
+impl ArchivedReplyHeader {
+    /// The header as native values.
+    pub fn get(&self) -> ReplyHeader {
+        ReplyHeader {
+            shard: self.shard.to_native(),
+            request: self.request.to_native(),
+            clock: self.clock.to_native(),
+            version: self.version.to_native(),
+            min_clock: self.min_clock.to_native(),
+            epoch: self.epoch.to_native(),
+            range_start: self.range_start.to_native(),
+            range_end: self.range_end.to_native(),
+        }
+    }
+
+    /// The covered range `(start, end)`.
+    pub fn range(&self) -> (u64, u64) {
+        (self.range_start.to_native(), self.range_end.to_native())
+    }
+}

@@ -1,0 +1,209 @@
+//! Reading pull replies: the frame bodies a shard sends in answer to a pull, validated in place and turned into
+//! parameter values. A full reply ([`ParamReply`](tether_common::protocol::ParamReply)) carries the shard's weights
+//! in f32 or bf16; a delta reply carries what takes the worker's copy of the shard's public weights to the newest
+//! cut. The [`Replica`] holds those public copies and stages every rebuild, so a reply that does not decode changes
+//! nothing. Pure: bytes in, values out; whether a reply is used at all is the session's decision
+//! ([`super::WorkerSession::handle_reply`]).
+
+use rkyv::util::AlignedVec;
+use tether_common::codec::Decoder;
+use tether_common::protocol::{
+    access_delta, access_params, decode_values, DeltaKind, DeltaView, ProtocolError, PublicRef,
+    ReplyHeader,
+};
+
+/// A pull reply as the session judges it: its header and, for a delta reply, the public cut it leaves the worker
+/// holding. The one typed event of the pull path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullReply {
+    /// Which pull it answers and what the shard reports (shared by full and delta replies).
+    pub header: ReplyHeader,
+    /// For a delta reply, the cut the worker holds once it uses it.
+    pub public: Option<PublicRef>,
+}
+
+/// The worker's copies of the shards' public weights (delta pulls) and the stage a reply is rebuilt in.
+#[derive(Debug, Default)]
+pub struct Replica {
+    /// The public copies, indexed like the model (empty before the first delta reply).
+    public: Vec<f32>,
+    /// A reply's values are assembled here before they are committed.
+    stage: Vec<f32>,
+    decoder: DeltaDecoder,
+}
+
+impl Replica {
+    /// The public copies this worker holds, indexed like the model (empty before the first delta reply).
+    pub fn values(&self) -> &[f32] {
+        &self.public
+    }
+
+    /// Rebuilds the public copy of `range` from a validated delta reply into the stage: the copy held (named
+    /// `held`) plus the reply's deltas, or the reply's whole copy. The copy itself is untouched until
+    /// [`commit`](Self::commit).
+    fn stage_delta(
+        &mut self,
+        view: &DeltaView<'_>,
+        held: Option<PublicRef>,
+        range: (usize, usize),
+    ) -> Result<(), ProtocolError> {
+        let (start, end) = range;
+        if self.public.len() < end {
+            self.public.resize(end, 0.0);
+            self.stage.resize(end, 0.0);
+        }
+        rebuild_public(
+            view,
+            held,
+            &self.public[start..end],
+            &mut self.stage[start..end],
+            &mut self.decoder,
+        )
+    }
+
+    /// Makes the staged copy of `range` the held one and copies it into `params`.
+    fn commit(&mut self, range: (usize, usize), params: &mut [f32]) {
+        let (start, end) = range;
+        self.public[start..end].copy_from_slice(&self.stage[start..end]);
+        params[start..end].copy_from_slice(&self.public[start..end]);
+    }
+}
+
+/// A reply body read far enough to judge it: its header, and what using it takes.
+pub(super) enum Read<'a> {
+    /// A full reply: little-endian values in a precision, already checked against the shard range.
+    Full {
+        /// The header.
+        reply: PullReply,
+        /// The values, `range × precision.width()` bytes.
+        values: &'a [u8],
+        /// Their precision.
+        precision: tether_common::protocol::Precision,
+    },
+    /// A delta reply, already rebuilt into the replica's stage.
+    Delta {
+        /// The header and the cut it leaves the worker holding.
+        reply: PullReply,
+    },
+}
+
+impl Read<'_> {
+    /// The reply as the session judges it.
+    pub(super) fn reply(&self) -> PullReply {
+        match self {
+            Read::Full { reply, .. } | Read::Delta { reply } => *reply,
+        }
+    }
+}
+
+/// Validates a full reply body in place against the shard range `range`.
+pub(super) fn read_full(body: &AlignedVec, range: (u64, u64)) -> Result<Read<'_>, ProtocolError> {
+    let reply = access_params(body)?;
+    reply.check_shape(range.0, range.1)?;
+    Ok(Read::Full {
+        reply: PullReply {
+            header: reply.header.get(),
+            public: None,
+        },
+        values: reply.values(),
+        precision: reply.precision(),
+    })
+}
+
+/// Validates a delta reply body in place against the shard range `range` and rebuilds the copy it produces into
+/// the replica's stage (deltas must start from `held`, the copy this worker holds).
+pub(super) fn read_delta<'a>(
+    body: &'a AlignedVec,
+    range: (u64, u64),
+    held: Option<PublicRef>,
+    replica: &mut Replica,
+) -> Result<Read<'a>, ProtocolError> {
+    let view = access_delta(body, range.0, range.1)?;
+    let h = view.header;
+    let newest = PublicRef {
+        lineage: h.lineage.to_native(),
+        seq: h.seq.to_native(),
+    };
+    replica.stage_delta(&view, held, (range.0 as usize, range.1 as usize))?;
+    Ok(Read::Delta {
+        reply: PullReply {
+            header: h.header.get(),
+            public: Some(newest),
+        },
+    })
+}
+
+/// Writes a used reply's values into `params` (the shard's `range` of it).
+pub(super) fn apply(read: Read<'_>, range: (u64, u64), replica: &mut Replica, params: &mut [f32]) {
+    let range = (range.0 as usize, range.1 as usize);
+    match read {
+        Read::Full {
+            values, precision, ..
+        } => decode_values(values, precision, &mut params[range.0..range.1]),
+        Read::Delta { .. } => replica.commit(range, params),
+    }
+}
+
+/// Decoder state for delta replies, sized on first use.
+#[derive(Debug, Default)]
+pub struct DeltaDecoder {
+    decoder: Option<Decoder>,
+    out: Vec<f32>,
+}
+
+/// Builds a shard's new public copy from a validated delta reply into `out` (same length as the shard range):
+/// `held` (the copy the worker holds, `held_ref` naming it) plus the reply's deltas, or the reply's whole copy.
+/// Deltas must start from `held_ref`. Pure and deterministic: every worker that applies the same reply to the same
+/// copy gets the same bits, which are the shard's own. On an error `out` is garbage and `held` is untouched.
+pub fn rebuild_public(
+    view: &DeltaView<'_>,
+    held_ref: Option<PublicRef>,
+    held: &[f32],
+    out: &mut [f32],
+    dec: &mut DeltaDecoder,
+) -> Result<(), ProtocolError> {
+    let h = view.header;
+    if view.kind() != DeltaKind::Full {
+        let base = PublicRef {
+            lineage: h.lineage.to_native(),
+            seq: h.base.to_native(),
+        };
+        if held_ref != Some(base) {
+            return Err(ProtocolError::ValidationFailed(format!(
+                "a delta from {base:?} for a worker holding {held_ref:?}"
+            )));
+        }
+    }
+    match view.kind() {
+        DeltaKind::NotModified => out.copy_from_slice(held),
+        DeltaKind::Full => {
+            // access_delta checked: one frame of exactly 4 bytes per value.
+            for (d, b) in out.iter_mut().zip(view.payload.chunks_exact(4)) {
+                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        DeltaKind::Deltas => {
+            out.copy_from_slice(held);
+            let len = out.len();
+            let chunk = (h.chunk.to_native() as usize).min(len.max(1));
+            let per_cut = len.div_ceil(chunk).max(1);
+            if dec.out.len() < chunk || dec.decoder.is_none() {
+                dec.decoder = Some(Decoder::new(chunk));
+                dec.out = vec![0.0; chunk];
+            }
+            let decoder = dec.decoder.as_mut().expect("set just above");
+            for (i, frame) in view.frames().enumerate() {
+                let at = (i % per_cut) * chunk;
+                let to = (at + chunk).min(len);
+                let d = &mut dec.out[..to - at];
+                decoder.decode(frame, d).map_err(|e| {
+                    ProtocolError::ValidationFailed(format!("delta frame {i}: {e}"))
+                })?;
+                for (p, d) in out[at..to].iter_mut().zip(d.iter()) {
+                    *p += d;
+                }
+            }
+        }
+    }
+    Ok(())
+}
