@@ -122,15 +122,7 @@ impl ArchivedParamReply {
 
     /// Checks that the reply covers `start..end` with exactly as many value bytes as its precision needs.
     pub fn check_shape(&self, start: u64, end: u64) -> Result<(), ProtocolError> {
-        let (got_start, got_end) = self.header.range();
-        if got_start != start || got_end != end {
-            return Err(ProtocolError::BadRange {
-                start,
-                end,
-                got_start,
-                got_end,
-            });
-        }
+        self.header.check_range(start, end)?;
         let expected = end
             .saturating_sub(start)
             .saturating_mul(self.precision().width() as u64);

@@ -138,15 +138,7 @@ pub fn access_delta(
         rkyv::access::<ArchivedDeltaHeader, rancor::Error>(&body[PREAMBLE..PREAMBLE + hlen])
             .map_err(|e| invalid(e.to_string()))?;
     let payload = &body[PREAMBLE + hlen..];
-    let (got_start, got_end) = header.header.range();
-    if got_start != start || got_end != end {
-        return Err(ProtocolError::BadRange {
-            start,
-            end,
-            got_start,
-            got_end,
-        });
-    }
+    header.header.check_range(start, end)?;
     let len = end.saturating_sub(start);
     let frames = header.frames.len();
     if frames > MAX_DELTA_FRAMES {

@@ -5,6 +5,8 @@
 //! A received header is only read through its archived form inside a validated frame; [`ArchivedReplyHeader::get`]
 //! copies it out as native values.
 
+use super::ProtocolError;
+
 /// Which pull a reply answers and the shard state it reports (the fields full and delta replies share).
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
@@ -49,5 +51,19 @@ impl ArchivedReplyHeader {
     /// The covered range `(start, end)`.
     pub fn range(&self) -> (u64, u64) {
         (self.range_start.to_native(), self.range_end.to_native())
+    }
+
+    /// Checks that the reply covers exactly `start..end` (the range the worker expects from this shard).
+    pub fn check_range(&self, start: u64, end: u64) -> Result<(), ProtocolError> {
+        let (got_start, got_end) = self.range();
+        if got_start != start || got_end != end {
+            return Err(ProtocolError::BadRange {
+                start,
+                end,
+                got_start,
+                got_end,
+            });
+        }
+        Ok(())
     }
 }
