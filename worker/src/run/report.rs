@@ -77,6 +77,12 @@ pub struct WorkerReport {
 }
 
 impl WorkerReport {
+    /// Records one evaluation of the model at `step`, `secs` into the run.
+    pub fn record_eval(&mut self, step: u64, secs: f64, accuracy: f32, loss: f32) {
+        self.accuracy_curve.push((step, secs, f64::from(accuracy)));
+        self.val_loss_curve.push((step, secs, f64::from(loss)));
+    }
+
     /// The counters a run report sums over workers.
     pub fn counters(&self) -> WorkerCounters {
         WorkerCounters {

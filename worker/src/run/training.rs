@@ -333,11 +333,7 @@ async fn train_loop(
         {
             let e = evaluate(d, addr, params).await?;
             params = e.params;
-            let secs = started.elapsed().as_secs_f64();
-            report
-                .accuracy_curve
-                .push((step, secs, f64::from(e.accuracy)));
-            report.val_loss_curve.push((step, secs, f64::from(e.loss)));
+            report.record_eval(step, started.elapsed().as_secs_f64(), e.accuracy, e.loss);
             accuracy = Some(e.accuracy);
         }
         let (wire, fp32) = if outcome.finite { (wire, fp32) } else { (0, 0) };
@@ -381,11 +377,7 @@ async fn train_loop(
         report.fp32_bytes_pulled += 4 * n_params as u64;
         let e = evaluate(d, addr, params).await?;
         params = e.params;
-        let secs = started.elapsed().as_secs_f64();
-        report
-            .accuracy_curve
-            .push((step, secs, f64::from(e.accuracy)));
-        report.val_loss_curve.push((step, secs, f64::from(e.loss)));
+        report.record_eval(step, started.elapsed().as_secs_f64(), e.accuracy, e.loss);
         info!(
             rank,
             step,
