@@ -1,6 +1,6 @@
 //! A running shard server: builds the `ShardCore` from the configuration (resuming from the newest verified
 //! checkpoint when asked), starts its `ShardActor` on an Arbiter, binds the mutual-TLS QUIC endpoint and spawns one
-//! connection task ([`crate::connection`]) per QUIC connection. Used by the `tether-server` binary and by
+//! connection task (the private `connection` shell) per QUIC connection. Used by the `tether-server` binary and by
 //! `tether::LocalCluster`.
 //! Must be called inside an actix `System` running on a multi-threaded tokio runtime.
 
