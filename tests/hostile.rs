@@ -30,7 +30,10 @@ struct Target {
     shard_len: usize,
 }
 
-async fn session(ep: &quinn::Endpoint, t: &Target) -> (quinn::Connection, ControlChannel, Welcome) {
+async fn handshake(
+    ep: &quinn::Endpoint,
+    t: &Target,
+) -> (quinn::Connection, ControlChannel, Welcome) {
     let conn = connect(ep, t.addr, "127.0.0.1")
         .await
         .expect("valid client must connect");
@@ -85,8 +88,8 @@ async fn bad_pushes(ep: &quinn::Endpoint, t: &Target, rng: &mut TestRng) -> u64 
     enc.encode(&grad, 1, &mut payload).unwrap();
     let mut valid = 0u64;
 
-    // A valid push, then the same push replayed (refused, session goes on), then a push from a future clock.
-    let (conn, _control, w) = session(ep, t).await;
+    // A valid push, then the same push replayed (refused, connection goes on), then a push from a future clock.
+    let (conn, _control, w) = handshake(ep, t).await;
     let clock = w.min_clock;
     let good = push_bytes(&w, clock, 0, RANK, payload.clone());
     send_raw(&conn, good.len() as u32, &good).await;
@@ -103,7 +106,7 @@ async fn bad_pushes(ep: &quinn::Endpoint, t: &Target, rng: &mut TestRng) -> u64 
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
         conn.close_reason().is_none(),
-        "refused pushes must not close the session: {:?}",
+        "refused pushes must not close the connection: {:?}",
         conn.close_reason()
     );
 
@@ -150,7 +153,7 @@ async fn bad_pushes(ep: &quinn::Endpoint, t: &Target, rng: &mut TestRng) -> u64 
     ];
     drop(conn);
     for (what, len, body) in cases {
-        let (conn, _control, _w) = session(ep, t).await;
+        let (conn, _control, _w) = handshake(ep, t).await;
         send_raw(&conn, len, &body).await;
         if what != "length past the body" && what != "random rkyv body" {
             assert!(
@@ -164,7 +167,7 @@ async fn bad_pushes(ep: &quinn::Endpoint, t: &Target, rng: &mut TestRng) -> u64 
         conn.close(0u32.into(), b"");
     }
     // One bit-flipped frame: it may happen to stay valid rkyv; it must never crash the server.
-    let (conn, _control, _w) = session(ep, t).await;
+    let (conn, _control, _w) = handshake(ep, t).await;
     send_raw(&conn, flipped.len() as u32, &flipped).await;
     let _ = closed_by_server(&conn).await;
     conn.close(0u32.into(), b"");
@@ -283,7 +286,7 @@ fn server_survives_hostile_input_and_still_trains() {
         let ep = client_endpoint(&valid_tls, &TransportTuning::default()).unwrap();
         let valid = bad_pushes(&ep, &t, &mut rng).await;
         // Leave the table so the real workers are not held back by this rank.
-        let (conn, mut control, _) = session(&ep, &t).await;
+        let (conn, mut control, _) = handshake(&ep, &t).await;
         control.send(&Control::Goodbye { clock: 0 }).await.unwrap();
         let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
         // 4. Slow loris: connections that stall mid-handshake and mid-frame, held while the real workers train.
@@ -410,7 +413,7 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
             Ok(_) => None,
         };
         // A member flooding pulls: at absurd clocks, then many at once.
-        let (conn, mut control, _) = session(&ep, &t).await;
+        let (conn, mut control, _) = handshake(&ep, &t).await;
         let mut sent = 0u64;
         for request in 0..2 {
             let clock = [u64::MAX, u64::MAX / 2][request as usize];

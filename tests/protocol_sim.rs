@@ -1,5 +1,5 @@
 //! A deterministic in-memory harness for the protocol cores (quinn-proto's `Pair`, grown to N workers × M shards):
-//! the real [`WorkerSession`]s and [`ShardProtocol`]s (over real `ShardCore`s, the real codec and real rkyv/bincode
+//! the real [`WorkerProtocol`]s and [`ShardProtocol`]s (over real `ShardCore`s, the real codec and real rkyv/bincode
 //! frames) talk through a seeded scheduler that delays and reorders messages across streams (each stream stays FIFO,
 //! as QUIC keeps it), duplicates them, breaks connections (in-flight messages are lost, or delivered late from the
 //! dead connection), stalls links past the eviction timeout, stretches steps far past it, crashes and restarts shards
@@ -16,7 +16,7 @@
 //!   unless a crash rolled it back to the checkpoint, every surviving worker finished with every push settled.
 //!
 //! Replies travel as the finished frame bodies the shard protocol builds, and the workers read them with the same
-//! [`WorkerSession::handle_reply`] the driver calls; settled rounds are read with the same [`Settled::verdict`].
+//! [`WorkerProtocol::handle_reply`] the driver calls; settled rounds are read with the same [`Settled::verdict`].
 //! Every used reply must give the worker, bit for bit, the values the shard answered with, and the read guarantee is
 //! checked on what the worker computes on. Half the schedules pull deltas of the shards' public copies (lossless f32
 //! deltas, so the slots stay readable): there the worker's rebuilt copy must equal the shard's public copy.
@@ -36,7 +36,7 @@ use tether::common::protocol::{
 use tether::common::testing::TestRng;
 use tether::server::protocol::{Action, ConnId, Round, ShardProtocol};
 use tether::server::shard::{ShardCore, ShardSpec};
-use tether::worker::session::{Event, Settled, Transmit, Verdict, WorkerSession};
+use tether::worker::protocol::{Event, Settled, Transmit, Verdict, WorkerProtocol};
 
 const WORKERS: usize = 3;
 const SHARDS: usize = 2;
@@ -188,7 +188,7 @@ enum Phase {
 }
 
 struct SimWorker {
-    session: WorkerSession,
+    session: WorkerProtocol,
     incarnation: u64,
     phase: Phase,
     /// The live connection per shard.
@@ -310,7 +310,7 @@ impl Sim {
             .collect();
         let workers = (0..WORKERS)
             .map(|w| SimWorker {
-                session: WorkerSession::new(
+                session: WorkerProtocol::new(
                     w as u32,
                     layout.hash(),
                     ranges.clone(),
@@ -914,7 +914,7 @@ impl Sim {
             })
             .collect();
         let sw = &mut self.workers[w];
-        sw.session = WorkerSession::new(
+        sw.session = WorkerProtocol::new(
             w as u32,
             self.layout.hash(),
             ranges,

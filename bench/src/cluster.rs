@@ -1,6 +1,6 @@
 //! Bring-up of a real cluster for the bench and the study: certificates, `cluster.toml`, `tether-server` child
 //! processes (so that their CPU time is theirs: `getrusage(RUSAGE_CHILDREN)`), optionally inside network namespaces,
-//! and in-process synthetic workers that run the real trainer (session, driver, codec) on a model whose gradient
+//! and in-process synthetic workers that run the real trainer (protocol, driver, codec) on a model whose gradient
 //! costs a memcpy.
 
 use std::path::{Path, PathBuf};

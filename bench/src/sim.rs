@@ -8,7 +8,7 @@
 //! `c − s` (`ClockTable::can_answer`); a push moves its worker's clock there when it is applied. Every node has one
 //! NIC: a FIFO per direction at the link rate, and a message holds the sender's egress and the receiver's ingress at
 //! once (cut-through), then arrives a one-way latency later. QUIC's CPU per byte is charged to the sending and
-//! receiving CPUs (the shard's actor CPU on the server side, as the session tasks share its cores on the small
+//! receiving CPUs (the shard's actor CPU on the server side, as the connection tasks share its cores on the small
 //! machines this is calibrated on).
 
 use std::cmp::Ordering;

@@ -546,7 +546,7 @@ fn sim_of(m: &Measured, o: &Outcome, cal: &Calibration) -> SimConfig {
         pull_bytes_per_param: o.pull_bytes / per,
         // Whole-process CPU of the calibration run: the worker's compute phase is on its critical path, the rest of
         // its CPU is not; the shard's actor work (apply, the delta cut) is the floors' apply and serve cost, the rest
-        // of the shard process's CPU (QUIC, sessions) is off the actor's path.
+        // of the shard process's CPU (QUIC, connection tasks) is off the actor's path.
         worker_ns_per_param: 0.0,
         apply_ns_per_param: cal.apply_ns_per_param,
         serve_ns_per_param: cal.serve_ns_per_param,

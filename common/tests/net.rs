@@ -1,4 +1,4 @@
-//! Real QUIC over loopback: mutual TLS refusals and hostile peers against a small server built from the session
+//! Real QUIC over loopback: mutual TLS refusals and hostile peers against a small server built from the transport
 //! helpers. Every wait is bounded.
 
 use std::net::SocketAddr;

@@ -2,7 +2,7 @@
 //!
 //! Starts a full shard with `node::start_shard` (QUIC endpoint, mutual TLS, shard actor on its own Arbiter) inside an
 //! actix System, then drives it with simulated workers that talk to the shard actor directly (Join, Pull at their
-//! clock, ApplyPush of a q4 frame) — the same messages the QUIC sessions send. Prints VmRSS/VmHWM from
+//! clock, ApplyPush of a q4 frame) — the same messages the QUIC connection tasks send. Prints VmRSS/VmHWM from
 //! /proc/self/status after start-up, after the load, and after a checkpoint, with bytes per parameter.
 //!
 //! `cargo run --release -p tether-server --example server_rss -- [ROUNDS] [WORKERS]` (defaults: 50 rounds, 4 workers)

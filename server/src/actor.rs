@@ -1,6 +1,6 @@
 //! `ShardActor`: the actix shell that owns one shard's [`ShardProtocol`] (and through it the `ShardCore`) on its own
-//! Arbiter. It turns messages from the connection sessions into protocol calls and moves the protocol's actions to
-//! their sessions: finished pull replies (built by the protocol, byte for byte what goes on the wire) go through
+//! Arbiter. It turns messages from the connection tasks into protocol calls and moves the protocol's actions to
+//! their connections: finished pull replies (built by the protocol, byte for byte what goes on the wire) go through
 //! oneshot channels when the protocol releases them, connections are closed
 //! through their kick channel, silent workers are evicted on a timer. Its mailbox is bounded (senders wait when it is
 //! full: backpressure reaches the QUIC streams); checkpoints are snapshotted inside the actor but written on a
@@ -73,12 +73,12 @@ pub struct Closed {
     pub conn: ConnId,
 }
 
-/// A push or skip marker: a validated push frame body (16-byte aligned) whose worker the session checked against
-/// the certificate.
+/// A push or skip marker: a validated push frame body (16-byte aligned) whose worker the connection task checked
+/// against the certificate.
 #[derive(Message)]
 #[rtype(result = "Result<Outcome, ProtocolError>")]
 pub struct ApplyPush {
-    /// The frame body, validated with `access_push` by the session (it is accessed again here, in place).
+    /// The frame body, validated with `access_push` by the connection task (it is accessed again here, in place).
     pub body: AlignedVec,
 }
 

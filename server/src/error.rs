@@ -72,6 +72,3 @@ impl Error {
         }
     }
 }
-
-/// Results of tether-server operations.
-pub type Result<T, E = Error> = std::result::Result<T, E>;

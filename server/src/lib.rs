@@ -1,21 +1,24 @@
 //! Tether parameter-server shards: the pure cores (optimizers, the update rule of the training mode, the SSP clock
-//! table, checkpoints, `ShardCore`) and the shells around them (the `ShardActor`, per-connection sessions, the shard
-//! server and its binary).
+//! table, checkpoints, `ShardCore`, the sans-IO [`protocol::ShardProtocol`]) and the shells around them (the
+//! `ShardActor`, one connection task per QUIC connection, the shard server and its binary).
+//!
+//! Public modules are what the binary, the `tether` facade, tests, benches and the fuzz targets use; the connection
+//! shell and the loss medians behind the rollback detector are private, and the crate's error is re-exported.
 
 pub mod actor;
 pub mod checkpoint;
 pub mod clock;
-pub mod error;
-pub mod median;
+mod connection;
+mod error;
+mod median;
 pub mod node;
 pub use tether_common::optim;
 pub mod protocol;
 pub mod public;
 pub mod remote;
 pub mod rollback;
-pub mod session;
 pub mod shard;
-pub mod spike;
+mod spike;
 pub mod update_rule;
 
 pub use error::Error;

@@ -45,11 +45,6 @@ impl RunningMedian {
         self.values.len()
     }
 
-    /// Whether no value was pushed yet.
-    pub fn is_empty(&self) -> bool {
-        self.values.is_empty()
-    }
-
     /// Whether the window holds `window` values.
     pub fn is_full(&self) -> bool {
         self.values.len() == self.window
@@ -93,7 +88,7 @@ mod tests {
     #[test]
     fn the_window_keeps_the_newest_values() {
         let mut m = RunningMedian::new(3);
-        assert!(m.is_empty());
+        assert_eq!(m.len(), 0);
         assert_eq!((m.lower(), m.upper()), (None, None));
         for v in [10.0, 20.0, 30.0] {
             m.push(v);

@@ -1,6 +1,7 @@
 //! A running shard server: builds the `ShardCore` from the configuration (resuming from the newest verified
 //! checkpoint when asked), starts its `ShardActor` on an Arbiter, binds the mutual-TLS QUIC endpoint and spawns one
-//! session task per connection. Used by the `tether-server` binary and by `tether::LocalCluster`.
+//! connection task (the private `connection` shell) per QUIC connection. Used by the `tether-server` binary and by
+//! `tether::LocalCluster`.
 //! Must be called inside an actix `System` running on a multi-threaded tokio runtime.
 
 use std::net::SocketAddr;
@@ -19,9 +20,9 @@ use tether_common::report::RunReport;
 
 use crate::actor::{CheckpointNow, GetStats, ShardActor};
 use crate::checkpoint::CheckpointStore;
+use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
 use crate::remote::RemoteStore;
-use crate::session::{serve_connection, SessionContext};
 use crate::shard::{ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
 
@@ -180,7 +181,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     )
     .with_remote(remote, cfg.checkpoint.local);
     let (addr, arbiter) = actor.start_on_own_arbiter();
-    let ctx = Arc::new(SessionContext {
+    let ctx = Arc::new(ConnectionContext {
         shard_actor: addr.clone(),
         shard: opts.shard,
         range: (range.start, range.end),

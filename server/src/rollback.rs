@@ -1,5 +1,5 @@
 //! Loss-spike rollback on one shard, as plain bookkeeping that `ShardCore` drives: the losses workers report per
-//! round, the series of completed rounds fed to the [`SpikeDetector`], the ring of in-memory snapshots taken at round
+//! round, the series of completed rounds fed to the `SpikeDetector`, the ring of in-memory snapshots taken at round
 //! boundaries, and the choice of the snapshot to restore on an alarm. No I/O, no clocks.
 //!
 //! Invariants (what makes every shard roll back to the same round without talking to the others):

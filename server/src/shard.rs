@@ -222,7 +222,7 @@ fn next_clock(worker: u32, clock: u64) -> Result<u64, ShardError> {
         })
 }
 
-/// One gradient push, as the shard sees it (already framed and authenticated by the session).
+/// One gradient push, as the shard sees it (already framed and authenticated by the connection task).
 #[derive(Debug, Clone, Copy)]
 pub struct Push<'a> {
     /// Pushing worker (from its certificate).

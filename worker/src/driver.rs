@@ -1,9 +1,9 @@
-//! The worker's transport shell around [`WorkerSession`]: one QUIC connection per shard with a writer task (control
+//! The worker's transport shell around [`WorkerProtocol`]: one QUIC connection per shard with a writer task (control
 //! messages in order, push frames on uni streams opened in clock order) and two reader tasks (control messages,
 //! pull replies), all feeding one inbox; reconnects with exponential backoff; and the event loop that drives the
-//! session's timers while the trainer waits for a pull or for the compute actor. No protocol rule lives here: every
-//! decision (which reply to use, what to resend, when to heartbeat, when to rejoin) is the session's, and so is
-//! reading reply bodies into the model ([`WorkerSession::handle_reply`]); this shell hands it the bytes.
+//! protocol's timers while the trainer waits for a pull or for the compute actor. No protocol rule lives here: every
+//! decision (which reply to use, what to resend, when to heartbeat, when to rejoin) is the protocol's, and so is
+//! reading reply bodies into the model ([`WorkerProtocol::handle_reply`]); this shell hands it the bytes.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ use tether_common::net::{
 use tether_common::protocol::{Control, FrameHeader, FrameKind, FrameLimits, PullMode, Welcome};
 
 use crate::error::WorkerError;
-use crate::session::{Event, Settled, Transmit, Verdict, WorkerSession};
+use crate::protocol::{Event, Settled, Transmit, Verdict, WorkerProtocol};
 
 /// What the per-link tasks and connect attempts report to the driver.
 enum Inbound {
@@ -94,7 +94,7 @@ pub const LATENCY_SAMPLES: usize = 1 << 20;
 /// The network side of one worker.
 pub struct Driver {
     /// The protocol state.
-    pub session: WorkerSession,
+    pub protocol: WorkerProtocol,
     rank: u32,
     endpoint: quinn::Endpoint,
     servers: Vec<String>,
@@ -158,7 +158,7 @@ impl Driver {
         let (inbox_tx, inbox) = mpsc::unbounded_channel();
         let n = cfg.servers.len();
         Driver {
-            session: WorkerSession::new(
+            protocol: WorkerProtocol::new(
                 cfg.rank,
                 cfg.layout_hash,
                 cfg.ranges,
@@ -193,10 +193,10 @@ impl Driver {
     }
 
     /// Pulls every shard's values for the current clock into `params` (SSP-gated by the shards), reconnecting as
-    /// needed. Returns when the session has a complete, current answer from every shard.
+    /// needed. Returns when the protocol has a complete, current answer from every shard.
     pub async fn pull(&mut self, params: &mut [f32]) -> Result<(), WorkerError> {
         let now = self.now_ms();
-        self.session.start_pull(now);
+        self.protocol.start_pull(now);
         let clock = loop {
             if let Some(clock) = self.flush()? {
                 break clock;
@@ -223,7 +223,7 @@ impl Driver {
                 }
                 _ = tokio::time::sleep_until(timeout) => {
                     let now = self.now_ms();
-                    self.session.handle_timeout(now);
+                    self.protocol.handle_timeout(now);
                 }
             }
         }
@@ -233,7 +233,7 @@ impl Driver {
     /// until `limit` passes); returns whether it got there.
     pub async fn settle(&mut self, limit: Duration) -> Result<bool, WorkerError> {
         let end = tokio::time::Instant::now() + limit;
-        while !(self.session.settled() && self.session.connected_to_all()) {
+        while !(self.protocol.settled() && self.protocol.connected_to_all()) {
             if tokio::time::Instant::now() >= end {
                 return Ok(false);
             }
@@ -246,7 +246,7 @@ impl Driver {
     /// Says goodbye on every link, gives it a moment to be delivered, and closes.
     pub async fn goodbye(&mut self) {
         let now = self.now_ms();
-        self.session.goodbye(now);
+        self.protocol.goodbye(now);
         let _ = self.flush();
         for link in self.links.iter_mut() {
             if let Some(io) = link.take() {
@@ -263,13 +263,13 @@ impl Driver {
 
     fn timer(&self) -> tokio::time::Instant {
         let base = tokio::time::Instant::from_std(self.epoch);
-        match self.session.poll_timeout() {
+        match self.protocol.poll_timeout() {
             Some(ms) => base + Duration::from_millis(ms),
             None => tokio::time::Instant::now() + Duration::from_secs(3600),
         }
     }
 
-    /// Waits for one inbound message or timer and hands it to the session.
+    /// Waits for one inbound message or timer and hands it to the protocol.
     async fn step_io(&mut self, params: Option<&mut [f32]>) -> Result<(), WorkerError> {
         let timeout = self.timer();
         tokio::select! {
@@ -280,18 +280,18 @@ impl Driver {
             }
             _ = tokio::time::sleep_until(timeout) => {
                 let now = self.now_ms();
-                self.session.handle_timeout(now);
+                self.protocol.handle_timeout(now);
             }
         }
         Ok(())
     }
 
-    /// Moves the session's transmits to the links and acts on its events. Returns the clock of a completed pull.
+    /// Moves the protocol's transmits to the links and acts on its events. Returns the clock of a completed pull.
     fn flush(&mut self) -> Result<Option<u64>, WorkerError> {
         let mut done = None;
         loop {
             let mut progressed = false;
-            while let Some(t) = self.session.poll_transmit() {
+            while let Some(t) = self.protocol.poll_transmit() {
                 progressed = true;
                 let (shard, out) = match t {
                     Transmit::Control { shard, msg } => (shard, Outgoing::Control(msg)),
@@ -314,12 +314,12 @@ impl Driver {
                         (shard, Outgoing::Push(bytes))
                     }
                 };
-                // A link that is down drops the message; the session resends what matters after the reconnect.
+                // A link that is down drops the message; the protocol resends what matters after the reconnect.
                 if let Some(io) = &self.links[shard] {
                     let _ = io.out.send(out);
                 }
             }
-            while let Some(e) = self.session.poll_event() {
+            while let Some(e) = self.protocol.poll_event() {
                 progressed = true;
                 match e {
                     Event::PullDone { clock } => done = Some(clock),
@@ -390,7 +390,7 @@ impl Driver {
         outage.attempt += 1;
         outage.connecting = true;
         let attempt = outage.attempt;
-        let hello = self.session.hello(shard);
+        let hello = self.protocol.hello(shard);
         let (endpoint, name, server_name) = (
             self.endpoint.clone(),
             self.servers[shard].clone(),
@@ -479,7 +479,7 @@ impl Driver {
                         io.close(b"lost");
                     }
                     self.reconnects += 1;
-                    self.session.disconnected(shard);
+                    self.protocol.disconnected(shard);
                 }
             }
             Inbound::Control { shard, gen, msg } => {
@@ -488,10 +488,10 @@ impl Driver {
                 }
                 match msg {
                     Control::PushOutcome { clock, outcome } => {
-                        self.session.outcome(shard, clock, outcome)
+                        self.protocol.outcome(shard, clock, outcome)
                     }
                     Control::PullRefused { request, code } => {
-                        self.session.pull_refused(shard, request, code)
+                        self.protocol.pull_refused(shard, request, code)
                     }
                     Control::Error { code, message } => {
                         warn!(rank = self.rank, shard, ?code, %message, "shard reported an error");
@@ -506,7 +506,7 @@ impl Driver {
                         if let Some(io) = self.links[shard].take() {
                             io.close(b"unexpected message");
                         }
-                        self.session.disconnected(shard);
+                        self.protocol.disconnected(shard);
                     }
                 }
             }
@@ -520,8 +520,8 @@ impl Driver {
                     return Ok(());
                 }
                 self.bytes_pulled += body.len() as u64;
-                if let Err(e) = self.session.handle_reply(shard, kind, &body, params) {
-                    // The session forgot the shard's copy and reset the link; the connection goes with it.
+                if let Err(e) = self.protocol.handle_reply(shard, kind, &body, params) {
+                    // The protocol forgot the shard's copy and reset the link; the connection goes with it.
                     warn!(rank = self.rank, shard, error = %e, "bad pull reply; reconnecting");
                     if let Some(io) = self.links[shard].take() {
                         io.close(b"bad reply");
@@ -536,7 +536,7 @@ impl Driver {
         let gen = self.next_gen;
         self.next_gen += 1;
         let now = self.now_ms();
-        if let Err(e) = self.session.connected(shard, &c.welcome, now) {
+        if let Err(e) = self.protocol.connected(shard, &c.welcome, now) {
             c.conn.close(0u32.into(), b"bad welcome");
             return Err(WorkerError::Protocol { shard, source: e });
         }

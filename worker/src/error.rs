@@ -74,8 +74,8 @@ pub enum WorkerError {
         source: ProtocolError,
     },
     /// The worker's own protocol state refused a push or skip marker.
-    #[error("session: {0}")]
-    Session(#[source] ProtocolError),
+    #[error("protocol state: {0}")]
+    ProtocolState(#[source] ProtocolError),
     /// The worker actor stopped.
     #[error("worker actor is gone")]
     ActorGone,

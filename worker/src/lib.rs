@@ -1,7 +1,7 @@
 //! Tether workers: models, data loading, compute backends and the worker itself.
 //!
 //! Layers, bottom up (no module imports from one above it): [`model`] and [`data`]; [`backend`] (models on a
-//! device) and [`step`] (gradient → frames); the crate's [`WorkerError`]; [`session`] (the pure protocol state
+//! device) and [`step`] (gradient → frames); the crate's [`WorkerError`]; [`protocol`] (the pure protocol state
 //! machine) and the private transport driver around it; and the run layer on top — [`prepare_worker`],
 //! [`PreparedWorker`], [`WorkerOptions`], [`WorkerReport`] — re-exported here.
 
@@ -10,8 +10,8 @@ pub mod data;
 mod driver;
 mod error;
 pub mod model;
+pub mod protocol;
 mod run;
-pub mod session;
 pub mod step;
 
 pub use error::WorkerError;

@@ -6,18 +6,20 @@
 //! that connection, with the violation's [`ErrorCode`] as the QUIC application close code.
 
 mod endpoint;
+mod handshake;
 mod identity;
 mod refusal;
-mod session;
+mod streams;
 mod tls;
 mod tuning;
 
 pub use endpoint::{client_endpoint, client_endpoint_on, connect, connect_shard, server_endpoint};
+pub use handshake::{client_handshake, server_accept_hello};
 pub use identity::{certificate_serial, peer_identity, peer_shard, server_shard, PeerIdentity};
 pub use refusal::{HandshakeRefusal, RefusedBy};
-pub use session::{
-    client_handshake, close_with, recv_bulk, recv_bulk_any, reject, send_bulk, send_bulk_chunks,
-    server_accept_hello, BulkFrame, ControlChannel, ControlReceiver, ControlSender,
+pub use streams::{
+    close_with, recv_bulk, recv_bulk_any, reject, send_bulk, send_bulk_chunks, BulkFrame,
+    ControlChannel, ControlReceiver, ControlSender,
 };
 pub use tls::{TlsFiles, TlsPaths};
 pub use tuning::TransportTuning;

@@ -1,4 +1,4 @@
-//! Control messages: the small, infrequent messages of a session, encoded with bincode 2.0.1.
+//! Control messages: the small, infrequent messages of a connection, encoded with bincode 2.0.1.
 //!
 //! This is the only module that touches bincode. Encoding uses `bincode::config::standard()` with a byte limit
 //! of [`MAX_CONTROL_BYTES`]; decoding rejects trailing bytes, so one frame body is exactly one message.
@@ -36,7 +36,7 @@ pub const MAX_CONTROL_BYTES: usize = 4096;
 /// Longest `Control::Error` message, in bytes; longer messages are cut at a character boundary on encode.
 pub const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
 
-/// A control message on the session's long-lived bidirectional stream.
+/// A control message on the connection's long-lived bidirectional stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Control {
     /// Worker → server, first message: who I am and what model I train.
@@ -176,7 +176,7 @@ pub fn decode_control(bytes: &[u8]) -> Result<Control, ProtocolError> {
     Ok(msg)
 }
 
-/// Worker → server, first message of a session: who I am and what model I train (`Control::Hello`).
+/// Worker → server, first message on a connection: who I am and what model I train (`Control::Hello`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
     /// The worker's rank (must match its certificate unless it uses the shared client certificate).

@@ -21,7 +21,7 @@
 //! |   14 | Internal          | server-side failure unrelated to the peer's bytes                 |
 //! |   15 | Evicted           | worker was evicted from the clock table                           |
 //! |   16 | Shutdown          | server is shutting down                                           |
-//! |   17 | UnexpectedMessage | a valid message that is not allowed at this point of the session |
+//! |   17 | UnexpectedMessage | a valid message not allowed at this point of the connection       |
 //! |   18 | RolledBack        | push computed from parameters a loss-spike rollback discarded     |
 //! |   19 | ConfigMismatch    | peer runs under another cluster setting (e.g. the SSP bound)      |
 
@@ -64,7 +64,7 @@ pub enum ErrorCode {
     Evicted = 15,
     /// Server is shutting down.
     Shutdown = 16,
-    /// Valid message not allowed at this point of the session.
+    /// Valid message not allowed at this point of the connection.
     UnexpectedMessage = 17,
     /// Push computed from parameters that a loss-spike rollback discarded (its read version predates the rollback).
     RolledBack = 18,
@@ -139,7 +139,7 @@ impl std::fmt::Display for ErrorCode {
     }
 }
 
-/// Everything that can be wrong with bytes received from a peer, or with a session's message order.
+/// Everything that can be wrong with bytes received from a peer, or with a connection's message order.
 ///
 /// Each variant maps to one [`ErrorCode`] through [`ProtocolError::code`]; the transport closes the offending
 /// connection with that code.

@@ -6,7 +6,7 @@
 //! It takes messages and `now_ms` and returns outcomes; finished pull replies (the frame bodies, byte for byte what
 //! goes on the wire: see [`reply`]), refusals and connections that must be closed come out of
 //! [`ShardProtocol::poll_action`]. No sockets, actors, timers or threads: the `ShardActor` and the per-connection
-//! session tasks only move bytes and timers. Invariants:
+//! connection tasks only move bytes and timers. Invariants:
 //! - a pull is answered only when the SSP gate of the clock table allows it, and only for a live member at a clock
 //!   the protocol allows (`own ≤ clock ≤ own + s + 1`);
 //! - a push or skip for `(worker, clock)` changes the weights at most once; a resend of an applied one is
@@ -28,7 +28,7 @@ use crate::shard::{Applied, Push, ShardCore, ShardError, ShardStats, MAX_CLOCK};
 
 pub use reply::WireReply;
 
-/// Identifies one connection (one session) to this shard; the shell assigns them, never reusing one.
+/// Identifies one connection to this shard; the shell assigns them, never reusing one.
 pub type ConnId = u64;
 
 /// At most this many pulls of one worker wait on the SSP gate at once (an honest worker has one per shard).

@@ -172,14 +172,14 @@ impl PreparedWorker {
         self.arbiter.stop();
         result?;
         self.driver.goodbye().await;
-        let stats = self.driver.session.stats();
+        let stats = self.driver.protocol.stats();
         self.report.pushes_refused = stats.pushes_refused;
         self.report.stale_replies_dropped = stats.stale_replies;
         self.report.rollbacks_seen = stats.rollbacks_seen;
         self.report.max_clock_lead = stats.max_clock_lead;
         self.report.reconnects = self.driver.reconnects;
-        self.report.final_public = (0..self.driver.session.shards())
-            .map(|k| self.driver.session.public(k))
+        self.report.final_public = (0..self.driver.protocol.shards())
+            .map(|k| self.driver.protocol.public(k))
             .collect();
         self.report.wire_bytes_pulled = self.driver.bytes_pulled;
         self.report.push_latency_us = std::mem::take(&mut self.driver.push_latency_us);
@@ -240,7 +240,7 @@ async fn train_loop(
     let started = Instant::now();
     let rank = opts.rank;
     let eval_every = opts.config.train.eval_every;
-    let shards = d.session.shards();
+    let shards = d.protocol.shards();
     let mut params = vec![0.0f32; n_params];
     let mut frames: Vec<Vec<u8>> = vec![Vec::new(); shards];
     let mut step = 0u64;
@@ -304,9 +304,9 @@ async fn train_loop(
         let fp32: u64 = 4 * n_params as u64 * n;
         report.fp32_bytes_pulled += fp32;
         if outcome.finite {
-            d.session
+            d.protocol
                 .push(&mut frames, outcome.loss)
-                .map_err(WorkerError::Session)?;
+                .map_err(WorkerError::ProtocolState)?;
             report.wire_bytes_pushed += wire;
             report.fp32_bytes_pushed += fp32;
         } else {
@@ -315,7 +315,9 @@ async fn train_loop(
             if let Some(m) = &opts.metrics {
                 m.nonfinite.inc();
             }
-            d.session.skip(outcome.loss).map_err(WorkerError::Session)?;
+            d.protocol
+                .skip(outcome.loss)
+                .map_err(WorkerError::ProtocolState)?;
         }
         credit_refused(d, addr);
         step += n;
@@ -366,7 +368,7 @@ async fn train_loop(
                 total_steps,
                 loss = outcome.loss,
                 ?accuracy,
-                clock = d.session.clock(),
+                clock = d.protocol.clock(),
                 "progress"
             );
         }

@@ -34,8 +34,8 @@ pub const MAX_INFLIGHT_PULLS: usize = 4;
 /// Control messages queued for the writer of one connection before senders wait.
 const CONTROL_QUEUE: usize = 256;
 
-/// What every session of one shard shares.
-pub struct SessionContext {
+/// What every connection of one shard shares.
+pub struct ConnectionContext {
     /// The shard's actor.
     pub shard_actor: Addr<ShardActor>,
     /// Shard index.
@@ -53,7 +53,7 @@ pub struct SessionContext {
 }
 
 /// Serves one incoming connection until it closes.
-pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext>) {
+pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<ConnectionContext>) {
     let peer = incoming.remote_address();
     let conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await {
         Ok(Ok(c)) => c,
@@ -145,7 +145,7 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext
     let (out_tx, out_rx) = mpsc::channel(CONTROL_QUEUE);
     let writer = tokio::spawn(control_writer(sender, out_rx));
     let pushes = tokio::spawn(push_loop(conn.clone(), ctx.clone(), worker, out_tx.clone()));
-    let session = Session {
+    let connection = WorkerConnection {
         conn: conn.clone(),
         ctx: ctx.clone(),
         id,
@@ -154,7 +154,7 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<SessionContext
         pulls: Arc::new(Semaphore::new(MAX_INFLIGHT_PULLS)),
     };
     tokio::select! {
-        _ = session.control_loop(receiver) => {}
+        _ = connection.control_loop(receiver) => {}
         code = kick_rx => match code {
             Ok(Some(code)) => {
                 info!(shard = ctx.shard, worker, ?code, "closing the connection of an evicted worker");
@@ -184,16 +184,16 @@ async fn control_writer(mut sender: ControlSender, mut queue: mpsc::Receiver<Con
     }
 }
 
-struct Session {
+struct WorkerConnection {
     conn: quinn::Connection,
-    ctx: Arc<SessionContext>,
+    ctx: Arc<ConnectionContext>,
     id: ConnId,
     worker: u32,
     out: mpsc::Sender<Control>,
     pulls: Arc<Semaphore>,
 }
 
-impl Session {
+impl WorkerConnection {
     async fn control_loop(&self, mut control: ControlReceiver) {
         let (ctx, worker, id) = (&self.ctx, self.worker, self.id);
         loop {
@@ -311,7 +311,7 @@ impl Session {
 /// sends its outcome back on the control stream.
 async fn push_loop(
     conn: quinn::Connection,
-    ctx: Arc<SessionContext>,
+    ctx: Arc<ConnectionContext>,
     worker: u32,
     out: mpsc::Sender<Control>,
 ) {

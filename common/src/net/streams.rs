@@ -1,11 +1,11 @@
-//! Session helpers shared by servers and workers: the control channel (one long-lived bidirectional stream of
-//! framed bincode messages), one unidirectional stream per bulk frame, the hello/welcome handshake, and closing
-//! a connection with a protocol error code.
+//! The streams of one connection, shared by servers and workers: the control channel (one long-lived bidirectional
+//! stream of framed bincode messages), one unidirectional stream per bulk frame, and closing a connection with a
+//! protocol error code. Bytes that violate the protocol become [`NetError::Protocol`], never a panic.
 
 use rkyv::util::AlignedVec;
 
-use super::{NetError, PeerIdentity};
-use crate::protocol::control::{decode_control, encode_control, Hello, Welcome};
+use super::NetError;
+use crate::protocol::control::{decode_control, encode_control};
 use crate::protocol::framing::{expect_end, read_frame, FrameHeader};
 use crate::protocol::{Control, ErrorCode, FrameKind, FrameLimits, ProtocolError, HEADER_LEN};
 
@@ -36,7 +36,7 @@ fn net(e: crate::protocol::ReadFrameError) -> NetError {
     }
 }
 
-/// The session's control stream: framed [`Control`] messages in both directions.
+/// The connection's control stream: framed [`Control`] messages in both directions.
 #[derive(Debug)]
 pub struct ControlChannel {
     conn: quinn::Connection,
@@ -252,55 +252,4 @@ pub async fn reject(
         let _ = control.send(&Control::error(err)).await;
     }
     close_with(conn, err.code(), &err.to_string());
-}
-
-/// Worker side: sends `hello` and waits for the `Welcome` (a `Control::Error` answer becomes
-/// [`ProtocolError::Remote`]).
-pub async fn client_handshake(
-    control: &mut ControlChannel,
-    hello: Hello,
-) -> Result<Welcome, NetError> {
-    control.send(&hello.into()).await?;
-    match control.recv().await? {
-        Control::Welcome(welcome) => Ok(welcome),
-        Control::Error { code, message } => Err(ProtocolError::Remote { code, message }.into()),
-        other => Err(ProtocolError::UnexpectedMessage(format!(
-            "{} instead of Welcome",
-            other.name()
-        ))
-        .into()),
-    }
-}
-
-/// Server side: reads the first message, which must be a `Hello` at our protocol version and layout hash for a
-/// rank `identity` may claim. On any violation, sends `Control::Error`, closes the connection with its code and
-/// returns the error.
-pub async fn server_accept_hello(
-    control: &mut ControlChannel,
-    expected_layout_hash: u64,
-    identity: PeerIdentity,
-) -> Result<Hello, NetError> {
-    let checked = match control.recv().await {
-        Ok(Control::Hello(hello)) => hello
-            .check(
-                expected_layout_hash,
-                |r| identity.allows_rank(r),
-                &identity.to_string(),
-            )
-            .map(|()| hello),
-        Ok(other) => Err(ProtocolError::UnexpectedMessage(format!(
-            "{} before Hello",
-            other.name()
-        ))),
-        Err(NetError::Protocol(p)) => Err(p),
-        Err(other) => return Err(other),
-    };
-    match checked {
-        Ok(hello) => Ok(hello),
-        Err(err) => {
-            let conn = control.connection().clone();
-            reject(&conn, Some(control), &err).await;
-            Err(err.into())
-        }
-    }
 }

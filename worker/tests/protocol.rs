@@ -1,4 +1,4 @@
-//! `WorkerSession` rules, each against the defect it fixes: replies matched to their own request (a superseded or
+//! `WorkerProtocol` rules, each against the defect it fixes: replies matched to their own request (a superseded or
 //! partial pull leaves nothing stale behind), skip markers on the push path, pushes kept byte for byte until their
 //! shard settles them, refusals reported, heartbeats on a timer whatever the step, and rejoins after a clock jump.
 
@@ -7,13 +7,13 @@ use tether_common::protocol::{
     access_push, encode_params, encode_values, Control, ErrorCode, FrameKind, Outcome, ParamReply,
     Precision, ProtocolError, PublicRef, PullMode, ReplyHeader, Welcome,
 };
-use tether_worker::session::{Event, PullReply, Settled, Transmit, WorkerSession};
+use tether_worker::protocol::{Event, PullReply, Settled, Transmit, WorkerProtocol};
 
 const RANGES: [(u64, u64); 2] = [(0, 10), (10, 20)];
 const HB: u64 = 100;
 
-fn session() -> WorkerSession {
-    WorkerSession::new(
+fn protocol() -> WorkerProtocol {
+    WorkerProtocol::new(
         3,
         0xabc,
         RANGES.to_vec(),
@@ -60,7 +60,7 @@ fn answer(
     }
 }
 
-fn drain(s: &mut WorkerSession) -> (Vec<Transmit>, Vec<Event>) {
+fn drain(s: &mut WorkerProtocol) -> (Vec<Transmit>, Vec<Event>) {
     let mut t = Vec::new();
     while let Some(x) = s.poll_transmit() {
         t.push(x);
@@ -73,8 +73,8 @@ fn drain(s: &mut WorkerSession) -> (Vec<Transmit>, Vec<Event>) {
 }
 
 /// Connects every shard at `clock` and empties the queues.
-fn connected(clock: u64) -> WorkerSession {
-    let mut s = session();
+fn connected(clock: u64) -> WorkerProtocol {
+    let mut s = protocol();
     for k in 0..2 {
         assert_eq!(s.hello(k).clock, 0);
         s.connected(k, &welcome(k, clock), 0).unwrap();
@@ -309,7 +309,7 @@ fn haves(t: &[Transmit]) -> Vec<(usize, Option<PublicRef>)> {
 
 #[test]
 fn delta_pulls_ask_from_the_copy_held_and_only_a_used_reply_changes_it() {
-    let mut s = WorkerSession::new(
+    let mut s = WorkerProtocol::new(
         3,
         0xabc,
         RANGES.to_vec(),
@@ -403,7 +403,7 @@ fn a_new_rollback_epoch_is_an_event_before_the_pull_completes_and_skips_carry_th
 
 #[test]
 fn a_shard_with_another_staleness_bound_is_refused_and_changes_nothing() {
-    let mut s = session();
+    let mut s = protocol();
     s.hello(0);
     let mut asynchronous = welcome(0, 0);
     asynchronous.staleness = None;

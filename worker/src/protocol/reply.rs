@@ -2,8 +2,8 @@
 //! parameter values. A full reply ([`ParamReply`](tether_common::protocol::ParamReply)) carries the shard's weights
 //! in f32 or bf16; a delta reply carries what takes the worker's copy of the shard's public weights to the newest
 //! cut. The [`Replica`] holds those public copies and stages every rebuild, so a reply that does not decode changes
-//! nothing. Pure: bytes in, values out; whether a reply is used at all is the session's decision
-//! ([`super::WorkerSession::handle_reply`]).
+//! nothing. Pure: bytes in, values out; whether a reply is used at all is the protocol's decision
+//! ([`super::WorkerProtocol::handle_reply`]).
 
 use rkyv::util::AlignedVec;
 use tether_common::codec::Decoder;
@@ -12,7 +12,7 @@ use tether_common::protocol::{
     ReplyHeader,
 };
 
-/// A pull reply as the session judges it: its header and, for a delta reply, the public cut it leaves the worker
+/// A pull reply as the protocol judges it: its header and, for a delta reply, the public cut it leaves the worker
 /// holding. The one typed event of the pull path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PullReply {
@@ -88,7 +88,7 @@ pub(super) enum Read<'a> {
 }
 
 impl Read<'_> {
-    /// The reply as the session judges it.
+    /// The reply as the protocol judges it.
     pub(super) fn reply(&self) -> PullReply {
         match self {
             Read::Full { reply, .. } | Read::Delta { reply } => *reply,

@@ -1,4 +1,4 @@
-//! `WorkerSession`: the worker side of the Tether protocol as a sans-IO state machine, in the spirit of
+//! `WorkerProtocol`: the worker side of the Tether protocol as a sans-IO state machine, in the spirit of
 //! quinn-proto. It holds the worker's clock, what each shard expects next, the pushes sent but not yet settled
 //! (kept byte for byte for resends), the pull round in progress with one request id per shard, the copies of the
 //! shards' public weights ([`reply`]) and the heartbeat timers. It takes messages, reply frame bodies and `now_ms`
@@ -65,7 +65,8 @@ pub enum Event {
     },
     /// A push or skip marker got its outcome at one shard (or was dropped by a rejoin that jumped over it).
     Settled(Settled),
-    /// The link to this shard must be (re)established: close it if it is up, then connect with [`WorkerSession::hello`].
+    /// The link to this shard must be (re)established: close it if it is up, then connect with
+    /// [`WorkerProtocol::hello`].
     Reconnect {
         /// The shard.
         shard: usize,
@@ -111,7 +112,7 @@ impl Settled {
         match self.outcome {
             Outcome::Refused(_) => Verdict::Refused,
             Outcome::Applied | Outcome::Duplicate => {
-                // The session built the frame itself; one that did not read back would be a skip of nothing.
+                // The protocol built the frame itself; one that did not read back would be a skip of nothing.
                 let skip = access_push(&self.frame).map_or(true, |f| f.meta().skip);
                 if skip {
                     Verdict::Skipped
@@ -123,9 +124,9 @@ impl Settled {
     }
 }
 
-/// Counters the session keeps for the worker's report.
+/// Counters the protocol keeps for the worker's report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SessionStats {
+pub struct ProtocolStats {
     /// Pushes (and skip markers) a shard refused, or that a rejoin dropped.
     pub pushes_refused: u64,
     /// Resends a shard acknowledged as already applied.
@@ -195,7 +196,7 @@ struct PullRound {
 ///   computed; the pull is complete at [`Event::PullDone`]; at the end, once [`settled`](Self::settled),
 ///   [`goodbye`](Self::goodbye).
 #[derive(Debug)]
-pub struct WorkerSession {
+pub struct WorkerProtocol {
     rank: u32,
     layout_hash: u64,
     staleness: Staleness,
@@ -207,14 +208,14 @@ pub struct WorkerSession {
     next_request: u64,
     transmits: VecDeque<Transmit>,
     events: VecDeque<Event>,
-    stats: SessionStats,
+    stats: ProtocolStats,
     replica: Replica,
 }
 
-impl WorkerSession {
-    /// A session for `rank` over shards covering `ranges`, under the SSP bound `staleness` (a shard announcing
-    /// another is refused), pulling in `mode` (for `Delta`, the `have` given is ignored: the session tracks each
-    /// shard's copy), with heartbeats every `heartbeat_ms`. Every link starts down: the driver connects each shard
+impl WorkerProtocol {
+    /// The state machine of worker `rank` over shards covering `ranges`, under the SSP bound `staleness` (a shard
+    /// announcing another is refused), pulling in `mode` (for `Delta`, the `have` given is ignored: the protocol
+    /// tracks each shard's copy), with heartbeats every `heartbeat_ms`. Every link starts down: the driver connects each shard
     /// (see [`Event::Reconnect`]).
     pub fn new(
         rank: u32,
@@ -250,7 +251,7 @@ impl WorkerSession {
             next_request: 0,
             transmits: VecDeque::new(),
             events: VecDeque::new(),
-            stats: SessionStats::default(),
+            stats: ProtocolStats::default(),
             replica: Replica::default(),
         };
         for shard in 0..s.links.len() {
@@ -270,7 +271,7 @@ impl WorkerSession {
     }
 
     /// Counters for the report.
-    pub fn stats(&self) -> SessionStats {
+    pub fn stats(&self) -> ProtocolStats {
         self.stats
     }
 
