@@ -144,6 +144,10 @@ pub struct Sim {
     random: bool,
     /// Every push frame a shard received: (worker, shard, clock, bytes).
     pushes: Vec<(usize, usize, u64, bytes::Bytes)>,
+    /// Every push frame a worker sent on a link: (worker, shard, clock, bytes).
+    sent: Vec<(usize, usize, u64, bytes::Bytes)>,
+    /// Every (worker, shard, clock) whose outcome a worker learned.
+    settled: BTreeSet<(usize, usize, u64)>,
 }
 
 fn layout() -> Layout {
@@ -288,6 +292,8 @@ impl Sim {
             max_lead: 0,
             random: true,
             pushes: Vec::new(),
+            sent: Vec::new(),
+            settled: BTreeSet::new(),
         };
         for w in 0..WORKERS {
             sim.drain_worker(w);
@@ -802,6 +808,16 @@ impl Sim {
     /// Every push frame a shard received, in arrival order: (worker, shard, clock, bytes).
     pub fn pushes(&self) -> &[(usize, usize, u64, bytes::Bytes)] {
         &self.pushes
+    }
+
+    /// Every push frame a worker sent on a link, in order: (worker, shard, clock, bytes).
+    pub fn sent(&self) -> &[(usize, usize, u64, bytes::Bytes)] {
+        &self.sent
+    }
+
+    /// Whether worker `w` learned the outcome of its round `clock` at shard `k` (any incarnation).
+    pub fn settled(&self, w: usize, k: usize, clock: u64) -> bool {
+        self.settled.contains(&(w, k, clock))
     }
 
     /// The schedule's log (the first 4,000 lines), for failure messages.

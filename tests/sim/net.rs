@@ -128,7 +128,14 @@ impl Sim {
                     Transmit::Control { shard, msg } => {
                         (shard, Lane::ControlUp, Payload::Control(msg))
                     }
-                    Transmit::Push { shard, bytes, .. } => {
+                    Transmit::Push {
+                        shard,
+                        clock,
+                        bytes,
+                    } => {
+                        if self.workers[w].conns[shard].is_some() {
+                            self.sent.push((w, shard, clock, bytes.clone()));
+                        }
                         (shard, Lane::PushUp, Payload::Push(bytes))
                     }
                 };
@@ -177,6 +184,7 @@ impl Sim {
                             outcome,
                             ..
                         } = settled;
+                        self.settled.insert((w, shard, clock));
                         if settled.verdict() == Verdict::Taken {
                             self.shards[shard].acked.insert((w, clock));
                         }
@@ -348,7 +356,7 @@ impl Sim {
         let upward = matches!(msg.lane, Lane::ControlUp | Lane::PushUp);
         if !c.alive {
             // Towards the shard, a dead connection's last streams may still arrive; towards the worker, nothing does.
-            if !upward || !self.rng.chance(500) {
+            if !upward || !self.rng.chance(self.faults.late_per_mille) {
                 return Ok(());
             }
         }

@@ -31,6 +31,9 @@ pub struct Faults {
     pub slow_step_ms: u64,
     /// See `slow_step_ms`.
     pub slow_step_jitter_ms: u64,
+    /// Chance a message on its way to a shard when its connection broke still arrives (a dead connection's last
+    /// streams).
+    pub late_per_mille: u64,
     /// Chance a round is a skip marker instead of a gradient.
     pub skip_per_mille: u64,
     /// Workers pull deltas of the public copies (else full f32 values).
@@ -58,6 +61,7 @@ impl Faults {
             slow_step_ms: 3 * TIMEOUT_MS,
             slow_step_jitter_ms: 7 * TIMEOUT_MS,
             skip_per_mille: rng.below(100),
+            late_per_mille: 500,
             delta: rng.chance(500),
         }
     }
@@ -77,6 +81,7 @@ impl Faults {
             slow_step_ms: 0,
             slow_step_jitter_ms: 0,
             skip_per_mille: 0,
+            late_per_mille: 500,
             delta: false,
         }
     }
