@@ -42,10 +42,10 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use tether::common::codec::{CodecConfig, Encoder, Scheme};
-use tether::common::config::{OptimizerConfig, OptimizerKind, Staleness};
-use tether::common::layout::{Init, Layout, TensorSpec};
+use tether::common::config::Staleness;
+use tether::common::layout::Layout;
 use tether::common::protocol::{Precision, PullMode, Welcome};
-use tether::common::testing::TestRng;
+use tether::common::testing::{flat_layout, sgd, TestRng};
 use tether::server::protocol::{ConnId, ShardProtocol};
 use tether::server::shard::{ShardCore, ShardSpec};
 use tether::worker::session::WorkerSession;
@@ -151,8 +151,7 @@ pub struct Sim {
 }
 
 fn layout() -> Layout {
-    let n = SHARDS * WORKERS * SLOTS as usize;
-    Layout::new(vec![TensorSpec::new("slots", &[n], Init::Zeros)])
+    flat_layout(SHARDS * WORKERS * SLOTS as usize)
 }
 
 fn spec(shard: usize, staleness: Staleness) -> ShardSpec {
@@ -160,11 +159,7 @@ fn spec(shard: usize, staleness: Staleness) -> ShardSpec {
         shard: shard as u32,
         shards: SHARDS as u32,
         seed: 1,
-        optimizer: OptimizerConfig {
-            kind: OptimizerKind::Sgd,
-            lr: 1.0,
-            ..OptimizerConfig::default()
-        },
+        optimizer: sgd(1.0),
         staleness,
         worker_timeout_ms: TIMEOUT_MS,
         spike_factor: 0.0,
