@@ -347,8 +347,8 @@ impl Sim {
         }
     }
 
-    /// The live members of shard `k` now, with the clock each last (re)joined at.
-
+    /// Delivers one message: to the shard (a heartbeat, pull, goodbye or push, answered through its protocol) or to
+    /// the worker (an outcome, refusal or reply, read through its session), checking every reply the worker uses.
     pub(super) fn deliver_msg(&mut self, msg: Msg) -> Result<(), String> {
         let Some(c) = self.conns.get(&msg.conn) else {
             return Ok(());
