@@ -1,8 +1,10 @@
 //! Deterministic synthetic data for benchmarks, examples and tests: [`TestRng`], the one seeded generator they all
 //! draw from (the [`SplitMix64`] stream, so a seed names one reproducible sequence on every platform), and [`noise`],
 //! values that look like gradients or trained weights (dense, incompressible, zero-mean). No random-number crate.
-//! Not for production paths.
+//! Also the small fixtures the shard and protocol tests share: [`flat_layout`] and [`sgd`]. Not for production paths.
 
+use crate::config::{OptimizerConfig, OptimizerKind};
+use crate::layout::{Init, Layout, TensorSpec};
 use crate::splitmix::SplitMix64;
 
 /// A small seeded generator for tests, benchmarks and examples: the [`SplitMix64`] stream and the draws built on it.
@@ -65,6 +67,21 @@ impl TestRng {
 pub fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut rng = TestRng::new(seed);
     (0..n).map(|_| rng.symmetric(scale)).collect()
+}
+
+/// One zero-initialised tensor `w` of `n` values: the layout of the shard and protocol tests, whose updates are easy
+/// to read back from the weights.
+pub fn flat_layout(n: usize) -> Layout {
+    Layout::new(vec![TensorSpec::new("w", &[n], Init::Zeros)])
+}
+
+/// Plain SGD at learning rate `lr`, nothing else (with lr 1 a gradient of −1 reads as +1 in the weights).
+pub fn sgd(lr: f32) -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Sgd,
+        lr,
+        ..OptimizerConfig::default()
+    }
 }
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::{Config, Staleness};
-use tether_common::layout::{Init, Layout, TensorSpec};
+use tether_common::layout::Layout;
+use tether_common::testing::flat_layout;
 use tether_server::shard::{Push, ShardCore, ShardSpec};
 use tether_server::update_rule::{push_scale, shard_optimizer};
 
@@ -22,7 +23,7 @@ fn cfg(lr: f32, momentum: f32) -> Config {
 }
 
 fn layout() -> Layout {
-    Layout::new(vec![TensorSpec::new("w", &[N], Init::Zeros)])
+    flat_layout(N)
 }
 
 fn core(cfg: &Config) -> ShardCore {

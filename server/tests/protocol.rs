@@ -1,12 +1,14 @@
 //! `ShardProtocol` rules, each against the defect it fixes: pulls check membership, connection and clock, with
 //! checked arithmetic on every peer-supplied number; parked pulls are bounded per worker; a rejoin is the only way
-//! to move a clock without a round; resends are idempotent; eviction refuses the evicted worker's pulls and closes
-//! its connection. State stays untouched on every refusal.
+//! to move a clock without a round; a round from the future is refused; eviction refuses the evicted worker's pulls
+//! and closes its connection. State stays untouched on every refusal. Rules that need both sides (resends taken
+//! once, parked pulls released by the min clock, drain on goodbye, eviction and rejoin) are scenarios over the real
+//! worker sessions in the root package's tests/protocol_scenarios.rs.
 
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
-use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
-use tether_common::layout::{Init, Layout, TensorSpec};
+use tether_common::config::Staleness;
 use tether_common::protocol::{ErrorCode, Outcome, Precision, PullMode};
+use tether_common::testing::{flat_layout, sgd};
 
 const F32: PullMode = PullMode::Full(Precision::F32);
 use tether_server::protocol::{Action, Round, ShardProtocol, MAX_PARKED_PER_WORKER};
@@ -16,16 +18,12 @@ const N: usize = 8;
 const TIMEOUT: u64 = 1_000;
 
 fn proto(staleness: Staleness) -> ShardProtocol {
-    let layout = Layout::new(vec![TensorSpec::new("w", &[N], Init::Zeros)]);
+    let layout = flat_layout(N);
     let spec = ShardSpec {
         shard: 0,
         shards: 1,
         seed: 1,
-        optimizer: OptimizerConfig {
-            kind: OptimizerKind::Sgd,
-            lr: 1.0,
-            ..OptimizerConfig::default()
-        },
+        optimizer: sgd(1.0),
         staleness,
         worker_timeout_ms: TIMEOUT,
         spike_factor: 0.0,
@@ -147,31 +145,22 @@ fn a_rejoin_past_max_clock_is_refused_and_changes_nothing() {
 }
 
 #[test]
-fn resends_are_idempotent_by_worker_and_clock() {
+fn a_round_from_the_future_is_refused_and_changes_nothing() {
+    // Resends of a taken round (pushes and skips, duplicated or after a broken link) are two-sided scenarios in the
+    // root package's tests/protocol_scenarios.rs; what stays here is the check of a single frame's clock.
     let mut p = proto(Staleness::Bounded(1));
     p.hello(0, 0, 0, 0).unwrap();
     let f0 = frame(0, 0);
     assert_eq!(push(&mut p, 0, 0, &f0), Outcome::Applied);
     let after = bits(&p);
-    // The same round again (a resend after a reconnect, or a duplicate): acknowledged, not applied.
-    assert_eq!(push(&mut p, 0, 0, &f0), Outcome::Duplicate);
-    assert_eq!(bits(&p), after);
-    assert_eq!(p.core().version(), 1);
-    // A round skipped, then its resend: the same outcome, the clock moved once.
-    let skip = Round::Skip {
-        worker: 0,
-        clock: 1,
-    };
-    assert_eq!(p.round(skip, 0).0, Outcome::Applied);
-    assert_eq!(p.round(skip, 0).0, Outcome::Duplicate);
-    assert_eq!(p.core().clocks().clock_of(0), Some(2));
-    // A round from the future is refused, the state untouched.
     let f5 = frame(0, 5);
     assert_eq!(
         push(&mut p, 0, 5, &f5),
         Outcome::Refused(ErrorCode::ClockFromFuture)
     );
     assert_eq!(bits(&p), after);
+    assert_eq!(p.core().version(), 1);
+    assert_eq!(p.core().clocks().clock_of(0), Some(1));
 }
 
 #[test]

@@ -5,9 +5,9 @@
 //! rate is scaled for the configured rounds, and an alarm whose target snapshot is not held changes nothing.
 
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
-use tether_common::config::{OptimizerConfig, OptimizerKind, RollbackConfig, Staleness};
-use tether_common::layout::{Init, Layout, TensorSpec};
+use tether_common::config::{RollbackConfig, Staleness};
 use tether_common::protocol::{access_push, encode_push, ErrorCode, Outcome, PushFrame};
+use tether_common::testing::{flat_layout, sgd};
 use tether_server::protocol::ShardProtocol;
 use tether_server::public::Answer;
 use tether_server::shard::{ShardCore, ShardSpec};
@@ -30,16 +30,12 @@ fn rollback_cfg(every: u64, keep: usize) -> RollbackConfig {
 }
 
 fn shard(k: u32, rb: &RollbackConfig) -> ShardProtocol {
-    let layout = Layout::new(vec![TensorSpec::new("w", &[N], Init::Zeros)]);
+    let layout = flat_layout(N);
     let spec = ShardSpec {
         shard: k,
         shards: SHARDS,
         seed: 1,
-        optimizer: OptimizerConfig {
-            kind: OptimizerKind::Sgd,
-            lr: 1.0,
-            ..OptimizerConfig::default()
-        },
+        optimizer: sgd(1.0),
         staleness: Staleness::Bounded(0),
         worker_timeout_ms: 60_000,
         spike_factor: 0.0,

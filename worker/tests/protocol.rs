@@ -1,6 +1,10 @@
 //! `WorkerProtocol` rules, each against the defect it fixes: replies matched to their own request (a superseded or
 //! partial pull leaves nothing stale behind), skip markers on the push path, pushes kept byte for byte until their
 //! shard settles them, refusals reported, heartbeats on a timer whatever the step, and rejoins after a clock jump.
+//! Each is a rule of the session alone, fed messages no transport or shard produces on cue (a late reply of a dead
+//! link, a refusal, a skipped welcome clock); the rules that need both sides (spare replies dropped, a lost push resent
+//! byte for byte and taken once, a long step kept live by heartbeats) are scenarios over the real shard protocols in
+//! the root package's tests/protocol_scenarios.rs.
 
 use tether_common::config::Staleness;
 use tether_common::protocol::{

@@ -1,0 +1,822 @@
+//! The protocol simulator, shared by the random-schedule test and the scripted scenario tests: a deterministic
+//! in-memory harness for the protocol cores (quinn-proto's `Pair`, grown to N workers × M shards):
+//! the real [`WorkerProtocol`]s and [`ShardProtocol`]s (over real `ShardCore`s, the real codec and real rkyv/bincode
+//! frames) talk through a seeded scheduler that delays and reorders messages across streams (each stream stays FIFO,
+//! as QUIC keeps it), duplicates them, breaks connections (in-flight messages are lost, or delivered late from the
+//! dead connection), stalls links past the eviction timeout, stretches steps far past it, crashes and restarts shards
+//! from their last checkpoint snapshot, and crashes and restarts workers.
+//!
+//! The weights make the history readable: every `(worker, clock)` round owns one slot per shard, its gradient is −1
+//! there and 0 elsewhere, and the shard runs SGD with lr 1, so a slot reads 1 once that round is applied and 2 if it
+//! was applied twice. The checker reads the weights themselves, not the shards' counters:
+//! - on every pull reply a worker uses: the **read guarantee** — for each live member of the shard, every round from
+//!   its (re)join up to `c − s` is in the values (applied, or a skip marker the shard took), so the clock lead is at
+//!   most `s`; and no slot is above 1;
+//! - evictions only of workers the shard really heard nothing from for the timeout;
+//! - at the end: no slot above 1 (nothing applied twice), every round a shard acknowledged is still in its weights
+//!   unless a crash rolled it back to the checkpoint, every surviving worker finished with every push settled.
+//!
+//! Replies travel as the finished frame bodies the shard protocol builds, and the workers read them with the same
+//! [`WorkerProtocol::handle_reply`] the driver calls; settled rounds are read with the same [`Settled::verdict`].
+//! Every used reply must give the worker, bit for bit, the values the shard answered with, and the read guarantee is
+//! checked on what the worker computes on. Half the schedules pull deltas of the shards' public copies (lossless f32
+//! deltas, so the slots stay readable): there the worker's rebuilt copy must equal the shard's public copy.
+//!
+//! A schedule is a script of verbs on [`Sim`]: [`Sim::step`] / [`Sim::deliver`] move one event (or timer tick) at a
+//! time, [`Sim::run_until`] and [`Sim::advance`] run to a condition or a time, [`Sim::break_link`],
+//! [`Sim::stall_link`], [`Sim::crash_shard`] and [`Sim::crash_worker`] inject faults, the accessors read every
+//! node, and [`Sim::check`] runs the checker after any step. A random schedule ([`Sim::new`]) draws its script from
+//! its seed as it goes ([`script::inject`]); a scripted one ([`Sim::scripted`]) starts calm and does only what its
+//! test says.
+//!
+//! Module map: `mod.rs` the world and its verbs, `net` the messages and their delivery, `check` the checker,
+//! `script` fault mixes and the random script.
+
+#![allow(dead_code)] // each test binary uses a different subset of the verbs
+
+mod check;
+mod net;
+pub mod script;
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+
+use tether::common::codec::{CodecConfig, Encoder, Scheme};
+use tether::common::config::Staleness;
+use tether::common::layout::Layout;
+use tether::common::protocol::{Precision, PullMode, Welcome};
+use tether::common::testing::{flat_layout, sgd, TestRng};
+use tether::server::protocol::{ConnId, ShardProtocol};
+use tether::server::shard::{ShardCore, ShardSpec};
+use tether::worker::protocol::WorkerProtocol;
+
+use net::{Conn, Ev};
+pub use script::{Fault, Faults};
+
+/// Workers in every schedule.
+pub const WORKERS: usize = 3;
+/// Shards in every schedule.
+pub const SHARDS: usize = 2;
+/// Rounds each worker runs.
+pub const ROUNDS: u64 = 8;
+/// Slots per worker per shard: rounds plus room for clock jumps on rejoin.
+pub const SLOTS: u64 = 16;
+/// The shards' eviction timeout.
+pub const TIMEOUT_MS: u64 = 1_000;
+/// The workers' heartbeat period.
+pub const HEARTBEAT_MS: u64 = 200;
+/// The timer granularity: workers and shards handle their timeouts on every multiple.
+pub const TICK_MS: u64 = 50;
+/// Virtual time after which a schedule that has not finished counts as stuck.
+pub const TIME_LIMIT_MS: u64 = 600_000;
+/// Events after which a schedule counts as stuck.
+pub const EVENT_LIMIT: usize = 200_000;
+
+/// Where a simulated worker is in its loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Waiting for its pull.
+    Pulling,
+    /// Computing a step on what it pulled.
+    Computing,
+    /// All rounds pushed, waiting for their outcomes.
+    Settling,
+    /// Said goodbye.
+    Done,
+    /// Down until its restart.
+    Crashed,
+}
+
+/// One worker: the real protocol state machine and the simulated trainer around it.
+struct SimWorker {
+    protocol: WorkerProtocol,
+    incarnation: u64,
+    phase: Phase,
+    /// The live connection per shard.
+    conns: Vec<Option<ConnId>>,
+    connecting: Vec<bool>,
+    params: Vec<f32>,
+    rounds: u64,
+    /// A scripted step time, instead of the fault mix's.
+    step_ms: Option<u64>,
+}
+
+/// One shard: the real protocol core (none while crashed), its last checkpoint, and what the checker tracks of it.
+struct SimShard {
+    proto: Option<ShardProtocol>,
+    snapshot: tether::server::checkpoint::ShardSnapshot,
+    snapshot_every: u64,
+    /// Per worker: the clock its last welcome named (rounds below it are not required in reads).
+    joined_at: BTreeMap<usize, u64>,
+    /// Per worker: the rounds whose skip marker this shard took.
+    skipped: BTreeMap<usize, BTreeSet<u64>>,
+    /// Rounds whose push a worker learned was applied (or applied before).
+    acked: BTreeSet<(usize, u64)>,
+    /// Rounds a crash rolled back (they were applied after the snapshot).
+    rolled_back: BTreeSet<(usize, u64)>,
+    /// Per worker: when this shard last received anything from it (any connection).
+    last_heard: BTreeMap<usize, u64>,
+    /// Per worker: its newest connection to this shard.
+    newest_conn: BTreeMap<usize, ConnId>,
+    /// Evictions the shard made.
+    evictions: u64,
+}
+
+/// The simulated world: N workers, M shards, the network between them, and the checker's records.
+pub struct Sim {
+    /// The scheduler's only source of randomness.
+    rng: TestRng,
+    faults: Faults,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    events: BTreeMap<u64, Ev>,
+    conns: BTreeMap<ConnId, Conn>,
+    next_conn: ConnId,
+    workers: Vec<SimWorker>,
+    shards: Vec<SimShard>,
+    layout: Layout,
+    encoder: Encoder,
+    log: Vec<String>,
+    used_replies: u64,
+    max_lead: u64,
+    /// Whether each event is followed by the next part of the random script drawn from the seed.
+    random: bool,
+    /// Every push frame a shard received: (worker, shard, clock, bytes).
+    pushes: Vec<(usize, usize, u64, bytes::Bytes)>,
+    /// Every push frame a worker sent on a link: (worker, shard, clock, bytes).
+    sent: Vec<(usize, usize, u64, bytes::Bytes)>,
+    /// Every (worker, shard, clock) whose outcome a worker learned.
+    settled: BTreeSet<(usize, usize, u64)>,
+}
+
+fn layout() -> Layout {
+    flat_layout(SHARDS * WORKERS * SLOTS as usize)
+}
+
+fn spec(shard: usize, staleness: Staleness) -> ShardSpec {
+    ShardSpec {
+        shard: shard as u32,
+        shards: SHARDS as u32,
+        seed: 1,
+        optimizer: sgd(1.0),
+        staleness,
+        worker_timeout_ms: TIMEOUT_MS,
+        spike_factor: 0.0,
+    }
+}
+
+/// Pull deltas in f32: exact for the 0/1 slots, so the checker can still read the history.
+fn lossless() -> CodecConfig {
+    CodecConfig {
+        scheme: Scheme::None,
+        zstd: false,
+        ..CodecConfig::default()
+    }
+}
+
+fn pull_mode(f: &Faults) -> PullMode {
+    if f.delta {
+        PullMode::Delta { have: None }
+    } else {
+        PullMode::Full(Precision::F32)
+    }
+}
+
+fn slot(worker: usize, clock: u64) -> usize {
+    worker * SLOTS as usize + clock as usize
+}
+
+fn bound(s: Staleness) -> Option<u64> {
+    match s {
+        Staleness::Bounded(b) => Some(u64::from(b)),
+        Staleness::Unbounded => None,
+    }
+}
+
+impl Sim {
+    /// The random schedule of `seed`: its fault mix and its script, both drawn from the seed.
+    pub fn new(seed: u64) -> Sim {
+        let mut rng = TestRng::new(seed);
+        let faults = Faults::draw(&mut rng);
+        Sim::build(rng, faults)
+    }
+
+    /// The random schedule of `seed` under the given fault mix instead of the drawn one.
+    pub fn with_faults(seed: u64, faults: Faults) -> Sim {
+        let mut rng = TestRng::new(seed);
+        let _drawn = Faults::draw(&mut rng);
+        Sim::build(rng, faults)
+    }
+
+    /// A scripted schedule: no random faults, only what the test does through the verbs (`seed` still draws the
+    /// latencies and checkpoint periods).
+    pub fn scripted(seed: u64, faults: Faults) -> Sim {
+        let mut sim = Sim::with_faults(seed, faults);
+        sim.random = false;
+        sim
+    }
+
+    fn build(mut rng: TestRng, faults: Faults) -> Sim {
+        let layout = layout();
+        let ranges: Vec<(u64, u64)> = (0..SHARDS)
+            .map(|k| {
+                let r = layout.shard_range(k, SHARDS);
+                (r.start as u64, r.end as u64)
+            })
+            .collect();
+        let workers = (0..WORKERS)
+            .map(|w| SimWorker {
+                protocol: WorkerProtocol::new(
+                    w as u32,
+                    layout.hash(),
+                    ranges.clone(),
+                    faults.staleness,
+                    pull_mode(&faults),
+                    HEARTBEAT_MS,
+                ),
+                incarnation: 0,
+                phase: Phase::Pulling,
+                conns: vec![None; SHARDS],
+                connecting: vec![false; SHARDS],
+                params: vec![0.0; layout.len()],
+                rounds: 0,
+                step_ms: None,
+            })
+            .collect();
+        let shards = (0..SHARDS)
+            .map(|k| {
+                let mut core = ShardCore::new(&layout, &spec(k, faults.staleness));
+                core.set_public(lossless(), rng.next_u64());
+                let snapshot = core.snapshot();
+                SimShard {
+                    proto: Some(ShardProtocol::new(core)),
+                    snapshot,
+                    snapshot_every: 1 + rng.below(6),
+                    joined_at: BTreeMap::new(),
+                    skipped: BTreeMap::new(),
+                    acked: BTreeSet::new(),
+                    rolled_back: BTreeSet::new(),
+                    last_heard: BTreeMap::new(),
+                    newest_conn: BTreeMap::new(),
+                    evictions: 0,
+                }
+            })
+            .collect();
+        let encoder = Encoder::new(CodecConfig {
+            scheme: Scheme::None,
+            zstd: false,
+            ..CodecConfig::default()
+        })
+        .expect("the none scheme is always valid");
+        let mut sim = Sim {
+            rng,
+            faults,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            events: BTreeMap::new(),
+            conns: BTreeMap::new(),
+            next_conn: 0,
+            workers,
+            shards,
+            layout,
+            encoder,
+            log: Vec::new(),
+            used_replies: 0,
+            max_lead: 0,
+            random: true,
+            pushes: Vec::new(),
+            sent: Vec::new(),
+            settled: BTreeSet::new(),
+        };
+        for w in 0..WORKERS {
+            sim.drain_worker(w);
+            sim.workers[w].protocol.start_pull(0);
+            sim.drain_worker(w);
+        }
+        sim
+    }
+
+    fn note(&mut self, s: String) {
+        if self.log.len() < 4000 {
+            self.log.push(format!("{:>7} {s}", self.now));
+        }
+    }
+
+    fn ranges(&self, shard: usize) -> (usize, usize) {
+        let r = self.layout.shard_range(shard, SHARDS);
+        (r.start, r.end)
+    }
+
+    fn maybe_snapshot(&mut self, k: usize) {
+        let s = &mut self.shards[k];
+        if let Some(p) = &s.proto {
+            if p.core().version() >= s.snapshot.version + s.snapshot_every {
+                s.snapshot = p.core().snapshot();
+            }
+        }
+    }
+
+    /// Crashes shard `k`: its connections break, and it restarts from its last checkpoint 0.1 to 3.1 s later.
+    pub fn crash_shard(&mut self, k: usize) {
+        let Some(p) = self.shards[k].proto.take() else {
+            return;
+        };
+        let (start, _) = self.ranges(k);
+        let before = p.core().weights().to_vec();
+        let snap = self.shards[k].snapshot.clone();
+        for w in 0..WORKERS {
+            for c in 0..SLOTS {
+                let i = slot(w, c);
+                if before[i] == 1.0 && snap.weights[i] == 0.0 {
+                    self.shards[k].rolled_back.insert((w, c));
+                }
+            }
+        }
+        let _ = start;
+        self.note(format!("shard {k} crashed (back to v{})", snap.version));
+        let dead: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.alive && c.shard == k)
+            .map(|(id, _)| *id)
+            .collect();
+        for conn in dead {
+            self.break_conn(conn, true);
+        }
+        let t = self.now + 100 + self.rng.below(3_000);
+        self.at(t, Ev::ShardRestart { shard: k });
+    }
+
+    fn restart_shard(&mut self, k: usize) {
+        let mut core = ShardCore::new(&self.layout, &spec(k, self.faults.staleness));
+        core.restore(self.shards[k].snapshot.clone(), self.now)
+            .expect("a snapshot of this shard restores");
+        core.set_public(lossless(), self.rng.next_u64());
+        // The restored table's rows are live as of now; their join points are what the snapshot holds.
+        self.shards[k].proto = Some(ShardProtocol::new(core));
+        for w in 0..WORKERS {
+            self.shards[k].last_heard.insert(w, self.now);
+        }
+        self.note(format!("shard {k} restarted"));
+    }
+
+    /// Crashes worker `w`: its connections break, and it restarts from nothing 0.1 to 4.1 s later.
+    pub fn crash_worker(&mut self, w: usize) {
+        if matches!(self.workers[w].phase, Phase::Crashed | Phase::Done) {
+            return;
+        }
+        self.workers[w].phase = Phase::Crashed;
+        self.workers[w].incarnation += 1;
+        let conns: Vec<ConnId> = self.workers[w]
+            .conns
+            .iter_mut()
+            .filter_map(|c| c.take())
+            .collect();
+        for c in conns {
+            self.break_conn(c, false);
+        }
+        self.note(format!("worker {w} crashed"));
+        let t = self.now + 100 + self.rng.below(4 * TIMEOUT_MS);
+        self.at(t, Ev::WorkerRestart { worker: w });
+    }
+
+    fn restart_worker(&mut self, w: usize) {
+        let ranges: Vec<(u64, u64)> = (0..SHARDS)
+            .map(|k| {
+                let (a, b) = self.ranges(k);
+                (a as u64, b as u64)
+            })
+            .collect();
+        let sw = &mut self.workers[w];
+        sw.protocol = WorkerProtocol::new(
+            w as u32,
+            self.layout.hash(),
+            ranges,
+            self.faults.staleness,
+            pull_mode(&self.faults),
+            HEARTBEAT_MS,
+        );
+        sw.phase = Phase::Pulling;
+        sw.connecting = vec![false; SHARDS];
+        self.note(format!("worker {w} restarted"));
+        self.drain_worker(w);
+        let now = self.now;
+        self.workers[w].protocol.start_pull(now);
+        self.drain_worker(w);
+    }
+
+    fn compute_done(&mut self, w: usize) -> Result<(), String> {
+        let now = self.now;
+        let clock = self.workers[w].protocol.clock();
+        let skip = self.rng.chance(self.faults.skip_per_mille);
+        if skip {
+            self.workers[w]
+                .protocol
+                .skip(0.0)
+                .map_err(|e| e.to_string())?;
+        } else {
+            let mut frames: Vec<Vec<u8>> = Vec::with_capacity(SHARDS);
+            for k in 0..SHARDS {
+                let (start, end) = self.ranges(k);
+                let mut g = vec![0.0f32; end - start];
+                if clock < SLOTS {
+                    g[slot(w, clock)] = -1.0;
+                }
+                let mut out = Vec::new();
+                self.encoder
+                    .encode(&g, 0, &mut out)
+                    .map_err(|e| e.to_string())?;
+                frames.push(out);
+            }
+            self.workers[w]
+                .protocol
+                .push(&mut frames, 0.0)
+                .map_err(|e| e.to_string())?;
+        }
+        self.workers[w].rounds += 1;
+        let done = self.workers[w].protocol.clock() >= ROUNDS;
+        self.workers[w].phase = if done {
+            Phase::Settling
+        } else {
+            Phase::Pulling
+        };
+        if !done {
+            self.workers[w].protocol.start_pull(now);
+        }
+        self.drain_worker(w);
+        Ok(())
+    }
+
+    /// A one-line picture of every node, for failure messages.
+    pub fn state(&self) -> String {
+        let mut out = String::new();
+        for (w, sw) in self.workers.iter().enumerate() {
+            out += &format!(
+                "w{w}: {:?} clock {} pulling {} settled {}; ",
+                sw.phase,
+                sw.protocol.clock(),
+                sw.protocol.pulling(),
+                sw.protocol.settled()
+            );
+        }
+        for (k, s) in self.shards.iter().enumerate() {
+            if let Some(p) = &s.proto {
+                let rows: Vec<(u32, u64)> = p.core().clocks().clocks().collect();
+                out += &format!(
+                    "s{k}: live {rows:?} min {} parked {}; ",
+                    p.core().clocks().min_clock(),
+                    p.parked()
+                );
+            }
+        }
+        out
+    }
+
+    /// Whether every worker said goodbye.
+    pub fn finished(&self) -> bool {
+        self.workers.iter().all(|w| w.phase == Phase::Done)
+    }
+
+    /// One step: the next timer tick if it is due before the next event, else the next event (and, in a random
+    /// schedule, the next part of its script).
+    pub fn step(&mut self) -> Result<(), String> {
+        // With nothing queued, time still passes: timers fire (evictions) until the time limit calls it stuck.
+        let (t, id) = self.queue.peek().map_or((u64::MAX, 0), |r| r.0);
+        // Timers run on their own clocks: the next tick comes first when it is due before the next event (a tick may
+        // schedule events earlier than the one queued next, so one tick at a time).
+        let tick = (self.now / TICK_MS + 1) * TICK_MS;
+        if tick <= t {
+            self.now = tick;
+            for w in 0..WORKERS {
+                if !matches!(self.workers[w].phase, Phase::Crashed | Phase::Done) {
+                    self.workers[w].protocol.handle_timeout(tick);
+                    self.drain_worker(w);
+                }
+            }
+            for k in 0..SHARDS {
+                if let Some(p) = self.shards[k].proto.as_mut() {
+                    p.tick(tick);
+                    self.drain_shard(k)?;
+                }
+            }
+            return Ok(());
+        }
+        self.queue.pop();
+        self.now = t;
+        let ev = self
+            .events
+            .remove(&id)
+            .expect("every queued id has its event");
+        match ev {
+            Ev::Deliver(msg) => self.deliver_msg(msg)?,
+            Ev::ConnectArrive {
+                worker,
+                shard,
+                incarnation,
+                clock,
+            } => {
+                if self.workers[worker].incarnation != incarnation {
+                    return Ok(());
+                }
+                let Some(p) = self.shards[shard].proto.as_mut() else {
+                    let t = self.now + 100;
+                    self.at(
+                        t,
+                        Ev::ConnectFailed {
+                            worker,
+                            shard,
+                            incarnation,
+                        },
+                    );
+                    return Ok(());
+                };
+                let conn = self.next_conn;
+                self.next_conn += 1;
+                let joined = p
+                    .hello(conn, worker as u32, clock, self.now)
+                    .map_err(|e| format!("hello refused: {e}"))?;
+                let r = self.layout.shard_range(shard, SHARDS);
+                let welcome = Welcome {
+                    shard: shard as u32,
+                    range_start: r.start as u64,
+                    range_end: r.end as u64,
+                    // What the shard runs under, as a server announces its configured bound.
+                    staleness: p.core().clocks().staleness().bound(),
+                    min_clock: joined.min_clock,
+                    version: joined.version,
+                    clock: joined.clock,
+                };
+                self.shards[shard].joined_at.insert(worker, joined.clock);
+                self.shards[shard].last_heard.insert(worker, self.now);
+                self.shards[shard].newest_conn.insert(worker, conn);
+                self.conns.insert(
+                    conn,
+                    Conn {
+                        worker,
+                        shard,
+                        alive: true,
+                        stalled_until: 0,
+                        lane_tail: BTreeMap::new(),
+                    },
+                );
+                self.drain_shard(shard)?;
+                let t = self.now + 1 + self.rng.below(50);
+                self.at(
+                    t,
+                    Ev::Welcomed {
+                        worker,
+                        shard,
+                        incarnation,
+                        conn,
+                        welcome,
+                    },
+                );
+            }
+            Ev::Welcomed {
+                worker,
+                shard,
+                incarnation,
+                conn,
+                welcome,
+            } => {
+                if self.workers[worker].incarnation != incarnation {
+                    return Ok(());
+                }
+                self.workers[worker].connecting[shard] = false;
+                if !self.conns[&conn].alive {
+                    self.start_connect(worker, shard);
+                    return Ok(());
+                }
+                self.workers[worker].conns[shard] = Some(conn);
+                let now = self.now;
+                self.workers[worker]
+                    .protocol
+                    .connected(shard, &welcome, now)
+                    .map_err(|e| format!("worker {worker} refused a welcome: {e}"))?;
+                self.note(format!(
+                    "w{worker} connected to s{shard} at clock {} (conn {conn})",
+                    welcome.clock
+                ));
+                self.drain_worker(worker);
+            }
+            Ev::ConnectFailed {
+                worker,
+                shard,
+                incarnation,
+            } => {
+                if self.workers[worker].incarnation == incarnation {
+                    self.workers[worker].connecting[shard] = false;
+                    self.start_connect(worker, shard);
+                }
+            }
+            Ev::ComputeDone {
+                worker,
+                incarnation,
+            } => {
+                if self.workers[worker].incarnation == incarnation
+                    && self.workers[worker].phase == Phase::Computing
+                {
+                    self.compute_done(worker)?;
+                }
+            }
+            Ev::WorkerRestart { worker } => self.restart_worker(worker),
+            Ev::ShardRestart { shard } => self.restart_shard(shard),
+            Ev::Unstall { conn } => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.stalled_until = 0;
+                }
+            }
+        }
+        // A worker whose rounds are all settled says goodbye and is done.
+        for w in 0..WORKERS {
+            if self.workers[w].phase == Phase::Settling
+                && self.workers[w].protocol.settled()
+                && self.workers[w].protocol.connected_to_all()
+            {
+                let now = self.now;
+                self.workers[w].protocol.goodbye(now);
+                self.drain_worker(w);
+                self.workers[w].phase = Phase::Done;
+            }
+        }
+        if self.random && !self.finished() {
+            script::inject(self);
+        }
+        Ok(())
+    }
+
+    /// Runs steps until `done` holds; an error if it does not within `max_steps` steps or the time limit.
+    pub fn run_until(
+        &mut self,
+        mut done: impl FnMut(&Sim) -> bool,
+        max_steps: usize,
+    ) -> Result<(), String> {
+        let mut n = 0;
+        while !done(self) {
+            n += 1;
+            if n > max_steps || self.now > TIME_LIMIT_MS {
+                return Err(format!(
+                    "stuck: {n} events, {} ms: {}",
+                    self.now,
+                    self.state()
+                ));
+            }
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Runs `n` steps (events or timer ticks).
+    pub fn deliver(&mut self, n: usize) -> Result<(), String> {
+        for _ in 0..n {
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Runs until `ms` of virtual time have passed.
+    pub fn advance(&mut self, ms: u64) -> Result<(), String> {
+        let until = self.now + ms;
+        self.run_until(|sim| sim.now >= until, EVENT_LIMIT)
+    }
+
+    /// Delivers every message still in flight, in time order, firing no timers and dropping every other event:
+    /// the end of a schedule, so the shards' final state is complete.
+    pub fn deliver_all(&mut self) -> Result<(), String> {
+        while let Some(Reverse((t, id))) = self.queue.pop() {
+            self.now = self.now.max(t);
+            if let Some(Ev::Deliver(msg)) = self.events.remove(&id) {
+                self.deliver_msg(msg)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the schedule to its end (every worker done), delivers what is in flight, and runs the end checks.
+    pub fn run(&mut self) -> Result<(), String> {
+        self.run_until(Sim::finished, EVENT_LIMIT)?;
+        self.deliver_all()?;
+        self.check_end()
+    }
+
+    /// Carries out one fault.
+    pub fn apply(&mut self, fault: Fault) {
+        match fault {
+            Fault::Break(conn) => self.break_conn(conn, true),
+            Fault::Stall { conn, until } => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.stalled_until = until;
+                }
+                self.note(format!("conn {conn} stalled until {until}"));
+                self.at(until, Ev::Unstall { conn });
+            }
+            Fault::CrashShard(k) => self.crash_shard(k),
+            Fault::CrashWorker(w) => self.crash_worker(w),
+        }
+    }
+
+    /// Breaks worker `w`'s live link to shard `k` (the worker notices and reconnects); false if there was none.
+    pub fn break_link(&mut self, w: usize, k: usize) -> bool {
+        match self.workers[w].conns[k] {
+            Some(conn) if self.conns.get(&conn).is_some_and(|c| c.alive) => {
+                self.apply(Fault::Break(conn));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Holds back every message on worker `w`'s link to shard `k` for `ms`; false if there was no link.
+    pub fn stall_link(&mut self, w: usize, k: usize, ms: u64) -> bool {
+        match self.workers[w].conns[k] {
+            Some(conn) => {
+                let until = self.now + ms;
+                self.apply(Fault::Stall { conn, until });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Makes every later step of worker `w` take `ms` (`None`: back to the fault mix's step times).
+    pub fn set_step_ms(&mut self, w: usize, ms: Option<u64>) {
+        self.workers[w].step_ms = ms;
+    }
+
+    /// Virtual time now, in ms.
+    pub fn now(&self) -> u64 {
+        self.now
+    }
+
+    /// The fault mix this schedule runs under.
+    pub fn faults(&self) -> Faults {
+        self.faults
+    }
+
+    /// Where worker `w` is in its loop.
+    pub fn phase(&self, w: usize) -> Phase {
+        self.workers[w].phase
+    }
+
+    /// Worker `w`'s protocol (its clock, stats, pending pushes).
+    pub fn protocol(&self, w: usize) -> &WorkerProtocol {
+        &self.workers[w].protocol
+    }
+
+    /// Shard `k`'s protocol core, `None` while it is down.
+    pub fn shard(&self, k: usize) -> Option<&ShardProtocol> {
+        self.shards[k].proto.as_ref()
+    }
+
+    /// What shard `k` holds for worker `w`'s round `clock`: 1 once applied, 0 before, `None` while it is down.
+    pub fn slot_value(&self, k: usize, w: usize, clock: u64) -> Option<f32> {
+        self.shard(k).map(|p| p.weights()[slot(w, clock)])
+    }
+
+    /// Updates shard `k` applied, `None` while it is down.
+    pub fn applied(&self, k: usize) -> Option<u64> {
+        self.shard(k).map(|p| p.stats().updates_applied)
+    }
+
+    /// Whether worker `w` has a live link to shard `k`.
+    pub fn linked(&self, w: usize, k: usize) -> bool {
+        self.workers[w].conns[k].is_some_and(|c| self.conns.get(&c).is_some_and(|c| c.alive))
+    }
+
+    /// Evictions shard `k` made.
+    pub fn evictions(&self, k: usize) -> u64 {
+        self.shards[k].evictions
+    }
+
+    /// Pull replies the workers used (each one checked).
+    pub fn used_replies(&self) -> u64 {
+        self.used_replies
+    }
+
+    /// The largest clock lead read from the weights in a used reply.
+    pub fn max_lead(&self) -> u64 {
+        self.max_lead
+    }
+
+    /// Every push frame a shard received, in arrival order: (worker, shard, clock, bytes).
+    pub fn pushes(&self) -> &[(usize, usize, u64, bytes::Bytes)] {
+        &self.pushes
+    }
+
+    /// Every push frame a worker sent on a link, in order: (worker, shard, clock, bytes).
+    pub fn sent(&self) -> &[(usize, usize, u64, bytes::Bytes)] {
+        &self.sent
+    }
+
+    /// Whether worker `w` learned the outcome of its round `clock` at shard `k` (any incarnation).
+    pub fn settled(&self, w: usize, k: usize, clock: u64) -> bool {
+        self.settled.contains(&(w, k, clock))
+    }
+
+    /// The schedule's log (the first 4,000 lines), for failure messages.
+    pub fn log(&self) -> &[String] {
+        &self.log
+    }
+}
