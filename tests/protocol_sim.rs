@@ -21,8 +21,8 @@
 //! checked on what the worker computes on. Half the schedules pull deltas of the shards' public copies (lossless f32
 //! deltas, so the slots stay readable): there the worker's rebuilt copy must equal the shard's public copy.
 //!
-//! `TETHER_SIM_SCHEDULES` sets how many schedules run (default 10,000), `TETHER_SIM_SEED` replays one seed; a failing
-//! run prints its seed and the whole failure.
+//! `TETHER_SIM_SCHEDULES` sets how many schedules run (default 10,000, plus the seeds in `ALWAYS_RUN`),
+//! `TETHER_SIM_SEED` replays one seed; a failing run prints its seed and the whole failure.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -51,6 +51,10 @@ const TICK_MS: u64 = 50;
 const TIME_LIMIT_MS: u64 = 600_000;
 /// Events after which a schedule counts as stuck.
 const EVENT_LIMIT: usize = 200_000;
+
+/// Seeds that found real bugs beyond the default schedules; they run on every run besides the drawn ones.
+/// - 2122289005: a checkpoint forgot an evicted worker's clock, and its resend after the restart applied twice.
+const ALWAYS_RUN: [u64; 1] = [2_122_289_005];
 
 /// How adversarial a schedule is (drawn per seed).
 #[derive(Debug, Clone, Copy)]
@@ -1307,7 +1311,10 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
         .and_then(|v| v.parse().ok())
     {
         Some(seed) => vec![seed],
-        None => (0..schedules).map(|i| 0x7e7e_0000 + i).collect(),
+        None => ALWAYS_RUN
+            .into_iter()
+            .chain((0..schedules).map(|i| 0x7e7e_0000 + i))
+            .collect(),
     };
     let started = std::time::Instant::now();
     let (mut replies, mut lead, mut evictions) = (0, 0, 0);
