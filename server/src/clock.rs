@@ -9,7 +9,8 @@
 //!   leaving can only raise the minimum;
 //! - a pull for clock `c` passes [`ClockTable::can_answer`] only when the table is empty or `m ≥ c − s`, so the
 //!   clock lead `c − m` of an answered pull never exceeds `s`;
-//! - an evicted (silent) worker blocks nobody; it keeps its last clock so that a rejoin never moves it backwards.
+//! - an evicted (silent) worker blocks nobody; it keeps its last clock so that a rejoin never moves it backwards,
+//!   also across a checkpoint and restore ([`ClockTable::evicted`], [`ClockTable::restore_evicted`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
