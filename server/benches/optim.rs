@@ -94,6 +94,7 @@ fn bench_checkpoint(_c: &mut Criterion) {
         version: 3,
         opt_steps: opt.steps(),
         clocks: vec![(0, 3), (1, 3)],
+        evicted: Vec::new(),
         weights: w,
         slots: opt.slots().to_vec(),
     };

@@ -5,9 +5,10 @@
 //! Data files are the raw little-endian f32 values, one zstd frame (level 1, with zstd's content checksum). The
 //! manifest is `{"body": {...}, "crc32": N}` where `N` is the CRC-32 (crc32fast, IEEE) of the compact JSON of `body`
 //! as a `serde_json::Value`; the body carries the format name and version, the layout hash, shard index and range,
-//! the version (applied updates), the optimizer step count, the worker clocks, and per file its name, element count,
-//! stored byte length and CRC-32 of the stored (compressed) bytes. Integrity is therefore checked twice: CRC-32 over
-//! the stored bytes, and zstd's frame checksum (low 32 bits of XXH64) over the decompressed values.
+//! the version (applied updates), the optimizer step count, the worker clocks (of live workers, and of evicted ones:
+//! `evicted`, absent in older manifests), and per file its name, element count, stored byte length and CRC-32 of the
+//! stored (compressed) bytes. Integrity is therefore checked twice: CRC-32 over the stored bytes, and zstd's frame
+//! checksum (low 32 bits of XXH64) over the decompressed values.
 //!
 //! # Invariants
 //! - A version directory appears only complete: files and directory are written under `.tmp-v<version>-<nonce>`,
@@ -166,6 +167,8 @@ pub struct ShardSnapshot {
     pub opt_steps: u64,
     /// Worker clocks as (rank, clock).
     pub clocks: Vec<(u32, u64)>,
+    /// Clocks of workers evicted for silence, as (rank, clock): restored evicted, so a rejoin never moves one back.
+    pub evicted: Vec<(u32, u64)>,
     /// The shard's weights, `range.1 − range.0` values.
     pub weights: Vec<f32>,
     /// Optimizer state slots, each as long as `weights`.
@@ -192,6 +195,9 @@ struct ManifestBody {
     version: u64,
     opt_steps: u64,
     clocks: Vec<(u32, u64)>,
+    /// Clocks of evicted workers (absent in checkpoints written before it existed: none).
+    #[serde(default)]
+    evicted: Vec<(u32, u64)>,
     /// Checksum algorithm of `files[].checksum`.
     checksum: String,
     files: Vec<FileEntry>,
@@ -371,6 +377,7 @@ impl CheckpointStore {
             version: snap.version,
             opt_steps: snap.opt_steps,
             clocks: snap.clocks.clone(),
+            evicted: snap.evicted.clone(),
             checksum: CHECKSUM_ALGO.to_owned(),
             files,
         };
@@ -646,6 +653,7 @@ pub fn verify_dir(
         version: body.version,
         opt_steps: body.opt_steps,
         clocks: body.clocks,
+        evicted: body.evicted,
         weights,
         slots: columns.collect(),
     })

@@ -9,7 +9,8 @@
 //!   leaving can only raise the minimum;
 //! - a pull for clock `c` passes [`ClockTable::can_answer`] only when the table is empty or `m ≥ c − s`, so the
 //!   clock lead `c − m` of an answered pull never exceeds `s`;
-//! - an evicted (silent) worker blocks nobody; it keeps its last clock so that a rejoin never moves it backwards.
+//! - an evicted (silent) worker blocks nobody; it keeps its last clock so that a rejoin never moves it backwards,
+//!   also across a checkpoint and restore ([`ClockTable::evicted`], [`ClockTable::restore_evicted`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -210,6 +211,15 @@ impl ClockTable {
             .map(|(&w, row)| (w, row.clock))
     }
 
+    /// `(worker, clock)` of every worker evicted for silence, in ascending worker order (checkpoints keep them, so
+    /// that a rejoin after a restore never moves one backwards).
+    pub fn evicted(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.rows
+            .iter()
+            .filter(|(_, row)| !row.live)
+            .map(|(&w, row)| (w, row.clock))
+    }
+
     /// The SSP gate: a pull for clock `pull_clock` may be answered now (`m ≥ pull_clock − s`; always with an
     /// unbounded bound or when no worker is live).
     pub fn can_answer(&self, pull_clock: u64) -> bool {
@@ -255,6 +265,17 @@ impl ClockTable {
             self.live += 1;
         }
         self.recompute_min();
+    }
+
+    /// Restores the row of a worker that was evicted when the checkpoint was taken: it stays evicted (it blocks
+    /// nobody) and keeps `clock`, so that its rejoin never moves it below rounds the checkpoint's weights hold. A
+    /// worker already in the table keeps its row.
+    pub fn restore_evicted(&mut self, worker: u32, clock: u64, now_ms: u64) {
+        self.rows.entry(worker).or_insert(Row {
+            clock,
+            last_seen: now_ms,
+            live: false,
+        });
     }
 
     fn recompute_min(&mut self) {

@@ -820,6 +820,7 @@ impl ShardCore {
             version: self.version,
             opt_steps: self.optimizer.steps(),
             clocks: self.clocks.clocks().collect(),
+            evicted: self.clocks.evicted().collect(),
             weights: self.weights.clone(),
             slots: self.optimizer.slots().to_vec(),
         }
@@ -838,6 +839,11 @@ impl ShardCore {
         self.public = None;
         for (w, c) in snap.clocks {
             self.clocks.restore(w, c, now_ms);
+        }
+        // An evicted worker's clock covers rounds these weights hold: forgetting it would let its rejoin go back to
+        // the minimum clock and a resend of such a round apply twice.
+        for (w, c) in snap.evicted {
+            self.clocks.restore_evicted(w, c, now_ms);
         }
         // In-memory snapshots and reported losses belong to the trajectory before the restore.
         if let Some(rb) = self.rollback.as_mut() {

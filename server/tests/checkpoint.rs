@@ -68,6 +68,7 @@ fn snapshot(version: u64) -> ShardSnapshot {
         version,
         opt_steps: version * 3 + 1,
         clocks: vec![(0, version), (3, version + 2), (u32::MAX, u64::MAX)],
+        evicted: vec![(1, version + 1), (7, 0)],
         weights,
         slots: vec![
             (0..n).map(|i| i as f32 * 1e-3).collect(),
@@ -87,6 +88,7 @@ fn assert_same(a: &ShardSnapshot, b: &ShardSnapshot) {
     assert_eq!(a.version, b.version);
     assert_eq!(a.opt_steps, b.opt_steps);
     assert_eq!(a.clocks, b.clocks);
+    assert_eq!(a.evicted, b.evicted);
     assert_eq!(bits(&a.weights), bits(&b.weights));
     assert_eq!(a.slots.len(), b.slots.len());
     for (x, y) in a.slots.iter().zip(&b.slots) {

@@ -1,9 +1,10 @@
 //! `ShardProtocol` rules, each against the defect it fixes: pulls check membership, connection and clock, with
 //! checked arithmetic on every peer-supplied number; parked pulls are bounded per worker; a rejoin is the only way
 //! to move a clock without a round; a round from the future is refused; eviction refuses the evicted worker's pulls
-//! and closes its connection. State stays untouched on every refusal. Rules that need both sides (resends taken
-//! once, parked pulls released by the min clock, drain on goodbye, eviction and rejoin) are scenarios over the real
-//! worker sessions in the root package's tests/protocol_scenarios.rs.
+//! and closes its connection, and a restart from a checkpoint keeps an evicted worker's clock. State stays untouched
+//! on every refusal. Rules that need both sides (resends taken once, parked pulls released by the min clock, drain on
+//! goodbye, eviction and rejoin) are scenarios over the real worker protocol in the root package's
+//! tests/protocol_scenarios.rs.
 
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::Staleness;
@@ -18,6 +19,10 @@ const N: usize = 8;
 const TIMEOUT: u64 = 1_000;
 
 fn proto(staleness: Staleness) -> ShardProtocol {
+    ShardProtocol::new(core(staleness))
+}
+
+fn core(staleness: Staleness) -> ShardCore {
     let layout = flat_layout(N);
     let spec = ShardSpec {
         shard: 0,
@@ -28,7 +33,7 @@ fn proto(staleness: Staleness) -> ShardProtocol {
         worker_timeout_ms: TIMEOUT,
         spike_factor: 0.0,
     };
-    ShardProtocol::new(ShardCore::new(&layout, &spec))
+    ShardCore::new(&layout, &spec)
 }
 
 fn frame(worker: u32, clock: u64) -> Vec<u8> {
@@ -172,6 +177,39 @@ fn a_rejoin_that_jumps_over_rounds_refuses_them_later() {
     let f = frame(0, 1);
     assert_eq!(push(&mut p, 0, 1, &f), Outcome::Refused(ErrorCode::Replay));
     assert_eq!(p.core().version(), 0);
+}
+
+#[test]
+fn a_restart_from_a_checkpoint_keeps_an_evicted_workers_clock() {
+    // Found by the protocol harness (seed 2122289005): a checkpoint that forgot evicted workers let one rejoin below
+    // a round the checkpoint's weights hold, and its resend of that round was applied a second time.
+    let mut p = proto(Staleness::Bounded(1));
+    p.hello(10, 0, 0, 0).unwrap();
+    p.hello(11, 1, 0, 0).unwrap();
+    // Worker 1's round 0 is applied; its outcome is lost with the link, so the round stays pending at the worker.
+    let f = frame(1, 0);
+    assert_eq!(push(&mut p, 1, 0, &f), Outcome::Applied);
+    let applied = bits(&p);
+    // Worker 1 falls silent past the timeout and is evicted; worker 0 heartbeats.
+    for now in (100..=TIMEOUT).step_by(100) {
+        p.heartbeat(10, 0, now);
+        p.tick(now);
+    }
+    assert!(!p.core().clocks().is_live(1));
+    // The shard checkpoints, crashes and restarts from that checkpoint.
+    let snap = p.snapshot();
+    let mut restored = core(Staleness::Bounded(1));
+    restored.restore(snap, 2 * TIMEOUT).unwrap();
+    let mut p = ShardProtocol::new(restored);
+    // Still evicted: it blocks nobody, as before the crash.
+    assert!(!p.core().clocks().is_live(1));
+    assert!(p.core().can_answer(1));
+    // Worker 1 rejoins at its oldest unsettled round and resends it: the rejoin lands past the round the weights
+    // hold, and the resend changes nothing.
+    assert_eq!(p.hello(20, 1, 0, 2 * TIMEOUT).unwrap().clock, 1);
+    assert_ne!(push(&mut p, 1, 0, &f), Outcome::Applied);
+    assert_eq!(bits(&p), applied);
+    assert_eq!(p.core().version(), 1);
 }
 
 #[test]

@@ -124,6 +124,7 @@ fn snapshot(version: u64) -> ShardSnapshot {
         version,
         opt_steps: version,
         clocks: vec![(0, version), (1, version + 1)],
+        evicted: vec![(2, version)],
         weights: (0..n)
             .map(|i| (i as f32 * 0.01 + version as f32).sin())
             .collect(),
