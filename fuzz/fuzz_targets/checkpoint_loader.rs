@@ -45,6 +45,7 @@ fn template() -> &'static Template {
             version: 7,
             opt_steps: 7,
             clocks: vec![(0, 3), (1, 4)],
+            evicted: vec![(2, 2)],
             weights: wave(0.1),
             slots: vec![wave(0.2), wave(0.3)],
         };
