@@ -17,11 +17,11 @@ use tracing::{debug, info, warn};
 use rkyv::util::AlignedVec;
 use tether_common::metrics::ServerMetrics;
 use tether_common::protocol::{
-    access_push, ErrorCode, Outcome, ProtocolError, PublicRef, PullMode,
+    access_push, ErrorCode, Outcome, ProtocolError, PublicRef, PullMode, Welcome,
 };
 
 use crate::checkpoint::CheckpointStore;
-use crate::protocol::{Action, ConnId, Joined, ShardProtocol, WireReply};
+use crate::protocol::{Action, ConnId, ShardProtocol, WireReply};
 use crate::remote::RemoteStore;
 use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REASONS};
 
@@ -31,7 +31,7 @@ pub const MAILBOX: usize = 64;
 /// A worker's hello on connection `conn` (the explicit rejoin at `clock`). `kick` is fired with a close code when
 /// the shard wants this connection closed (the worker was evicted).
 #[derive(Message)]
-#[rtype(result = "Result<Joined, ShardError>")]
+#[rtype(result = "Result<Welcome, ShardError>")]
 pub struct Hello {
     /// The connection.
     pub conn: ConnId,
@@ -353,7 +353,7 @@ impl Actor for ShardActor {
 }
 
 impl Handler<Hello> for ShardActor {
-    type Result = Result<Joined, ShardError>;
+    type Result = Result<Welcome, ShardError>;
     fn handle(&mut self, msg: Hello, _: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
         let joined = self.proto.hello(msg.conn, msg.worker, msg.clock, now);

@@ -19,7 +19,6 @@ use tether_common::net::{
 };
 use tether_common::protocol::{
     access_push, Control, ErrorCode, FrameKind, FrameLimits, Outcome, ProtocolError, PullMode,
-    Welcome,
 };
 
 use crate::actor::{ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ShardActor};
@@ -40,12 +39,8 @@ pub struct ConnectionContext {
     pub shard_actor: Addr<ShardActor>,
     /// Shard index.
     pub shard: u32,
-    /// Shard range.
-    pub range: (u64, u64),
     /// Layout fingerprint peers must match.
     pub layout_hash: u64,
-    /// SSP bound announced in the welcome.
-    pub staleness: Option<u32>,
     /// Frame size limits for this shard.
     pub limits: FrameLimits,
     /// The next connection id.
@@ -103,7 +98,7 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<ConnectionCont
     let worker = hello.rank;
     let id: ConnId = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
     let (kick_tx, kick_rx) = oneshot::channel();
-    let joined = match ctx
+    let welcome = match ctx
         .shard_actor
         .send(Hello {
             conn: id,
@@ -113,7 +108,7 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<ConnectionCont
         })
         .await
     {
-        Ok(Ok(j)) => j,
+        Ok(Ok(w)) => w,
         Ok(Err(e)) => {
             let e = ProtocolError::Rejected {
                 code: e.code(),
@@ -127,20 +122,11 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<ConnectionCont
             return;
         }
     };
-    let welcome = Welcome {
-        shard: ctx.shard,
-        range_start: ctx.range.0,
-        range_end: ctx.range.1,
-        staleness: ctx.staleness,
-        min_clock: joined.min_clock,
-        version: joined.version,
-        clock: joined.clock,
-    };
     if control.send(&welcome.into()).await.is_err() {
         ctx.shard_actor.do_send(Closed { conn: id });
         return;
     }
-    info!(shard = ctx.shard, worker, %peer, clock = joined.clock, "worker session started");
+    info!(shard = ctx.shard, worker, %peer, clock = welcome.clock, "worker session started");
     let (sender, receiver) = control.split();
     let (out_tx, out_rx) = mpsc::channel(CONTROL_QUEUE);
     let writer = tokio::spawn(control_writer(sender, out_rx));

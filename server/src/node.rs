@@ -184,9 +184,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     let ctx = Arc::new(ConnectionContext {
         shard_actor: addr.clone(),
         shard: opts.shard,
-        range: (range.start, range.end),
         layout_hash,
-        staleness: cfg.cluster.staleness.bound(),
         limits,
         next_conn: Default::default(),
     });

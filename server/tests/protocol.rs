@@ -36,6 +36,23 @@ fn core(staleness: Staleness) -> ShardCore {
     ShardCore::new(&layout, &spec)
 }
 
+#[test]
+fn the_welcome_is_built_by_the_protocol_and_announces_the_shards_bound_and_range() {
+    for (staleness, bound) in [
+        (Staleness::Bounded(2), Some(2)),
+        (Staleness::Unbounded, None),
+    ] {
+        let mut p = proto(staleness);
+        let w = p.hello(7, 0, 0, 0).unwrap();
+        assert_eq!((w.shard, w.range_start, w.range_end), (0, 0, N as u64));
+        assert_eq!(
+            w.staleness, bound,
+            "the bound workers check against their own"
+        );
+        assert_eq!((w.clock, w.min_clock, w.version), (0, 0, 0));
+    }
+}
+
 fn frame(worker: u32, clock: u64) -> Vec<u8> {
     let mut g = vec![0.0f32; N];
     g[(worker as usize + clock as usize) % N] = -1.0;

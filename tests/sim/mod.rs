@@ -44,7 +44,7 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use tether::common::codec::{CodecConfig, Encoder, Scheme};
 use tether::common::config::Staleness;
 use tether::common::layout::Layout;
-use tether::common::protocol::{Precision, PullMode, Welcome};
+use tether::common::protocol::{Precision, PullMode};
 use tether::common::testing::{flat_layout, sgd, TestRng};
 use tether::server::protocol::{ConnId, ShardProtocol};
 use tether::server::shard::{ShardCore, ShardSpec};
@@ -534,21 +534,11 @@ impl Sim {
                 };
                 let conn = self.next_conn;
                 self.next_conn += 1;
-                let joined = p
+                // The shard protocol's own welcome, exactly what the connection shell sends.
+                let welcome = p
                     .hello(conn, worker as u32, clock, self.now)
                     .map_err(|e| format!("hello refused: {e}"))?;
-                let r = self.layout.shard_range(shard, SHARDS);
-                let welcome = Welcome {
-                    shard: shard as u32,
-                    range_start: r.start as u64,
-                    range_end: r.end as u64,
-                    // What the shard runs under, as a server announces its configured bound.
-                    staleness: p.core().clocks().staleness().bound(),
-                    min_clock: joined.min_clock,
-                    version: joined.version,
-                    clock: joined.clock,
-                };
-                self.shards[shard].joined_at.insert(worker, joined.clock);
+                self.shards[shard].joined_at.insert(worker, welcome.clock);
                 self.shards[shard].last_heard.insert(worker, self.now);
                 self.shards[shard].newest_conn.insert(worker, conn);
                 self.conns.insert(

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use tether_common::config::Staleness;
 use tether_common::protocol::{
-    ArchivedPushFrame, ErrorCode, Outcome, PublicRef, PullMode, ReplyHeader,
+    ArchivedPushFrame, ErrorCode, Outcome, PublicRef, PullMode, ReplyHeader, Welcome,
 };
 
 use crate::checkpoint::ShardSnapshot;
@@ -86,17 +86,6 @@ pub enum Action {
         /// The close code (`None`: orderly).
         code: Option<ErrorCode>,
     },
-}
-
-/// What a worker learns when its hello is accepted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Joined {
-    /// The worker's clock at this shard: the round its next push or skip must carry.
-    pub clock: u64,
-    /// Minimum clock over live workers.
-    pub min_clock: u64,
-    /// Shard version.
-    pub version: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -206,7 +195,7 @@ enum Queued {
 /// Call order (as quinn-proto's `Connection`): the shell owns one `ShardProtocol` per shard and, for each input,
 /// calls the matching method with the current `now_ms`, then drains [`poll_action`](Self::poll_action) until it
 /// returns `None` and carries every action out:
-/// - a connection authenticated and sent its hello → [`hello`](Self::hello) (answer with the returned [`Joined`]);
+/// - a connection authenticated and sent its hello → [`hello`](Self::hello) (send the returned [`Welcome`]);
 /// - any control message from a worker → [`heartbeat`](Self::heartbeat) (pulls and goodbyes count as well);
 /// - a validated push frame → [`push_frame`](Self::push_frame) (or [`round`](Self::round)); send back the outcome;
 /// - a pull request → [`pull`](Self::pull); an `Err` is refused at once, an `Ok` token is answered or refused later
@@ -356,14 +345,15 @@ impl ShardProtocol {
 
     /// A worker's hello on connection `conn`: the explicit rejoin. The worker's clock becomes
     /// `max(claimed, own row, m)`; a claim past [`MAX_CLOCK`] is refused and changes nothing. The new connection
-    /// supersedes the worker's older one: that one's parked pulls are refused.
+    /// supersedes the worker's older one: that one's parked pulls are refused. Returns the finished [`Welcome`]
+    /// the shell sends back (this shard, its range and bound, the worker's clock here, the min clock, the version).
     pub fn hello(
         &mut self,
         conn: ConnId,
         worker: u32,
         clock: u64,
         now_ms: u64,
-    ) -> Result<Joined, ShardError> {
+    ) -> Result<Welcome, ShardError> {
         let clock = self.core.join_at(worker, clock, now_ms)?;
         let member = self.members.entry(worker).or_default();
         let old = member.conn.replace(conn);
@@ -371,10 +361,15 @@ impl ShardProtocol {
             self.refuse_parked(|p| p.conn == old, ShardError::NotMember(worker));
         }
         self.release_ready();
-        Ok(Joined {
-            clock,
+        let range = self.core.range();
+        Ok(Welcome {
+            shard: self.core.shard(),
+            range_start: range.start,
+            range_end: range.end,
+            staleness: self.core.clocks().staleness().bound(),
             min_clock: self.core.clocks().min_clock(),
             version: self.core.version(),
+            clock,
         })
     }
 
