@@ -21,11 +21,6 @@ use tether::worker::data::load_configured;
 use tether::worker::model;
 use tether::{loopback_servers, LocalCluster};
 
-/// The process's allocator (the library leaves it to the binary): mimalloc reuses freed blocks instead of handing
-/// large ones back to the kernel, so candle's per-op tensors are not faulted in afresh every step.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Cluster against single process, GPT, time to the same validation loss.
 #[derive(Parser, Debug)]
 struct Args {

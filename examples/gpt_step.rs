@@ -16,11 +16,6 @@ use tether::common::optim::Optimizer;
 use tether::worker::data::{kjv_excerpt, windows};
 use tether::worker::model::{gpt_model, Model};
 
-/// The process's allocator (the library leaves it to the binary): mimalloc reuses freed blocks instead of handing
-/// large ones back to the kernel, so candle's per-op tensors are not faulted in afresh every step.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Time the GPT's CPU step.
 #[derive(Parser, Debug)]
 struct Args {

@@ -20,11 +20,6 @@ use tether::common::config::{Config, DatasetKind, ModelKind, OptimizerKind, Sche
 use tether::common::report::RunReport;
 use tether::{loopback_servers, LocalCluster};
 
-/// The process's allocator (the library leaves it to the binary): mimalloc reuses freed blocks instead of handing
-/// large ones back to the kernel, so candle's per-op tensors are not faulted in afresh every step.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Train on a local Tether cluster (M shards, N workers, loopback QUIC + mTLS).
 #[derive(Parser, Debug)]
 #[command(name = "quickstart")]

@@ -15,11 +15,6 @@ use tether_common::error_chain::ErrorChain;
 use tether_common::metrics::{self, ServerMetrics};
 use tether_server::node::{shard_report, start_shard, ShardOptions};
 
-/// The process's allocator (the library leaves it to the binary): mimalloc reuses freed blocks instead of handing
-/// large ones back to the kernel, so candle's per-op tensors are not faulted in afresh every step.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Serve one parameter shard of a Tether cluster.
 #[derive(Parser, Debug)]
 #[command(

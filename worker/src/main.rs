@@ -22,11 +22,6 @@ use tether_worker::data::load_configured;
 use tether_worker::step::GradientFault;
 use tether_worker::{prepare_worker, Straggle, WorkerOptions};
 
-/// The process's allocator (the library leaves it to the binary): mimalloc reuses freed blocks instead of handing
-/// large ones back to the kernel, so candle's per-op tensors are not faulted in afresh every step.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Run one Tether training worker.
 #[derive(Parser, Debug)]
 #[command(name = "tether-worker", version)]
