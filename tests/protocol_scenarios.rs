@@ -250,19 +250,10 @@ fn a_step_ten_times_the_timeout_is_not_silence() {
     let mut sim = Sim::with_faults(
         42,
         Faults {
-            staleness: Staleness::Bounded(1),
-            max_latency_ms: 5,
-            duplicate_per_mille: 0,
-            break_per_mille: 0,
-            stall_per_mille: 0,
-            shard_crash_per_mille: 0,
-            worker_crash_per_mille: 0,
             slow_step_per_mille: 1000,
             slow_step_ms: 10 * TIMEOUT_MS,
-            slow_step_jitter_ms: 0,
-            skip_per_mille: 0,
-            late_per_mille: 500,
             delta: true,
+            ..Faults::calm(Staleness::Bounded(1))
         },
     );
     sim.run().expect("run completes");

@@ -44,12 +44,7 @@ fn config(rollback: bool, local_steps: u32) -> Config {
     cfg.rollback = RollbackConfig {
         enabled: rollback,
         factor: 10.0,
-        rounds: 2,
-        window: 16,
-        every: 10,
-        keep: 3,
-        lr_scale: 1.0,
-        lr_rounds: 0,
+        ..RollbackConfig::default()
     };
     cfg.validate().expect("valid config");
     cfg
