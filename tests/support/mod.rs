@@ -4,6 +4,8 @@
 //! when the test ends, however it ends. Every wait is bounded in time.
 #![allow(dead_code)] // each test binary uses a different subset of the harness
 
+pub mod hostile;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
