@@ -109,7 +109,7 @@ enum Ends {
 /// train; then ends the shard and reads every report.
 fn finish(c: &Cluster, server: &mut Proc, workers: &mut [Proc], started: Instant, ends: Ends) -> Run {
     loop {
-        let running = workers.iter_mut().filter(|w| w.alive()).count();
+        let running = workers.iter_mut().map(|w| w.alive()).filter(|&a| a).count();
         if running == 0 {
             break;
         }

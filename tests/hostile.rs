@@ -8,7 +8,6 @@
 mod support;
 
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::{free_tcp_addr, http_get, metric, Cluster, Spec};
@@ -177,18 +176,8 @@ async fn bad_pushes(ep: &quinn::Endpoint, t: &Target, rng: &mut TestRng) -> u64 
 
 /// A client endpoint presenting no certificate at all (it trusts the real CA).
 fn no_cert_endpoint(ca: &TlsFiles) -> quinn::Endpoint {
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(ca.ca.clone()).unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    cfg.alpn_protocols = vec![b"tether/1".to_vec()];
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+    ep.set_default_client_config(support::hostile::no_certificate_client(ca));
     ep
 }
 

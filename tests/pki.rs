@@ -9,15 +9,15 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use support::hostile::{encode_gradient, push_frame, Gradient};
 use support::{free_tcp_addr, http_get, metric, num, serial, Cluster, Spec};
-use tether::common::codec::{CodecConfig, Encoder};
 use tether::common::config::Config;
 use tether::common::layout::model_layout;
 use tether::common::net::{
     certificate_serial, client_endpoint, client_handshake, connect, connect_shard, ControlChannel,
     TlsFiles, TransportTuning,
 };
-use tether::common::protocol::{encode_push, ErrorCode, FrameKind, Hello, PushFrame, Welcome};
+use tether::common::protocol::{ErrorCode, Hello, Welcome};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -39,31 +39,8 @@ async fn close_code(conn: &quinn::Connection) -> Option<u64> {
 
 /// One encoded push frame (length-prefixed, as the worker sends it) for the shard range in `w`.
 fn push(w: &Welcome, worker: u32, clock: u64, grad_len: usize) -> Vec<u8> {
-    let grad: Vec<f32> = (0..grad_len)
-        .map(|i| ((i % 5) as f32 - 2.0) * 1e-3)
-        .collect();
-    let mut payload = Vec::new();
-    Encoder::new(CodecConfig::default())
-        .unwrap()
-        .encode(&grad, 1, &mut payload)
-        .unwrap();
-    let body = encode_push(&PushFrame {
-        worker,
-        clock,
-        shard: 0,
-        range_start: w.range_start,
-        range_end: w.range_end,
-        read_version: 0,
-        loss: 1.0,
-        skip: false,
-        payload,
-    })
-    .unwrap()
-    .to_vec();
-    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
-    frame.push(FrameKind::Push as u8);
-    frame.extend_from_slice(&body);
-    frame
+    let grad = Gradient::Plausible.values(grad_len);
+    push_frame(w, worker, clock, false, encode_gradient(&grad))
 }
 
 async fn send(conn: &quinn::Connection, frame: &[u8]) {

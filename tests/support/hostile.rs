@@ -386,10 +386,8 @@ async fn send_and_settle(s: &mut Session, clock: u64, frame: &[u8]) -> Option<Ou
     }
 }
 
-/// Half-open QUIC handshakes: `n` client Initial packets (fresh connection ids, no client certificate offered),
-/// built by the sans-IO `quinn-proto` endpoint and sent to `addr` from one UDP socket that never reads the answers.
-/// The socket is returned so the handshakes stay half-open (not refused by ICMP) while the caller holds it.
-pub fn half_open_handshakes(ca: &TlsFiles, addr: SocketAddr, n: usize) -> UdpSocket {
+/// A QUIC client configuration that trusts `ca`'s cluster CA and presents no certificate at all.
+pub fn no_certificate_client(ca: &TlsFiles) -> quinn::ClientConfig {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.ca.clone()).expect("the cluster CA parses");
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -401,7 +399,14 @@ pub fn half_open_handshakes(ca: &TlsFiles, addr: SocketAddr, n: usize) -> UdpSoc
     tls.alpn_protocols = vec![tether::common::protocol::ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
         .expect("a TLS 1.3 config makes a QUIC config");
-    let config = quinn_proto::ClientConfig::new(Arc::new(crypto));
+    quinn::ClientConfig::new(Arc::new(crypto))
+}
+
+/// Half-open QUIC handshakes: `n` client Initial packets (fresh connection ids, no client certificate offered),
+/// built by the sans-IO `quinn-proto` endpoint and sent to `addr` from one UDP socket that never reads the answers.
+/// The socket is returned so the handshakes stay half-open (not refused by ICMP) while the caller holds it.
+pub fn half_open_handshakes(ca: &TlsFiles, addr: SocketAddr, n: usize) -> UdpSocket {
+    let config = no_certificate_client(ca);
     let mut endpoint = quinn_proto::Endpoint::new(
         Arc::new(quinn_proto::EndpointConfig::default()),
         None,
