@@ -28,8 +28,9 @@ use tether::common::protocol::Outcome;
 const HONEST: [u32; 2] = [0, 1];
 /// The configured rank the hostile peer holds the certificate of.
 const HOSTILE: u32 = 2;
-/// Epochs of every run (7 rounds per epoch per honest worker: 479 samples each, batch 64).
-const EPOCHS: u32 = 10;
+/// Epochs of every run (7 rounds per epoch per honest worker: 479 samples each, batch 64): long enough that the
+/// accuracy has converged and varies little from run to run.
+const EPOCHS: u32 = 30;
 /// How far below the undisturbed accuracy an attacked run may end (run-to-run spread of the asynchronous runs is
 /// about 1 pt; the attacks that work drop it by 30 pt or more).
 const ACCURACY_MARGIN: f64 = 0.03;
@@ -107,7 +108,13 @@ enum Ends {
 
 /// Waits for the honest workers (bounded by [`RUN_LIMIT`]), failing at once if the shard exits while they still
 /// train; then ends the shard and reads every report.
-fn finish(c: &Cluster, server: &mut Proc, workers: &mut [Proc], started: Instant, ends: Ends) -> Run {
+fn finish(
+    c: &Cluster,
+    server: &mut Proc,
+    workers: &mut [Proc],
+    started: Instant,
+    ends: Ends,
+) -> Run {
     loop {
         let running = workers.iter_mut().map(|w| w.alive()).filter(|&a| a).count();
         if running == 0 {
@@ -222,7 +229,10 @@ fn a_hello_at_an_absurd_clock_then_goodbye_does_not_brick_the_shard() {
     match hostile.hello(HOSTILE, 1 << 48) {
         Ok(s) => {
             let clock = s.welcome.clock;
-            eprintln!("clock 2^48: welcomed at clock {clock}, min clock {}", s.welcome.min_clock);
+            eprintln!(
+                "clock 2^48: welcomed at clock {clock}, min clock {}",
+                s.welcome.min_clock
+            );
             hostile.goodbye(s, clock);
         }
         Err(r) => eprintln!("clock 2^48: hello refused ({:?})", r.code()),
@@ -260,8 +270,9 @@ fn one_identity_saying_goodbye_repeatedly_does_not_end_the_shard() {
     check("repeated goodbyes", &run, base, 0);
 }
 
-/// One identity opens 1,100 connections (more than the shard's 1,024 connection slots) and holds them while the
-/// honest workers connect and train.
+/// One identity opens 1,100 connections (more than the shard's 1,024 connection slots), says hello on each, leaves
+/// the table (goodbye on each: only the current session counts), takes what that freed with connections that never
+/// say hello, and holds them all while the honest workers connect and train.
 #[test]
 fn one_identity_holding_many_connections_does_not_lock_the_others_out() {
     let _serial = serial();
@@ -269,22 +280,32 @@ fn one_identity_holding_many_connections_does_not_lock_the_others_out() {
     let c = cluster();
     let mut server = c.server(0, &["--report", "server-0.json"]);
     let hostile = peer(&c, &c.path("certs"), HOSTILE);
-    let held = hostile.hold(HOSTILE, 1100, Duration::from_secs(15));
+    let mut held = hostile.hold(HOSTILE, 1100, Duration::from_secs(15));
+    // Not a member any more (nothing to evict, no gate held); the connections stay unless the shard closes them.
+    hostile.leave_all(&mut held);
+    std::thread::sleep(Duration::from_millis(200));
+    // Connections that never say hello take whatever the goodbye and the evictions freed.
+    let bare = hostile.hold_bare(64, Duration::from_secs(3));
     eprintln!(
-        "connection hoard: {} of 1100 connections welcomed in {:.1} s, {} refused or unanswered, {} closed since",
+        "connection hoard: {} of 1100 connections welcomed in {:.1} s, {} refused or unanswered, {} closed since; \
+         then {} of 64 without hello established, {} closed since",
         held.sessions.len(),
         held.elapsed.as_secs_f64(),
         held.refused,
-        held.closed()
+        held.closed(),
+        bare.bare.len(),
+        bare.closed()
     );
     let started = Instant::now();
     let mut workers = start_honest(&c, &["--reconnect-deadline-s", "20"]);
     let run = finish(&c, &mut server, &mut workers, started, Ends::OnSigterm);
     eprintln!(
-        "connection hoard: {} of the held connections closed by the end",
-        held.closed()
+        "connection hoard: {} of the held connections closed by the end: {:?}",
+        held.closed(),
+        held.close_reasons()
     );
     hostile.release(held);
+    hostile.release(bare);
     check("connection hoard", &run, base, 0);
     assert!(
         run.wall_s <= slow_limit(base),
@@ -411,7 +432,9 @@ fn one_huge_finite_push_is_refused_by_the_default_guard() {
     let c = cluster();
     let mut server = c.server(0, &["--report", "server-0.json"]);
     let hostile = peer(&c, &c.path("certs"), HOSTILE);
-    let mut s = hostile.hello(HOSTILE, 0).expect("a configured rank says hello");
+    let mut s = hostile
+        .hello(HOSTILE, 0)
+        .expect("a configured rank says hello");
     let clock = s.welcome.clock;
     let outcome = hostile.push(&mut s, clock, Gradient::Scaled(1e30));
     hostile.goodbye(s, 0);
@@ -515,10 +538,16 @@ fn idle_metrics_connections_do_not_starve_the_shard() {
         if scrape.is_some() { "answered" } else { "NOT answered" }
     );
     check("metrics starvation", &run, base, 0);
-    assert!(spun < 1.5, "the shard used {spun:.2} CPU-s in 5 idle seconds");
+    assert!(
+        spun < 0.5,
+        "the shard used {spun:.2} CPU-s in 5 idle seconds"
+    );
     assert!(scrape.is_some(), "no scrape answered within 10 s");
     assert_eq!(failed, 0, "checkpoints failed during the attack");
-    assert!(!during.is_empty(), "no checkpoint was written during the attack");
+    assert!(
+        !during.is_empty(),
+        "no checkpoint was written during the attack"
+    );
 }
 
 /// A checkpoint with NaN weights and recomputed CRCs, placed as the newest, must be skipped by `--resume`: the

@@ -25,8 +25,7 @@ use tether::common::codec::{CodecConfig, Encoder};
 use tether::common::config::Config;
 use tether::common::layout::model_layout;
 use tether::common::net::{
-    client_endpoint, client_handshake, connect, ControlChannel, NetError, TlsFiles,
-    TransportTuning,
+    client_endpoint, client_handshake, connect, ControlChannel, NetError, TlsFiles, TransportTuning,
 };
 use tether::common::protocol::{
     encode_push, Control, ErrorCode, FrameKind, Hello, Outcome, PushFrame, Welcome,
@@ -126,13 +125,7 @@ impl Session {
 }
 
 /// A framed push (or skip marker) as the worker sends it on a unidirectional stream: `[u32 LE len][kind][rkyv]`.
-pub fn push_frame(
-    w: &Welcome,
-    worker: u32,
-    clock: u64,
-    skip: bool,
-    payload: Vec<u8>,
-) -> Vec<u8> {
+pub fn push_frame(w: &Welcome, worker: u32, clock: u64, skip: bool, payload: Vec<u8>) -> Vec<u8> {
     let body = encode_push(&PushFrame {
         worker,
         clock,
@@ -180,6 +173,8 @@ impl Heartbeats {
 pub struct Held {
     /// Connections welcomed (each said hello).
     pub sessions: Vec<Session>,
+    /// Connections that completed the TLS handshake and never said hello.
+    pub bare: Vec<quinn::Connection>,
     /// Connection attempts the shard refused, closed or did not answer in time.
     pub refused: usize,
     /// How long opening them took.
@@ -189,7 +184,22 @@ pub struct Held {
 impl Held {
     /// Held connections the shard has closed since.
     pub fn closed(&self) -> usize {
-        self.sessions.iter().filter(|s| s.is_closed()).count()
+        self.connections()
+            .filter(|c| c.close_reason().is_some())
+            .count()
+    }
+
+    fn connections(&self) -> impl Iterator<Item = &quinn::Connection> {
+        self.sessions.iter().map(|s| &s.conn).chain(&self.bare)
+    }
+
+    /// Why the closed ones were closed, with how many of each reason.
+    pub fn close_reasons(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut reasons = std::collections::BTreeMap::new();
+        for r in self.connections().filter_map(|c| c.close_reason()) {
+            *reasons.entry(r.to_string()).or_default() += 1;
+        }
+        reasons
     }
 }
 
@@ -354,15 +364,67 @@ impl HostilePeer {
         });
         Held {
             sessions,
+            bare: Vec::new(),
             refused,
             elapsed: started.elapsed(),
         }
     }
 
+    /// Opens `n` connections (TLS handshake only: no control stream, no hello), at most 32 at a time, for at most
+    /// `limit`; keeps those that were established.
+    pub fn hold_bare(&self, n: usize, limit: Duration) -> Held {
+        let started = Instant::now();
+        let (ep, t) = (self.ep.clone(), self.target);
+        let (bare, refused) = self.rt.block_on(async move {
+            let gate = Arc::new(tokio::sync::Semaphore::new(32));
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..n {
+                let (ep, gate) = (ep.clone(), gate.clone());
+                tasks.spawn(async move {
+                    let _slot = gate.acquire_owned().await.ok()?;
+                    let attempt = connect(&ep, t.addr, "127.0.0.1");
+                    tokio::time::timeout(WAIT, attempt).await.ok()?.ok()
+                });
+            }
+            let (mut bare, mut refused) = (Vec::new(), 0);
+            let deadline = tokio::time::Instant::now() + limit;
+            loop {
+                match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+                    Ok(Some(Ok(Some(c)))) => bare.push(c),
+                    Ok(Some(_)) => refused += 1,
+                    Ok(None) => break,
+                    Err(_) => {
+                        refused += tasks.len();
+                        tasks.abort_all();
+                        break;
+                    }
+                }
+            }
+            (bare, refused)
+        });
+        Held {
+            sessions: Vec::new(),
+            bare,
+            refused,
+            elapsed: started.elapsed(),
+        }
+    }
+
+    /// Says goodbye (at clock 0: nothing left to drain) on every held connection, without waiting for answers: the
+    /// one the shard counts as current leaves the table, the superseded ones stay open unless the shard closes them.
+    pub fn leave_all(&self, held: &mut Held) {
+        self.rt.block_on(async {
+            for s in &mut held.sessions {
+                let bye = s.control.send(&Control::Goodbye { clock: 0 });
+                let _ = tokio::time::timeout(Duration::from_millis(100), bye).await;
+            }
+        });
+    }
+
     /// Closes the connections of `held` now (the shard sees them go).
     pub fn release(&self, held: Held) {
-        for s in &held.sessions {
-            s.conn.close(0u32.into(), b"released");
+        for c in held.connections() {
+            c.close(0u32.into(), b"released");
         }
         drop(held);
     }
@@ -508,7 +570,9 @@ pub fn forge_nan_checkpoint(root: &Path) -> PathBuf {
         serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
     let body = &mut envelope["body"];
     body["version"] = forged_version.into();
-    let files = body["files"].as_array_mut().expect("a manifest lists its files");
+    let files = body["files"]
+        .as_array_mut()
+        .expect("a manifest lists its files");
     let weights = files
         .iter_mut()
         .find(|f| f["name"] == "weights.f32.zst")
