@@ -1,7 +1,8 @@
 //! Shared harness of the multi-process fault, hostile-input, load and metrics tests: builds the real
 //! `tether-server` / `tether-worker` binaries once (release profile), lays out a cluster in a temp directory
 //! (keygen certificates, `cluster.toml` on free loopback ports), and runs processes under guards that SIGKILL them
-//! when the test ends, however it ends. Every wait is bounded in time.
+//! when the test ends, however it ends. Every wait is bounded in time. [`hostile`] is the hostile peer the attack
+//! tests use.
 #![allow(dead_code)] // each test binary uses a different subset of the harness
 
 pub mod hostile;
