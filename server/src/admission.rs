@@ -1,19 +1,22 @@
-//! Admission of incoming QUIC connections, in two budgets that one peer cannot exhaust alone. Pure bookkeeping, no
+//! Admission of incoming QUIC connections, in two budgets that one peer cannot exhaust alone. Bookkeeping only, no
 //! I/O: the accept loop asks [`Admission::handshake`] what to do with a new connection attempt before any TLS work
-//! (accept it, send a stateless retry, or refuse it), and the connection task asks [`Admission::connection`] for a
-//! slot once the TLS handshake has authenticated the peer. Each grant is a ticket whose drop gives the slot back, so
-//! a task that ends for any reason frees what it held.
+//! (queue it for a handshake slot, send a stateless retry, or refuse it), and the connection task asks
+//! [`Admission::connection`] for a slot once the TLS handshake has authenticated the peer. Each grant is a value
+//! whose drop gives the slot back, so a task that ends for any reason frees what it held.
 //!
 //! Invariants: at most [`AdmissionLimits::handshakes`] TLS handshakes are in progress, at most
-//! [`AdmissionLimits::handshakes_per_ip`] of them from one IP address, and, under load or when the address already
-//! has one in progress, only from addresses that proved with a retry token that they receive what is sent to them
-//! (a spoofed source cannot hold a handshake slot); at most [`AdmissionLimits::connections`] authenticated
-//! connections are served, at most [`AdmissionLimits::per_identity`] per certificate identity. Over a limit the new
-//! attempt is turned away at once, never queued, and the budgets are unchanged.
+//! [`AdmissionLimits::handshakes_per_ip`] of them from one IP address (more from that address wait their turn, up to
+//! [`AdmissionLimits::waiting_per_ip`]), and, under load or when the address already has one pending, only from
+//! addresses that proved with a retry token that they receive what is sent to them (a spoofed source cannot hold a
+//! handshake slot or a place in the queue); at most [`AdmissionLimits::connections`] authenticated connections are
+//! served, at most [`AdmissionLimits::per_identity`] per certificate identity. Over a limit the attempt is turned
+//! away at once, never queued behind others, and the budgets are unchanged.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use tether_common::net::PeerIdentity;
 
@@ -21,7 +24,11 @@ use tether_common::net::PeerIdentity;
 pub const MAX_HANDSHAKES: usize = 64;
 /// TLS handshakes in progress at once from one IP address.
 pub const MAX_HANDSHAKES_PER_IP: usize = 8;
-/// With at least this many handshakes in progress, a new attempt from an unvalidated address gets a stateless retry.
+/// Attempts from one IP address waiting for one of its handshake slots.
+pub const MAX_WAITING_PER_IP: usize = 1024;
+/// The longest an attempt waits for a handshake slot of its address before it is refused.
+pub const MAX_HANDSHAKE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// With at least this many handshakes pending, a new attempt from an unvalidated address gets a stateless retry.
 pub const RETRY_ABOVE: usize = 16;
 /// Authenticated connections served at once.
 pub const MAX_CONNECTIONS: usize = 1024;
@@ -36,7 +43,9 @@ pub struct AdmissionLimits {
     pub handshakes: usize,
     /// TLS handshakes in progress at once from one IP address.
     pub handshakes_per_ip: usize,
-    /// Handshakes in progress from which on unvalidated addresses are sent a retry.
+    /// Attempts from one IP address waiting for one of its handshake slots.
+    pub waiting_per_ip: usize,
+    /// Handshakes pending (waiting or in progress) from which on unvalidated addresses are sent a retry.
     pub retry_above: usize,
     /// Authenticated connections at once.
     pub connections: usize,
@@ -53,6 +62,7 @@ impl AdmissionLimits {
         Self {
             handshakes: MAX_HANDSHAKES,
             handshakes_per_ip: MAX_HANDSHAKES_PER_IP,
+            waiting_per_ip: MAX_WAITING_PER_IP,
             retry_above: RETRY_ABOVE,
             connections: MAX_CONNECTIONS,
             per_identity: MAX_CONNECTIONS_PER_IDENTITY,
@@ -71,8 +81,8 @@ impl AdmissionLimits {
 /// What to do with a new connection attempt before any TLS work.
 #[derive(Debug)]
 pub enum HandshakeVerdict {
-    /// Run the TLS handshake, holding this ticket until it ends.
-    Accept(HandshakeTicket),
+    /// Wait for a handshake slot of the address ([`HandshakeTurn::admitted`]), then run the TLS handshake.
+    Queue(HandshakeTurn),
     /// Answer with a stateless retry: the peer must prove it receives packets at its address.
     Retry,
     /// Refuse at once (QUIC `CONNECTION_REFUSED`; a client retries later).
@@ -84,7 +94,7 @@ pub enum HandshakeVerdict {
 pub enum HandshakeRefusal {
     /// Every handshake slot is taken.
     Full,
-    /// The address already has its share of handshakes in progress.
+    /// The address already has its share of handshakes in progress and of attempts waiting.
     PerIp,
 }
 
@@ -114,10 +124,18 @@ impl std::fmt::Display for SlotRefusal {
     }
 }
 
+/// One address's pending handshakes: its slots, and how many attempts wait for or hold one.
+#[derive(Debug)]
+struct Address {
+    slots: Arc<Semaphore>,
+    pending: usize,
+}
+
 #[derive(Debug, Default)]
 struct Counts {
     handshakes: usize,
-    per_ip: HashMap<IpAddr, usize>,
+    pending: usize,
+    per_ip: HashMap<IpAddr, Address>,
     connections: usize,
     per_identity: HashMap<PeerIdentity, usize>,
 }
@@ -144,29 +162,35 @@ impl Admission {
     }
 
     fn counts(&self) -> MutexGuard<'_, Counts> {
-        // The counters stay consistent under every panic point (each update is one statement), so a poisoned lock
-        // still holds valid counts.
+        // Every update under the lock is a few plain integer and map operations that cannot panic halfway, so a
+        // poisoned lock still holds consistent counts.
         self.counts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Decides on a connection attempt from `ip`; `validated` says whether it carried a valid retry token.
     pub fn handshake(self: &Arc<Self>, ip: IpAddr, validated: bool) -> HandshakeVerdict {
         let mut c = self.counts();
-        let from_ip = c.per_ip.get(&ip).copied().unwrap_or(0);
-        if !validated && (from_ip > 0 || c.handshakes >= self.limits.retry_above) {
+        let from_ip = c.per_ip.get(&ip).map_or(0, |a| a.pending);
+        if !validated && (from_ip > 0 || c.pending >= self.limits.retry_above) {
             return HandshakeVerdict::Retry;
         }
-        if c.handshakes >= self.limits.handshakes {
-            return HandshakeVerdict::Refuse(HandshakeRefusal::Full);
-        }
-        if from_ip >= self.limits.handshakes_per_ip {
+        if from_ip >= self.limits.handshakes_per_ip + self.limits.waiting_per_ip {
             return HandshakeVerdict::Refuse(HandshakeRefusal::PerIp);
         }
-        c.handshakes += 1;
-        *c.per_ip.entry(ip).or_insert(0) += 1;
-        HandshakeVerdict::Accept(HandshakeTicket {
-            admission: self.clone(),
-            ip,
+        let per_ip = self.limits.handshakes_per_ip;
+        let address = c.per_ip.entry(ip).or_insert_with(|| Address {
+            slots: Arc::new(Semaphore::new(per_ip)),
+            pending: 0,
+        });
+        address.pending += 1;
+        let slots = address.slots.clone();
+        c.pending += 1;
+        HandshakeVerdict::Queue(HandshakeTurn {
+            pending: Pending {
+                admission: self.clone(),
+                ip,
+            },
+            slots,
         })
     }
 
@@ -191,30 +215,77 @@ impl Admission {
         })
     }
 
-    /// Handshakes and connections held now.
-    pub fn in_use(&self) -> (usize, usize) {
+    /// Handshakes in progress, attempts pending (waiting or in progress) and connections held now.
+    pub fn in_use(&self) -> (usize, usize, usize) {
         let c = self.counts();
-        (c.handshakes, c.connections)
+        (c.handshakes, c.pending, c.connections)
+    }
+}
+
+/// An attempt counted against its address until dropped.
+#[derive(Debug)]
+struct Pending {
+    admission: Arc<Admission>,
+    ip: IpAddr,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut c = self.admission.counts();
+        c.pending = c.pending.saturating_sub(1);
+        if let Some(a) = c.per_ip.get_mut(&self.ip) {
+            a.pending = a.pending.saturating_sub(1);
+            if a.pending == 0 {
+                c.per_ip.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// An attempt queued for one of its address's handshake slots.
+#[derive(Debug)]
+pub struct HandshakeTurn {
+    pending: Pending,
+    slots: Arc<Semaphore>,
+}
+
+impl HandshakeTurn {
+    /// Waits for a handshake slot of the address, then takes one of the shard's; refused if those are all taken.
+    /// Cancel-safe: dropping the future gives everything back.
+    pub async fn admitted(self) -> Result<HandshakeTicket, HandshakeRefusal> {
+        // The semaphore is never closed, so acquiring cannot fail; a refusal is the safe answer if it did.
+        let ip_slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| HandshakeRefusal::Full)?;
+        let admission = self.pending.admission.clone();
+        let mut c = admission.counts();
+        if c.handshakes >= admission.limits.handshakes {
+            return Err(HandshakeRefusal::Full);
+        }
+        c.handshakes += 1;
+        Ok(HandshakeTicket {
+            _ip_slot: ip_slot,
+            _pending: self.pending,
+            admission: admission.clone(),
+        })
     }
 }
 
 /// A TLS handshake slot; dropping it gives the slot back.
 #[derive(Debug)]
 pub struct HandshakeTicket {
+    _ip_slot: OwnedSemaphorePermit,
+    _pending: Pending,
     admission: Arc<Admission>,
-    ip: IpAddr,
 }
 
 impl Drop for HandshakeTicket {
     fn drop(&mut self) {
         let mut c = self.admission.counts();
         c.handshakes = c.handshakes.saturating_sub(1);
-        if let Some(n) = c.per_ip.get_mut(&self.ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                c.per_ip.remove(&self.ip);
-            }
-        }
     }
 }
 
@@ -241,11 +312,13 @@ impl Drop for ConnectionTicket {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn limits() -> AdmissionLimits {
         AdmissionLimits {
             handshakes: 4,
             handshakes_per_ip: 2,
+            waiting_per_ip: 1,
             retry_above: 3,
             connections: 3,
             per_identity: 2,
@@ -257,50 +330,80 @@ mod tests {
         IpAddr::from([10, 0, 0, last])
     }
 
-    fn accepted(v: HandshakeVerdict) -> HandshakeTicket {
+    fn queued(v: HandshakeVerdict) -> HandshakeTurn {
         match v {
-            HandshakeVerdict::Accept(t) => t,
-            other => panic!("expected Accept, got {other:?}"),
+            HandshakeVerdict::Queue(t) => t,
+            other => panic!("expected Queue, got {other:?}"),
         }
     }
 
-    #[test]
-    fn a_second_unvalidated_attempt_from_one_address_must_prove_it() {
-        let a = Admission::new(limits());
-        let _first = accepted(a.handshake(ip(1), false));
-        assert!(matches!(a.handshake(ip(1), false), HandshakeVerdict::Retry));
-        // Another address is still let straight in, and the first one after it proved its address.
-        let _other = accepted(a.handshake(ip(2), false));
-        let _second = accepted(a.handshake(ip(1), true));
-        assert_eq!(a.in_use(), (3, 0));
+    async fn admitted(a: &Arc<Admission>, from: IpAddr, validated: bool) -> HandshakeTicket {
+        queued(a.handshake(from, validated)).admitted().await.unwrap()
     }
 
-    #[test]
-    fn one_address_holds_at_most_its_share_of_handshakes() {
+    #[tokio::test]
+    async fn a_second_unvalidated_attempt_from_one_address_must_prove_it() {
         let a = Admission::new(limits());
-        let held: Vec<_> = (0..2).map(|_| accepted(a.handshake(ip(1), true))).collect();
+        let _first = admitted(&a, ip(1), false).await;
+        assert!(matches!(a.handshake(ip(1), false), HandshakeVerdict::Retry));
+        // Another address is still let straight in, and the first one again once it proved its address.
+        let _other = admitted(&a, ip(2), false).await;
+        let _second = admitted(&a, ip(1), true).await;
+        assert_eq!(a.in_use(), (3, 3, 0));
+    }
+
+    #[tokio::test]
+    async fn one_address_waits_its_turn_and_its_queue_is_bounded() {
+        let a = Admission::new(limits());
+        let held: Vec<_> = [admitted(&a, ip(1), true).await, admitted(&a, ip(1), true).await].into();
+        let waiting = queued(a.handshake(ip(1), true));
         assert!(matches!(
             a.handshake(ip(1), true),
             HandshakeVerdict::Refuse(HandshakeRefusal::PerIp)
         ));
-        assert_eq!(a.in_use(), (2, 0), "a refusal changes nothing");
-        let _honest = accepted(a.handshake(ip(2), false));
+        assert_eq!(a.in_use(), (2, 3, 0), "a refusal changes nothing");
+        // The third from that address waits; another address does not.
+        let turn = tokio::spawn(waiting.admitted());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!turn.is_finished(), "took a third slot of one address");
+        let _honest = admitted(&a, ip(2), false).await;
         drop(held);
-        assert_eq!(a.in_use(), (1, 0));
-        let _again = accepted(a.handshake(ip(1), false));
+        let third = tokio::time::timeout(Duration::from_secs(5), turn)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(a.in_use(), (2, 2, 0));
+        drop(third);
+        assert_eq!(a.in_use(), (1, 1, 0));
     }
 
-    #[test]
-    fn under_load_unvalidated_addresses_get_a_retry_and_the_budget_is_never_exceeded() {
+    #[tokio::test]
+    async fn under_load_unvalidated_addresses_get_a_retry_and_the_budget_is_never_exceeded() {
         let a = Admission::new(limits());
-        let _held: Vec<_> = (1..=3).map(|k| accepted(a.handshake(ip(k), false))).collect();
+        let mut held = Vec::new();
+        for k in 1..=3 {
+            held.push(admitted(&a, ip(k), false).await);
+        }
         assert!(matches!(a.handshake(ip(9), false), HandshakeVerdict::Retry));
-        let _fourth = accepted(a.handshake(ip(9), true));
-        assert!(matches!(
-            a.handshake(ip(10), true),
-            HandshakeVerdict::Refuse(HandshakeRefusal::Full)
-        ));
-        assert_eq!(a.in_use(), (4, 0));
+        held.push(admitted(&a, ip(9), true).await);
+        let over = queued(a.handshake(ip(10), true));
+        assert_eq!(over.admitted().await.unwrap_err(), HandshakeRefusal::Full);
+        assert_eq!(a.in_use(), (4, 4, 0));
+        drop(held);
+        assert_eq!(a.in_use(), (0, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_turn_dropped_while_waiting_gives_its_place_back() {
+        let a = Admission::new(limits());
+        let held = [admitted(&a, ip(1), true).await, admitted(&a, ip(1), true).await];
+        let waiting = queued(a.handshake(ip(1), true));
+        let abandoned = tokio::time::timeout(Duration::from_millis(20), waiting.admitted()).await;
+        assert!(abandoned.is_err());
+        assert_eq!(a.in_use(), (2, 2, 0));
+        drop(held);
+        assert_eq!(a.in_use(), (0, 0, 0));
     }
 
     #[test]
@@ -320,10 +423,10 @@ mod tests {
             a.connection(PeerIdentity::Worker(2)).unwrap_err(),
             SlotRefusal::Full(3)
         );
-        assert_eq!(a.in_use(), (0, 3));
+        assert_eq!(a.in_use(), (0, 0, 3));
         drop(w0);
         drop(held);
-        assert_eq!(a.in_use(), (0, 0));
+        assert_eq!(a.in_use(), (0, 0, 0));
         let _back = a.connection(w1).unwrap();
     }
 
@@ -331,7 +434,13 @@ mod tests {
     fn the_shared_development_certificate_has_a_share_per_rank() {
         let l = AdmissionLimits::for_workers(3);
         assert_eq!(l.shared_client, 3 * MAX_CONNECTIONS_PER_IDENTITY);
-        assert_eq!(l.identity_cap(PeerIdentity::Worker(7)), MAX_CONNECTIONS_PER_IDENTITY);
-        assert_eq!(AdmissionLimits::for_workers(0).shared_client, MAX_CONNECTIONS_PER_IDENTITY);
+        assert_eq!(
+            l.identity_cap(PeerIdentity::Worker(7)),
+            MAX_CONNECTIONS_PER_IDENTITY
+        );
+        assert_eq!(
+            AdmissionLimits::for_workers(0).shared_client,
+            MAX_CONNECTIONS_PER_IDENTITY
+        );
     }
 }

@@ -18,7 +18,7 @@ use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
 use tether_common::protocol::{ErrorCode, FrameLimits};
 use tether_common::report::RunReport;
 
-use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict};
+use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::actor::{CheckpointNow, GetStats, ShardActor};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
@@ -200,8 +200,9 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     })
 }
 
-/// Admits each incoming connection attempt by the handshake budget (never waiting: the verdict is immediate) and
-/// spawns a connection task for those let in.
+/// Decides on each incoming connection attempt at once (the accept loop never waits) and spawns a task for those
+/// queued: it waits for a handshake slot of the peer's address (bounded by [`MAX_HANDSHAKE_WAIT`]), then serves
+/// the connection.
 async fn accept_loop(endpoint: quinn::Endpoint, ctx: Arc<ConnectionContext>) {
     while let Some(incoming) = endpoint.accept().await {
         let peer = incoming.remote_address();
@@ -209,8 +210,21 @@ async fn accept_loop(endpoint: quinn::Endpoint, ctx: Arc<ConnectionContext>) {
             .admission
             .handshake(peer.ip(), incoming.remote_address_validated())
         {
-            HandshakeVerdict::Accept(ticket) => {
-                tokio::spawn(serve_connection(incoming, ticket, ctx.clone()));
+            HandshakeVerdict::Queue(turn) => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(MAX_HANDSHAKE_WAIT, turn.admitted()).await {
+                        Ok(Ok(ticket)) => serve_connection(incoming, ticket, ctx).await,
+                        Ok(Err(why)) => {
+                            debug!(shard = ctx.shard, %peer, ?why, "connection attempt refused: handshake budget");
+                            incoming.refuse();
+                        }
+                        Err(_) => {
+                            debug!(shard = ctx.shard, %peer, "connection attempt refused: waited too long for a handshake slot");
+                            incoming.refuse();
+                        }
+                    }
+                });
             }
             HandshakeVerdict::Retry => {
                 if let Err(e) = incoming.retry() {
