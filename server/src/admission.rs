@@ -167,8 +167,10 @@ impl Admission {
         self.counts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Decides on a connection attempt from `ip`; `validated` says whether it carried a valid retry token.
+    /// Decides on a connection attempt from `ip` (an IPv6 address counts as its /64, which one host usually
+    /// holds whole); `validated` says whether it carried a valid retry token.
     pub fn handshake(self: &Arc<Self>, ip: IpAddr, validated: bool) -> HandshakeVerdict {
+        let ip = address_key(ip);
         let mut c = self.counts();
         let from_ip = c.per_ip.get(&ip).map_or(0, |a| a.pending);
         if !validated && (from_ip > 0 || c.pending >= self.limits.retry_above) {
@@ -219,6 +221,17 @@ impl Admission {
     pub fn in_use(&self) -> (usize, usize, usize) {
         let c = self.counts();
         (c.handshakes, c.pending, c.connections)
+    }
+}
+
+/// The address an attempt is counted against: IPv4 (also when mapped into IPv6) as is, IPv6 by its /64 prefix.
+fn address_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        },
     }
 }
 
@@ -404,6 +417,18 @@ mod tests {
         assert_eq!(a.in_use(), (2, 2, 0));
         drop(held);
         assert_eq!(a.in_use(), (0, 0, 0));
+    }
+
+    #[test]
+    fn an_ipv6_host_counts_as_its_prefix() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:bbbb::9".parse().unwrap();
+        let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(address_key(a), address_key(b));
+        assert_ne!(address_key(a), address_key(other));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(address_key(mapped), ip(1));
+        assert_eq!(address_key(ip(1)), ip(1));
     }
 
     #[test]

@@ -277,7 +277,7 @@ fn a_model_too_large_to_count_or_to_hold_is_refused_naming_the_key() {
         // Fits in 64 bits, over the cap.
         ("[model]\nhidden = [1048576, 8192]\n", "model.hidden"),
         (
-            "[model]\nkind = \"logreg\"\nfeatures = 18446744073709551615\nclasses = 2\n[data]\ndataset = \"csv\"\n",
+            "[model]\nkind = \"logreg\"\nfeatures = 9223372036854775807\nclasses = 3\n[data]\ndataset = \"csv\"\n",
             "model.features/classes",
         ),
         (
