@@ -333,7 +333,10 @@ mod tests {
         }
         // A connection reset before it was accepted says nothing about the next one.
         for kind in [ErrorKind::ConnectionAborted, ErrorKind::ConnectionReset] {
-            assert_eq!(accept_backoff(&Error::from(kind), Some(ACCEPT_BACKOFF_MAX)), None);
+            assert_eq!(
+                accept_backoff(&Error::from(kind), Some(ACCEPT_BACKOFF_MAX)),
+                None
+            );
         }
     }
 
@@ -393,7 +396,10 @@ mod tests {
             extra,
             "only the connections beyond the cap are closed at once: {closed:?}"
         );
-        assert!(closed[..MAX_SCRAPE_CONNECTIONS].iter().all(|&c| !c), "{closed:?}");
+        assert!(
+            closed[..MAX_SCRAPE_CONNECTIONS].iter().all(|&c| !c),
+            "{closed:?}"
+        );
         // The idle ones lose their slots at the request deadline; a scraper retrying gets its answer.
         let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE + Duration::from_secs(5);
         let mut answer = None;

@@ -57,7 +57,8 @@ fn set_soft_nofile(soft: u64) -> libc::rlimit {
 fn scrape(addr: SocketAddr) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .ok()?;
     let mut body = String::new();
     s.read_to_string(&mut body).ok()?;
     body.starts_with("HTTP/1.1 200 OK").then_some(body)

@@ -351,7 +351,10 @@ mod tests {
     }
 
     async fn admitted(a: &Arc<Admission>, from: IpAddr, validated: bool) -> HandshakeTicket {
-        queued(a.handshake(from, validated)).admitted().await.unwrap()
+        queued(a.handshake(from, validated))
+            .admitted()
+            .await
+            .unwrap()
     }
 
     #[tokio::test]
@@ -368,18 +371,22 @@ mod tests {
     #[tokio::test]
     async fn one_address_waits_its_turn_and_its_queue_is_bounded() {
         let a = Admission::new(limits());
-        let held: Vec<_> = [admitted(&a, ip(1), true).await, admitted(&a, ip(1), true).await].into();
+        let held: Vec<_> = [
+            admitted(&a, ip(1), true).await,
+            admitted(&a, ip(1), true).await,
+        ]
+        .into();
         let waiting = queued(a.handshake(ip(1), true));
         assert!(matches!(
             a.handshake(ip(1), true),
             HandshakeVerdict::Refuse(HandshakeRefusal::PerIp)
         ));
         assert_eq!(a.in_use(), (2, 3, 0), "a refusal changes nothing");
-        // The third from that address waits; another address does not.
+        // The third from that address waits; another address (validated: the shard is under load) does not.
         let turn = tokio::spawn(waiting.admitted());
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!turn.is_finished(), "took a third slot of one address");
-        let _honest = admitted(&a, ip(2), false).await;
+        let _honest = admitted(&a, ip(2), true).await;
         drop(held);
         let third = tokio::time::timeout(Duration::from_secs(5), turn)
             .await
@@ -410,7 +417,10 @@ mod tests {
     #[tokio::test]
     async fn a_turn_dropped_while_waiting_gives_its_place_back() {
         let a = Admission::new(limits());
-        let held = [admitted(&a, ip(1), true).await, admitted(&a, ip(1), true).await];
+        let held = [
+            admitted(&a, ip(1), true).await,
+            admitted(&a, ip(1), true).await,
+        ];
         let waiting = queued(a.handshake(ip(1), true));
         let abandoned = tokio::time::timeout(Duration::from_millis(20), waiting.admitted()).await;
         assert!(abandoned.is_err());

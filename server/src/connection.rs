@@ -21,8 +21,8 @@ use tether_common::protocol::{
     access_push, Control, ErrorCode, FrameKind, FrameLimits, Outcome, ProtocolError, PullMode,
 };
 
-use crate::admission::{Admission, HandshakeTicket};
 use crate::actor::{ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ShardActor};
+use crate::admission::{Admission, HandshakeTicket};
 use crate::protocol::ConnId;
 
 /// A peer must finish the TLS handshake, and then the hello, each within this time.

@@ -18,8 +18,8 @@ use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
 use tether_common::protocol::{ErrorCode, FrameLimits};
 use tether_common::report::RunReport;
 
-use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::actor::{CheckpointNow, GetStats, ShardActor};
+use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;

@@ -81,16 +81,16 @@ async fn honest_join(cfg: &Config, addr: SocketAddr, rank: u32) -> Duration {
 #[test]
 fn one_certificate_gets_its_share_of_connections_and_an_honest_worker_still_joins() {
     with_shard(|cfg, shard| async move {
-        let attacker =
-            client_endpoint(&worker_tls(&cfg, 1), &TransportTuning::default()).unwrap();
+        let attacker = client_endpoint(&worker_tls(&cfg, 1), &TransportTuning::default()).unwrap();
         let opened = 3 * MAX_CONNECTIONS_PER_IDENTITY;
         let mut conns = Vec::new();
         for _ in 0..opened {
             // TLS completes for each: the certificate is valid. None sends a hello; each just holds on.
-            let conn = tokio::time::timeout(WAIT, connect(&attacker, shard.local_addr, "127.0.0.1"))
-                .await
-                .expect("TLS handshake timed out")
-                .expect("a valid certificate completes TLS");
+            let conn =
+                tokio::time::timeout(WAIT, connect(&attacker, shard.local_addr, "127.0.0.1"))
+                    .await
+                    .expect("TLS handshake timed out")
+                    .expect("a valid certificate completes TLS");
             conns.push(conn);
         }
         let mut waits = tokio::task::JoinSet::new();
@@ -115,7 +115,10 @@ fn one_certificate_gets_its_share_of_connections_and_an_honest_worker_still_join
         }
         assert_eq!(
             (open, overloaded),
-            (MAX_CONNECTIONS_PER_IDENTITY, opened - MAX_CONNECTIONS_PER_IDENTITY),
+            (
+                MAX_CONNECTIONS_PER_IDENTITY,
+                opened - MAX_CONNECTIONS_PER_IDENTITY
+            ),
             "one certificate keeps exactly its share; the surplus is refused at once"
         );
         // Worker 0 joins while worker 1's certificate holds its whole share.

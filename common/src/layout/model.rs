@@ -162,7 +162,10 @@ impl GptShape {
     pub fn checked_params(&self) -> Option<u64> {
         let [vocab, context, layers, c] =
             [self.vocab, self.context, self.layers, self.dim].map(|v| v as u64);
-        let block = c.checked_mul(c)?.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
+        let block = c
+            .checked_mul(c)?
+            .checked_mul(12)?
+            .checked_add(c.checked_mul(13)?)?;
         let edges = vocab.checked_add(context)?.checked_add(2)?.checked_mul(c)?;
         layers.checked_mul(block)?.checked_add(edges)
     }
