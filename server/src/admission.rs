@@ -36,6 +36,10 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// briefly overlap the connection it replaces).
 pub const MAX_CONNECTIONS_PER_IDENTITY: usize = 4;
 
+/// The shared development certificate may hold the connections of at least this many ranks (a development cluster
+/// often runs test clients beside its workers under it).
+pub const SHARED_CLIENT_MIN_RANKS: u32 = 16;
+
 /// The sizes of the two budgets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionLimits {
@@ -57,7 +61,7 @@ pub struct AdmissionLimits {
 
 impl AdmissionLimits {
     /// The documented limits for a cluster of `workers` ranks (the shared development certificate may hold
-    /// `per_identity` connections for each of them).
+    /// `per_identity` connections for each of them, and for at least [`SHARED_CLIENT_MIN_RANKS`]).
     pub fn for_workers(workers: u32) -> Self {
         Self {
             handshakes: MAX_HANDSHAKES,
@@ -66,7 +70,8 @@ impl AdmissionLimits {
             retry_above: RETRY_ABOVE,
             connections: MAX_CONNECTIONS,
             per_identity: MAX_CONNECTIONS_PER_IDENTITY,
-            shared_client: MAX_CONNECTIONS_PER_IDENTITY.saturating_mul(workers.max(1) as usize),
+            shared_client: MAX_CONNECTIONS_PER_IDENTITY
+                .saturating_mul(workers.max(SHARED_CLIENT_MIN_RANKS) as usize),
         }
     }
 
@@ -467,15 +472,15 @@ mod tests {
 
     #[test]
     fn the_shared_development_certificate_has_a_share_per_rank() {
-        let l = AdmissionLimits::for_workers(3);
-        assert_eq!(l.shared_client, 3 * MAX_CONNECTIONS_PER_IDENTITY);
+        let l = AdmissionLimits::for_workers(100);
+        assert_eq!(l.shared_client, 100 * MAX_CONNECTIONS_PER_IDENTITY);
         assert_eq!(
             l.identity_cap(PeerIdentity::Worker(7)),
             MAX_CONNECTIONS_PER_IDENTITY
         );
         assert_eq!(
-            AdmissionLimits::for_workers(0).shared_client,
-            MAX_CONNECTIONS_PER_IDENTITY
+            AdmissionLimits::for_workers(2).shared_client,
+            SHARED_CLIENT_MIN_RANKS as usize * MAX_CONNECTIONS_PER_IDENTITY
         );
     }
 }

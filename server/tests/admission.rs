@@ -94,7 +94,8 @@ fn one_certificate_gets_its_share_of_connections_and_an_honest_worker_still_join
             conns.push(conn);
         }
         let mut waits = tokio::task::JoinSet::new();
-        for conn in conns.iter().cloned() {
+        for conn in &conns {
+            let conn = conn.clone();
             waits.spawn(async move {
                 tokio::time::timeout(Duration::from_secs(2), conn.closed())
                     .await
