@@ -33,7 +33,6 @@ compose() { "${compose_bin[@]}" -p "$project" -f "$root/docker/docker-compose.ym
 
 export TETHER_IMAGE=$image
 export TETHER_REPORTS=$work/reports
-export TETHER_METRICS_PORT_0='' TETHER_METRICS_PORT_1=''   # ephemeral host ports: never collide
 
 t_start=$(date +%s)
 t_phase=$t_start
@@ -139,8 +138,9 @@ phase "key isolation"
 progress_lines() { compose logs --no-color "$1" 2>&1 | grep -c 'progress' || true; }
 has_progress() { [ "$(progress_lines worker-0)" -ge 1 ]; }
 wait_for 120 "training progress in worker-0's log" has_progress
-port0=$(compose port server-0 9100 | sed 's/.*://')
-updates=$(curl -fsS "http://127.0.0.1:$port0/metrics" | sed -n 's/^tether_updates_applied_total \([0-9]*\).*/\1/p')
+# /metrics listens on the container's loopback only: read it from inside server-0's network namespace.
+scrape='exec 3<>/dev/tcp/127.0.0.1/9100 && printf "GET /metrics HTTP/1.0\r\n\r\n" >&3 && cat <&3'
+updates=$(compose exec -T server-0 bash -c "$scrape" | sed -n 's/^tether_updates_applied_total \([0-9]*\).*/\1/p')
 echo "smoke: first progress: $(compose logs --no-color worker-0 2>&1 | grep progress | head -n 1 | sed 's/.*progress *//')"
 echo "smoke: server-0 metrics: tether_updates_applied_total=${updates:-?}"
 phase "first progress"

@@ -1,9 +1,11 @@
 //! Prometheus metrics (names fixed in docs/design.md §6): the server's and the worker's metric sets, registered in a
 //! `prometheus-client` registry, and a minimal HTTP exporter serving the text format at `/metrics`. Recording is a
-//! few atomic operations and never blocks; the exporter runs on its own task and only reads.
+//! few atomic operations and never blocks; the exporter runs on its own task and only reads, with a bounded number of
+//! connections and a backing-off accept loop so that it never competes with the process it reports on.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -12,7 +14,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 /// Label set `{reason="..."}` / `{kind="..."}`.
 pub type Labels = Vec<(&'static str, &'static str)>;
@@ -166,6 +169,14 @@ impl WorkerMetrics {
 
 /// Largest request head the exporter reads.
 const MAX_REQUEST: usize = 8192;
+/// Scrape connections served at once; one accepted beyond them is closed at once (and holds no descriptor).
+pub const MAX_SCRAPE_CONNECTIONS: usize = 16;
+/// A scraper must send its request head within this time of connecting.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
+/// The first pause of the accept loop after an error that is not about one connection.
+pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+/// The longest pause of the accept loop while such errors go on.
+pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Renders the registry in the Prometheus text format.
 pub fn render(registry: &Registry) -> String {
@@ -175,48 +186,99 @@ pub fn render(registry: &Registry) -> String {
     out
 }
 
-/// Serves `GET /metrics` on `addr` until the task is dropped; returns the bound address.
+/// How long the accept loop pauses after `err`, given its pause after the previous error in a row (`None` after an
+/// accepted connection): nothing for an error about one connection (reset or aborted before it was accepted); else
+/// twice the previous pause, from [`ACCEPT_BACKOFF_MIN`] up to [`ACCEPT_BACKOFF_MAX`]. Running out of descriptors
+/// (EMFILE, ENFILE) or memory fails every accept until something is closed: retrying at once only burns the CPU
+/// the rest of the process needs to close something.
+pub fn accept_backoff(err: &std::io::Error, previous: Option<Duration>) -> Option<Duration> {
+    use std::io::ErrorKind;
+    if matches!(
+        err.kind(),
+        ErrorKind::ConnectionAborted
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionRefused
+            | ErrorKind::Interrupted
+    ) {
+        return None;
+    }
+    Some(match previous {
+        None => ACCEPT_BACKOFF_MIN,
+        Some(p) => (p * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX),
+    })
+}
+
+/// Serves `GET /metrics` on `addr` until the task is dropped; returns the bound address. At most
+/// [`MAX_SCRAPE_CONNECTIONS`] connections are served at once, each must send its request within
+/// [`REQUEST_DEADLINE`], and accept errors back off ([`accept_backoff`]), so neither idle connections nor a
+/// process out of descriptors make the exporter take descriptors or CPU from the shard it reports on.
 pub async fn serve(
     addr: SocketAddr,
     registry: Arc<Registry>,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
+    let slots = Arc::new(Semaphore::new(MAX_SCRAPE_CONNECTIONS));
     let task = tokio::spawn(async move {
+        let mut backoff = None;
         loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
+            let sock = match listener.accept().await {
+                Ok((sock, _)) => {
+                    backoff = None;
+                    sock
+                }
+                Err(e) => {
+                    if let Some(pause) = accept_backoff(&e, backoff) {
+                        if backoff.is_none() {
+                            tracing::warn!(%local, error = %e, "metrics exporter cannot accept; backing off");
+                        }
+                        backoff = Some(pause);
+                        tokio::time::sleep(pause).await;
+                    }
+                    continue;
+                }
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                // Over the cap: closed at once, never queued.
+                drop(sock);
                 continue;
             };
             let registry = registry.clone();
             tokio::spawn(async move {
-                // Read the whole request head (bounded in size and time): closing a socket with unread request
-                // bytes makes the kernel answer with a reset, which the client sees instead of the response.
-                let mut buf = [0u8; MAX_REQUEST];
-                let mut n = 0;
-                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-                while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    match tokio::time::timeout_at(deadline, sock.read(&mut buf[n..])).await {
-                        Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
-                        Ok(Ok(k)) => n += k,
-                    }
-                }
-                let req = String::from_utf8_lossy(&buf[..n]);
-                let (status, body) = if req.starts_with("GET /metrics") {
-                    ("200 OK", render(&registry))
-                } else {
-                    ("404 Not Found", "not found\n".to_string())
-                };
-                let head = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    body.len()
-                );
-                let _ = sock.write_all(head.as_bytes()).await;
-                let _ = sock.write_all(body.as_bytes()).await;
-                let _ = sock.shutdown().await;
+                answer(sock, &registry).await;
+                drop(slot);
             });
         }
     });
     Ok((local, task))
+}
+
+/// Reads one request head (bounded in size and by [`REQUEST_DEADLINE`]) and answers it.
+async fn answer(mut sock: TcpStream, registry: &Registry) {
+    // Read the whole request head: closing a socket with unread request bytes makes the kernel answer with a reset,
+    // which the client sees instead of the response.
+    let mut buf = [0u8; MAX_REQUEST];
+    let mut n = 0;
+    let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
+    while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout_at(deadline, sock.read(&mut buf[n..])).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+            Ok(Ok(k)) => n += k,
+        }
+    }
+    let req = String::from_utf8_lossy(&buf[..n]);
+    let (status, body) = if req.starts_with("GET /metrics") {
+        ("200 OK", render(registry))
+    } else {
+        ("404 Not Found", "not found\n".to_string())
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = sock.write_all(head.as_bytes()).await;
+    let _ = sock.write_all(body.as_bytes()).await;
+    let _ = sock.shutdown().await;
 }
 
 #[cfg(test)]
@@ -249,6 +311,107 @@ mod tests {
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
+    }
+
+    #[test]
+    fn accept_errors_back_off_unless_they_concern_one_connection() {
+        use std::io::{Error, ErrorKind};
+        let emfile = Error::from_raw_os_error(libc::EMFILE);
+        let mut pause = None;
+        let mut pauses = Vec::new();
+        for _ in 0..12 {
+            pause = accept_backoff(&emfile, pause);
+            pauses.push(pause.unwrap());
+        }
+        assert_eq!(pauses[0], ACCEPT_BACKOFF_MIN);
+        assert_eq!(pauses[1], 2 * ACCEPT_BACKOFF_MIN);
+        assert!(pauses.windows(2).all(|w| w[0] <= w[1]), "{pauses:?}");
+        assert_eq!(*pauses.last().unwrap(), ACCEPT_BACKOFF_MAX);
+        // Descriptors across the system, memory: the same.
+        for errno in [libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert!(accept_backoff(&Error::from_raw_os_error(errno), None).is_some());
+        }
+        // A connection reset before it was accepted says nothing about the next one.
+        for kind in [ErrorKind::ConnectionAborted, ErrorKind::ConnectionReset] {
+            assert_eq!(
+                accept_backoff(&Error::from(kind), Some(ACCEPT_BACKOFF_MAX)),
+                None
+            );
+        }
+    }
+
+    /// Reads one byte from each socket at once (bounded by `wait`); true for each the server closed. The sockets
+    /// come back, so that none is closed (freeing its slot) before the caller is done.
+    async fn closed_by_server(
+        socks: Vec<tokio::net::TcpStream>,
+        wait: Duration,
+    ) -> (Vec<bool>, Vec<tokio::net::TcpStream>) {
+        let mut reads = tokio::task::JoinSet::new();
+        for (i, mut s) in socks.into_iter().enumerate() {
+            reads.spawn(async move {
+                let mut b = [0u8; 1];
+                let closed = matches!(
+                    tokio::time::timeout(wait, s.read(&mut b)).await,
+                    Ok(Ok(0)) | Ok(Err(_))
+                );
+                (i, closed, s)
+            });
+        }
+        let mut done = Vec::new();
+        while let Some(r) = reads.join_next().await {
+            done.push(r.unwrap());
+        }
+        done.sort_by_key(|(i, _, _)| *i);
+        done.into_iter().map(|(_, c, s)| (c, s)).unzip()
+    }
+
+    async fn scrape(addr: SocketAddr) -> Option<String> {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .ok()?;
+        let mut body = String::new();
+        tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut body))
+            .await
+            .ok()?
+            .ok()?;
+        body.starts_with("HTTP/1.1 200 OK").then_some(body)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_connections_beyond_the_cap_are_closed_at_once_and_a_scrape_still_answers() {
+        let mut reg = Registry::default();
+        ServerMetrics::register(&mut reg);
+        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), Arc::new(reg))
+            .await
+            .unwrap();
+        let extra = 8;
+        let mut idle = Vec::new();
+        for _ in 0..MAX_SCRAPE_CONNECTIONS + extra {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let (closed, _held) = closed_by_server(idle, Duration::from_millis(500)).await;
+        assert_eq!(
+            closed.iter().filter(|&&c| c).count(),
+            extra,
+            "only the connections beyond the cap are closed at once: {closed:?}"
+        );
+        assert!(
+            closed[..MAX_SCRAPE_CONNECTIONS].iter().all(|&c| !c),
+            "{closed:?}"
+        );
+        // The idle ones lose their slots at the request deadline; a scraper retrying gets its answer.
+        let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE + Duration::from_secs(5);
+        let mut answer = None;
+        while answer.is_none() && tokio::time::Instant::now() < deadline {
+            answer = scrape(addr).await;
+            if answer.is_none() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        task.abort();
+        let body = answer.expect("no scrape answered after the idle connections' deadline");
+        assert!(body.contains("tether_updates_applied_total"), "{body}");
     }
 
     #[tokio::test]

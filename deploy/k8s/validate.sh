@@ -45,5 +45,19 @@ for d in docs:
     else:
         assert d["spec"]["completionMode"] == "Indexed"
 print("k8s: one Secret per node, no CA key in any; long-running containers mount only their own bundle")
+for d in docs:
+    if d["kind"] in ("StatefulSet", "Job"):
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            args = " ".join(c["command"])
+            assert "--metrics" in args and "0.0.0.0:9100" not in args, (d["metadata"]["name"], args)
+policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+assert len(policies) == 1, "expected one NetworkPolicy"
+p = policies[0]["spec"]
+assert p["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": "tether-node"}
+for rule in p["ingress"]:
+    ports = {(q["protocol"], q["port"]) for q in rule["ports"]}
+    if ("TCP", 9100) in ports:
+        assert rule.get("from"), "/metrics is open to every pod"
+print("k8s: /metrics bound to the pod IP and reachable only from the Prometheus selector")
 PY
 echo "k8s: PASS (validated against Kubernetes $version schemas, offline)"

@@ -22,9 +22,10 @@ use tether_common::protocol::{
 };
 
 use crate::actor::{ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ShardActor};
+use crate::admission::{Admission, HandshakeTicket};
 use crate::protocol::ConnId;
 
-/// A peer must finish the handshake within this time.
+/// A peer must finish the TLS handshake, and then the hello, each within this time.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A bulk frame must arrive completely within this time once its stream is open (slow-loris bound).
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
@@ -45,12 +46,21 @@ pub struct ConnectionContext {
     pub limits: FrameLimits,
     /// The next connection id.
     pub next_conn: AtomicU64,
+    /// The handshake and connection budgets.
+    pub admission: Arc<Admission>,
 }
 
-/// Serves one incoming connection until it closes.
-pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<ConnectionContext>) {
+/// Serves one incoming connection until it closes: the TLS handshake holds `handshake` (given back as soon as it
+/// ends), then the authenticated peer needs a connection slot of its identity's share, held until the end.
+pub async fn serve_connection(
+    incoming: quinn::Incoming,
+    handshake: HandshakeTicket,
+    ctx: Arc<ConnectionContext>,
+) {
     let peer = incoming.remote_address();
-    let conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await {
+    let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await;
+    drop(handshake);
+    let conn = match tls {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
             match NetError::from(e) {
@@ -72,6 +82,14 @@ pub async fn serve_connection(incoming: quinn::Incoming, ctx: Arc<ConnectionCont
         Err(e) => {
             warn!(%peer, error = %e, "refusing peer without a Tether identity");
             close_with(&conn, ErrorCode::Unauthorized, &e.to_string());
+            return;
+        }
+    };
+    let _slot = match ctx.admission.connection(identity) {
+        Ok(slot) => slot,
+        Err(why) => {
+            warn!(shard = ctx.shard, %peer, %identity, %why, "connection refused: connection budget");
+            close_with(&conn, ErrorCode::Overloaded, &why.to_string());
             return;
         }
     };

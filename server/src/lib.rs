@@ -6,6 +6,7 @@
 //! shell and the loss medians behind the rollback detector are private, and the crate's error is re-exported.
 
 pub mod actor;
+pub mod admission;
 pub mod checkpoint;
 pub mod clock;
 mod connection;

@@ -1,15 +1,15 @@
 //! A running shard server: builds the `ShardCore` from the configuration (resuming from the newest verified
 //! checkpoint when asked), starts its `ShardActor` on an Arbiter, binds the mutual-TLS QUIC endpoint and spawns one
-//! connection task (the private `connection` shell) per QUIC connection. Used by the `tether-server` binary and by
-//! `tether::LocalCluster`.
+//! connection task (the private `connection` shell) per QUIC connection that [`crate::admission`] lets in: each
+//! attempt is accepted, sent a stateless retry or refused before any TLS work, so no peer can queue the others
+//! behind its own. Used by the `tether-server` binary and by `tether::LocalCluster`.
 //! Must be called inside an actix `System` running on a multi-threaded tokio runtime.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use actix::{Addr, Arbiter};
-use tokio::sync::Semaphore;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use tether_common::config::Config;
 use tether_common::layout::{model_layout, Layout};
@@ -19,15 +19,13 @@ use tether_common::protocol::{ErrorCode, FrameLimits};
 use tether_common::report::RunReport;
 
 use crate::actor::{CheckpointNow, GetStats, ShardActor};
+use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
 use crate::remote::RemoteStore;
 use crate::shard::{ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
-
-/// At most this many connections are served at once per shard; more wait in the accept queue.
-pub const MAX_CONNECTIONS: usize = 1024;
 
 /// How to start one shard.
 #[derive(Clone, Default)]
@@ -187,21 +185,9 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         layout_hash,
         limits,
         next_conn: Default::default(),
+        admission: Admission::new(AdmissionLimits::for_workers(cfg.cluster.workers)),
     });
-    let ep = endpoint.clone();
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let accept = tokio::spawn(async move {
-        while let Some(incoming) = ep.accept().await {
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                break;
-            };
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                serve_connection(incoming, ctx).await;
-                drop(permit);
-            });
-        }
-    });
+    let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx));
     info!(shard = opts.shard, %local_addr, range = ?(range.start, range.end), "shard serving");
     Ok(RunningShard {
         actor: addr,
@@ -212,6 +198,47 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         arbiter,
         accept,
     })
+}
+
+/// Decides on each incoming connection attempt at once (the accept loop never waits) and spawns a task for those
+/// queued: it waits for a handshake slot of the peer's address (bounded by [`MAX_HANDSHAKE_WAIT`]), then serves
+/// the connection.
+async fn accept_loop(endpoint: quinn::Endpoint, ctx: Arc<ConnectionContext>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let peer = incoming.remote_address();
+        match ctx
+            .admission
+            .handshake(peer.ip(), incoming.remote_address_validated())
+        {
+            HandshakeVerdict::Queue(turn) => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(MAX_HANDSHAKE_WAIT, turn.admitted()).await {
+                        Ok(Ok(ticket)) => serve_connection(incoming, ticket, ctx).await,
+                        Ok(Err(why)) => {
+                            debug!(shard = ctx.shard, %peer, ?why, "connection attempt refused: handshake budget");
+                            incoming.refuse();
+                        }
+                        Err(_) => {
+                            debug!(shard = ctx.shard, %peer, "connection attempt refused: waited too long for a handshake slot");
+                            incoming.refuse();
+                        }
+                    }
+                });
+            }
+            HandshakeVerdict::Retry => {
+                if let Err(e) = incoming.retry() {
+                    // Only an attempt that already carries a retry token cannot be retried; it is validated, so
+                    // this does not happen, and refusing is the safe answer if it did.
+                    e.into_incoming().refuse();
+                }
+            }
+            HandshakeVerdict::Refuse(why) => {
+                debug!(shard = ctx.shard, %peer, ?why, "connection attempt refused: handshake budget");
+                incoming.refuse();
+            }
+        }
+    }
 }
 
 impl RunningShard {

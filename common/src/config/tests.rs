@@ -268,3 +268,34 @@ fn missing_or_empty_servers_and_zero_workers_are_refused_naming_the_key() {
     );
     assert!(e.to_string().contains("cluster.workers"), "{e}");
 }
+
+#[test]
+fn a_model_too_large_to_count_or_to_hold_is_refused_naming_the_key() {
+    let cases = [
+        // 784·2^32 + 2^32·2^32 does not fit in 64 bits.
+        ("[model]\nhidden = [4294967296, 4294967296]\n", "model.hidden"),
+        // Fits in 64 bits, over the cap.
+        ("[model]\nhidden = [1048576, 8192]\n", "model.hidden"),
+        (
+            "[model]\nkind = \"logreg\"\nfeatures = 9223372036854775807\nclasses = 3\n[data]\ndataset = \"csv\"\n",
+            "model.features/classes",
+        ),
+        (
+            "[model]\nkind = \"gpt\"\nlayers = 64\nheads = 8\ndim = 8192\n[data]\ndataset = \"kjv-excerpt\"\n",
+            "model.layers/dim/context",
+        ),
+    ];
+    for (section, key) in cases {
+        let e = Config::parse(&format!("{MINIMAL}{section}"), Path::new("/")).unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Invalid { key: k, .. } if *k == key),
+            "{section}: {e}"
+        );
+    }
+    // The largest model under the cap still parses.
+    Config::parse(
+        &format!("{MINIMAL}[model]\nhidden = [65536, 32768]\n"),
+        Path::new("/"),
+    )
+    .unwrap();
+}

@@ -103,6 +103,11 @@ impl Config {
                 "need at least one feature and two classes",
             );
         }
+        // The model's size, when the configuration alone determines it (a model that does not fit the dataset is
+        // refused where its layout is built).
+        if self.model.kind == ModelKind::Gpt || crate::layout::model_io(self).is_ok() {
+            crate::layout::model_params(self)?;
+        }
         Ok(())
     }
 }

@@ -12,7 +12,10 @@ use crate::splitmix::splitmix64;
 
 pub mod model;
 
-pub use model::{gpt_layout, mlp_layout, model_dims, model_io, model_layout, GptShape};
+pub use model::{
+    gpt_layout, mlp_layout, mlp_params, model_dims, model_io, model_layout, model_params, GptShape,
+    MAX_MODEL_PARAMS,
+};
 
 /// How a tensor's initial values are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -9,6 +9,10 @@ use crate::config::{Config, ConfigError, DatasetKind, ModelConfig, ModelKind};
 /// Vocabulary of the byte-level GPT: one token per byte value.
 pub const BYTE_VOCAB: usize = 256;
 
+/// The most parameters a configured model may have (2^32: 16 GiB of f32 weights, before optimizer state and
+/// copies). A larger `[model]` is a configuration error naming the key, never an overflow.
+pub const MAX_MODEL_PARAMS: u64 = 1 << 32;
+
 /// Input width and class count of the configured model: from `[model]` when given, else from the dataset kind. A GPT
 /// reads `model.context` byte tokens and predicts one of [`BYTE_VOCAB`] bytes.
 pub fn model_io(cfg: &Config) -> Result<(usize, usize), ConfigError> {
@@ -51,12 +55,52 @@ pub fn model_dims(cfg: &Config) -> Result<Vec<usize>, ConfigError> {
     Ok(dims)
 }
 
-/// The parameter layout of the configured model (servers and workers must agree on it).
+/// The parameter layout of the configured model (servers and workers must agree on it). Refuses a model of more
+/// than [`MAX_MODEL_PARAMS`] parameters ([`model_params`]).
 pub fn model_layout(cfg: &Config) -> Result<Layout, ConfigError> {
+    model_params(cfg)?;
     if cfg.model.kind == ModelKind::Gpt {
         return Ok(gpt_layout(&GptShape::from_model(&cfg.model)));
     }
     Ok(mlp_layout(&model_dims(cfg)?))
+}
+
+/// The number of parameters of the configured model, in checked arithmetic: a model of more than
+/// [`MAX_MODEL_PARAMS`] parameters (or whose count does not fit in 64 bits) is [`ConfigError::Invalid`] naming the
+/// keys that size it.
+pub fn model_params(cfg: &Config) -> Result<u64, ConfigError> {
+    let (count, key) = if cfg.model.kind == ModelKind::Gpt {
+        (
+            GptShape::from_model(&cfg.model).checked_params(),
+            "model.layers/dim/context",
+        )
+    } else {
+        let key = if cfg.model.kind == ModelKind::Mlp && !cfg.model.hidden.is_empty() {
+            "model.hidden"
+        } else {
+            "model.features/classes"
+        };
+        (mlp_params(&model_dims(cfg)?), key)
+    };
+    match count {
+        Some(n) if n <= MAX_MODEL_PARAMS => Ok(n),
+        _ => Err(ConfigError::Invalid {
+            key,
+            reason: format!(
+                "the model would have {} parameters, more than the {MAX_MODEL_PARAMS} allowed",
+                count.map_or_else(|| "over 2^64".to_string(), |n| n.to_string())
+            ),
+        }),
+    }
+}
+
+/// The number of parameters of [`mlp_layout`]`(dims)` (a weight `[in, out]` and a bias `[out]` per layer), or `None`
+/// if it does not fit in 64 bits.
+pub fn mlp_params(dims: &[usize]) -> Option<u64> {
+    dims.windows(2).try_fold(0u64, |total, w| {
+        let (i, o) = (w[0] as u64, w[1] as u64);
+        total.checked_add(i.checked_mul(o)?.checked_add(o)?)
+    })
 }
 
 /// The layout of a fully connected network with layer widths `dims` (input first, classes last): for each layer k
@@ -107,10 +151,23 @@ impl GptShape {
         }
     }
 
-    /// Number of parameters: `layers × (12·dim² + 13·dim) + (vocab + context + 2)·dim`.
+    /// Number of parameters: `layers × (12·dim² + 13·dim) + (vocab + context + 2)·dim`. For a shape that
+    /// [`GptShape::checked_params`] accepts (every configured one: `model_layout` checks it).
     pub fn params(&self) -> usize {
         let c = self.dim;
         self.layers * (12 * c * c + 13 * c) + (self.vocab + self.context + 2) * c
+    }
+
+    /// [`GptShape::params`] in checked arithmetic: `None` if it does not fit in 64 bits.
+    pub fn checked_params(&self) -> Option<u64> {
+        let [vocab, context, layers, c] =
+            [self.vocab, self.context, self.layers, self.dim].map(|v| v as u64);
+        let block = c
+            .checked_mul(c)?
+            .checked_mul(12)?
+            .checked_add(c.checked_mul(13)?)?;
+        let edges = vocab.checked_add(context)?.checked_add(2)?.checked_mul(c)?;
+        layers.checked_mul(block)?.checked_add(edges)
     }
 }
 
@@ -176,6 +233,58 @@ mod tests {
         c.model.classes = Some(3);
         assert_eq!(model_io(&c).unwrap(), (5, 3));
         assert_eq!(model_layout(&c).unwrap(), mlp_layout(&[5, 3]));
+    }
+
+    #[test]
+    fn model_size_is_checked_arithmetic_with_a_cap() {
+        let mut c = cfg();
+        assert_eq!(
+            model_params(&c).unwrap(),
+            model_layout(&c).unwrap().len() as u64
+        );
+        // 784·2^32 + 2^32·2^32 overflows 64 bits.
+        c.model.hidden = vec![1 << 32, 1 << 32];
+        let e = model_layout(&c).unwrap_err();
+        assert!(e.to_string().contains("model.hidden"), "{e}");
+        assert!(e.to_string().contains("over 2^64"), "{e}");
+        // Fits in 64 bits but is over the cap.
+        c.model.hidden = vec![1 << 20, 1 << 13];
+        let e = model_params(&c).unwrap_err();
+        assert!(e.to_string().contains("model.hidden"), "{e}");
+        // Logistic regression: the input width and classes size it.
+        c.model.kind = ModelKind::Logreg;
+        c.data.dataset = DatasetKind::Csv;
+        c.model.features = Some(usize::MAX);
+        c.model.classes = Some(3);
+        let e = model_params(&c).unwrap_err();
+        assert!(e.to_string().contains("model.features/classes"), "{e}");
+        // The largest GPT the ranges allow is over the cap.
+        let mut g = cfg();
+        g.model.kind = ModelKind::Gpt;
+        (g.model.layers, g.model.dim, g.model.heads) = (64, 8192, 8);
+        let e = model_layout(&g).unwrap_err();
+        assert!(e.to_string().contains("model.layers/dim/context"), "{e}");
+        let huge = GptShape {
+            vocab: usize::MAX,
+            ..GptShape::from_model(&g.model)
+        };
+        assert_eq!(huge.checked_params(), None);
+    }
+
+    #[test]
+    fn checked_counts_match_the_layouts() {
+        for dims in [vec![5, 3], vec![784, 256, 128, 10], vec![1, 1, 1]] {
+            assert_eq!(mlp_params(&dims), Some(mlp_layout(&dims).len() as u64));
+        }
+        let g = GptShape {
+            vocab: BYTE_VOCAB,
+            context: 16,
+            layers: 2,
+            heads: 2,
+            dim: 8,
+        };
+        assert_eq!(g.checked_params(), Some(gpt_layout(&g).len() as u64));
+        assert_eq!(g.checked_params(), Some(g.params() as u64));
     }
 
     #[test]

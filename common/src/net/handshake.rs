@@ -1,7 +1,8 @@
 //! The hello/welcome handshake that opens every connection's control channel: the worker sends its `Hello` and
 //! waits for the shard's `Welcome`; the shard accepts a `Hello` only at its protocol version and layout hash, for a
 //! rank the peer's certificate may claim, and otherwise refuses with a typed `Control::Error` and closes the
-//! connection with that code.
+//! connection with that code. A refusal tells the peer what it sent, never what the shard expected: a layout
+//! mismatch is refused without the shard's layout hash (which only the shard's log records).
 
 use super::streams::{reject, ControlChannel};
 use super::{NetError, PeerIdentity};
@@ -53,8 +54,44 @@ pub async fn server_accept_hello(
         Ok(hello) => Ok(hello),
         Err(err) => {
             let conn = control.connection().clone();
-            reject(&conn, Some(control), &err).await;
+            let told = for_the_peer(&err);
+            if told != err {
+                tracing::warn!(peer = %conn.remote_address(), "hello refused: {err}");
+            }
+            reject(&conn, Some(control), &told).await;
             Err(err.into())
         }
+    }
+}
+
+/// The refusal a peer is sent for `err`: the same code, without what the shard expected where that is the shard's
+/// own configuration (its layout hash).
+fn for_the_peer(err: &ProtocolError) -> ProtocolError {
+    match err {
+        ProtocolError::BadLayoutHash { got, .. } => ProtocolError::Rejected {
+            code: err.code(),
+            message: format!("layout hash {got:#018x} does not match this shard's model"),
+        },
+        other => other.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layout_refusal_keeps_its_code_but_not_the_expected_hash() {
+        let err = ProtocolError::BadLayoutHash {
+            expected: 0x1234_5678_9abc_def0,
+            got: 0,
+        };
+        let told = for_the_peer(&err);
+        assert_eq!(told.code(), err.code());
+        let text = told.to_string();
+        assert!(!text.contains("123456789abcdef0"), "{text}");
+        assert!(text.contains("0x0000000000000000"), "{text}");
+        let other = ProtocolError::UnexpectedMessage("Pull before Hello".into());
+        assert_eq!(for_the_peer(&other), other);
     }
 }

@@ -8,7 +8,7 @@ use super::NetError;
 use crate::pki::{CLIENT_CN, SERVER_CN_PREFIX, WORKER_CN_PREFIX};
 
 /// Who the verified peer certificate says the peer is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PeerIdentity {
     /// A per-worker certificate (`tether-worker-R`): may only claim rank R.
     Worker(u32),

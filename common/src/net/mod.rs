@@ -98,8 +98,8 @@ pub enum NetError {
 impl NetError {
     /// Whether retrying cannot help until a file or a configuration changes: a TLS refusal, a certificate naming
     /// the wrong node, a protocol violation or refusal (e.g. another protocol version), a peer that closed the
-    /// connection with an application code, or a QUIC version mismatch. Everything else (unreachable, timed out,
-    /// reset, not resolved yet) is transient.
+    /// connection with an application code other than `Overloaded`, or a QUIC version mismatch. Everything else
+    /// (unreachable, timed out, reset, not resolved yet, a shard whose connection budget is full) is transient.
     pub fn is_permanent(&self) -> bool {
         matches!(
             self,
@@ -107,7 +107,9 @@ impl NetError {
                 | NetError::Identity(_)
                 | NetError::Protocol(_)
                 | NetError::Connection(quinn::ConnectionError::VersionMismatch)
-        ) || self.remote_close_code().is_some()
+        ) || self
+            .remote_close_code()
+            .is_some_and(|code| code != u64::from(ErrorCode::Overloaded.code()))
     }
 
     /// The error code to close the connection with, when this error is the peer's fault.

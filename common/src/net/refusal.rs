@@ -127,6 +127,7 @@ impl fmt::Display for HandshakeRefusal {
 mod tests {
     use super::{HandshakeRefusal, RefusedBy};
     use crate::net::NetError;
+    use crate::protocol::ErrorCode;
 
     fn ours(code: quinn::TransportErrorCode) -> quinn::ConnectionError {
         quinn::ConnectionError::TransportError(quinn_proto::TransportError {
@@ -194,5 +195,16 @@ mod tests {
         }
         assert!(!NetError::Resolve("shard-0:7000".into()).is_permanent());
         assert!(NetError::from(quinn::ConnectionError::VersionMismatch).is_permanent());
+        // A shard whose connection budget is full says so with `Overloaded`: try again later. Other codes are final.
+        let closed = |code: ErrorCode| {
+            NetError::from(quinn::ConnectionError::ApplicationClosed(
+                quinn::ApplicationClose {
+                    error_code: code.close_code(),
+                    reason: bytes::Bytes::from_static(b"closed"),
+                },
+            ))
+        };
+        assert!(!closed(ErrorCode::Overloaded).is_permanent());
+        assert!(closed(ErrorCode::Unauthorized).is_permanent());
     }
 }
