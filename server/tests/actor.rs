@@ -16,6 +16,7 @@ use tether_common::protocol::{
 use tether_server::actor::{
     ApplyPush, CheckpointNow, GetStats, GetWeights, Heartbeat, Hello, Pull, ShardActor,
 };
+use tether_common::pki::CheckpointKey;
 use tether_server::checkpoint::CheckpointStore;
 use tether_server::protocol::WireReply;
 use tether_server::protocol::MAX_PARKED_PER_WORKER;
@@ -352,7 +353,7 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
     let root = dir.path().join("shard-0");
     let (addr, arbiter) = start(
         core(Staleness::Bounded(1), 60_000),
-        Some(CheckpointStore::new(root.clone(), 2)),
+        Some(CheckpointStore::new(root.clone(), 2, CheckpointKey::from_bytes([1; 32]))),
         60_000,
     );
     join(&addr, 0).await;
@@ -371,7 +372,7 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
 
     let mut fresh = core(Staleness::Bounded(1), 60_000);
     let r = fresh.range();
-    let store = CheckpointStore::new(root, 2);
+    let store = CheckpointStore::new(root, 2, CheckpointKey::from_bytes([1; 32]));
     let (snap, skipped) = store
         .load_latest(fresh.layout_hash(), 0, (r.start, r.end))
         .unwrap()
