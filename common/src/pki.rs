@@ -824,7 +824,11 @@ mod tests {
             Err(PkiError::CheckpointKey { .. })
         ));
         assert_eq!(CheckpointKey::load(&path).unwrap(), key, "not replaced");
-        assert_eq!(format!("{key:?}"), "CheckpointKey(..)", "the secret is never printed");
+        assert_eq!(
+            format!("{key:?}"),
+            "CheckpointKey(..)",
+            "the secret is never printed"
+        );
         for bad in ["", "abcd", &"zz".repeat(32), &"ab".repeat(33)] {
             std::fs::write(&path, bad).unwrap();
             assert!(CheckpointKey::load(&path).is_err(), "{bad:?} accepted");

@@ -112,7 +112,9 @@ pub enum CheckpointError {
         file: String,
     },
     /// The manifest's MAC does not verify under this shard's key: forged, damaged, or written with another key.
-    #[error("manifest MAC does not verify: forged, damaged, or written with another checkpoint key")]
+    #[error(
+        "manifest MAC does not verify: forged, damaged, or written with another checkpoint key"
+    )]
     Forged,
     /// The manifest carries no MAC (format 1, written before checkpoints were authenticated): not trusted.
     #[error(
@@ -473,10 +475,11 @@ impl CheckpointStore {
             files,
         };
         let manifest_path = tmp.join(MANIFEST_FILE);
-        let manifest = encode_manifest(&body, &mac_key(&self.key)).map_err(|e| CheckpointError::Manifest {
-            path: manifest_path.clone(),
-            reason: e.to_string(),
-        })?;
+        let manifest =
+            encode_manifest(&body, &mac_key(&self.key)).map_err(|e| CheckpointError::Manifest {
+                path: manifest_path.clone(),
+                reason: e.to_string(),
+            })?;
         let write_manifest = || -> io::Result<()> {
             let mut f = File::create(&manifest_path)?;
             f.write_all(&manifest)?;
@@ -867,8 +870,12 @@ fn read_data_file(
             entry.bytes
         )));
     }
-    let want = unhex::<32>(&entry.digest)
-        .ok_or_else(|| format_err(format!("{file}: digest {:?} is not SHA-256 hex", entry.digest)))?;
+    let want = unhex::<32>(&entry.digest).ok_or_else(|| {
+        format_err(format!(
+            "{file}: digest {:?} is not SHA-256 hex",
+            entry.digest
+        ))
+    })?;
     if digest::digest(&digest::SHA256, stored).as_ref() != want {
         return Err(CheckpointError::ChecksumMismatch { file });
     }

@@ -323,7 +323,11 @@ fn forged_weights_with_recomputed_checksums_fall_back() {
     let (_, skipped, _) = fall_back_after(|dir| {
         let path = dir.join(MANIFEST_FILE);
         let mut envelope: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
-        replace_weights(dir, &vec![1e3; (RANGE.1 - RANGE.0) as usize], &mut envelope["body"]);
+        replace_weights(
+            dir,
+            &vec![1e3; (RANGE.1 - RANGE.0) as usize],
+            &mut envelope["body"],
+        );
         fs::write(&path, serde_json::to_vec(&envelope).unwrap()).unwrap();
     });
     assert!(
@@ -339,7 +343,8 @@ fn a_checkpoint_written_with_another_key_is_skipped() {
     let s = store(tmp.path(), 3);
     s.write(&snapshot(1)).unwrap();
     // Another shard's (or another cluster's) key writes a newer, otherwise perfect checkpoint into the same root.
-    let foreign = CheckpointStore::new(s.dir().to_path_buf(), 3, CheckpointKey::from_bytes([8; 32]));
+    let foreign =
+        CheckpointStore::new(s.dir().to_path_buf(), 3, CheckpointKey::from_bytes([8; 32]));
     let newest = foreign.write(&snapshot(2)).unwrap();
     let (snap, skipped) = load(&s).unwrap().expect("our own checkpoint");
     assert_same(&snap, &snapshot(1));
@@ -375,7 +380,10 @@ fn an_unauthenticated_format_1_checkpoint_is_not_trusted() {
         fs::write(&path, serde_json::to_vec(&old).unwrap()).unwrap();
     });
     assert!(
-        matches!(&skipped[0].1, CheckpointError::Unauthenticated { format_version: 1 }),
+        matches!(
+            &skipped[0].1,
+            CheckpointError::Unauthenticated { format_version: 1 }
+        ),
         "{:?}",
         skipped[0].1
     );
@@ -419,7 +427,9 @@ fn non_finite_weights_or_state_under_a_valid_mac_fall_back() {
 #[test]
 fn clocks_and_counters_out_of_bounds_under_a_valid_mac_fall_back() {
     let edits: [(&str, fn(&mut Value)); 6] = [
-        ("clock past MAX_CLOCK", |b| b["clocks"][0][1] = (MAX_CLOCK + 1).into()),
+        ("clock past MAX_CLOCK", |b| {
+            b["clocks"][0][1] = (MAX_CLOCK + 1).into()
+        }),
         ("clock 2^63", |b| b["clocks"][1][1] = (1u64 << 63).into()),
         ("evicted clock past MAX_CLOCK", |b| {
             b["evicted"][0][1] = u64::MAX.into()

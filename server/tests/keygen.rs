@@ -58,11 +58,17 @@ fn issue_refuses_to_replace_a_bundle_without_force_and_names_the_serials() {
     let before = std::fs::read(&cert).unwrap();
     let old = serials(&ca, "tether-worker-0").pop().unwrap();
     let o = keygen(
-        &["issue", "--ca", "certs/ca", "--out", "certs", "--worker", "0"],
+        &[
+            "issue", "--ca", "certs/ca", "--out", "certs", "--worker", "0",
+        ],
         d,
     );
     assert!(!o.status.success(), "replaced without --force");
-    assert!(text(&o).contains(&old), "refusal without the serial: {}", text(&o));
+    assert!(
+        text(&o).contains(&old),
+        "refusal without the serial: {}",
+        text(&o)
+    );
     assert!(text(&o).contains("--force"), "{}", text(&o));
     assert_eq!(std::fs::read(&cert).unwrap(), before, "bundle changed");
 
@@ -93,13 +99,14 @@ fn issue_refuses_to_replace_a_bundle_without_force_and_names_the_serials() {
         d,
     );
     assert!(o.status.success(), "{}", text(&o));
-    assert_eq!(std::fs::read(&key_path).unwrap(), key, "checkpoint key replaced");
+    assert_eq!(
+        std::fs::read(&key_path).unwrap(),
+        key,
+        "checkpoint key replaced"
+    );
 
     // A fresh `keygen` into a folder of bundles refuses, even with another CA folder.
-    let o = keygen(
-        &["--out", "certs", "--ca-dir", "ca2", "--workers", "1"],
-        d,
-    );
+    let o = keygen(&["--out", "certs", "--ca-dir", "ca2", "--workers", "1"], d);
     assert!(!o.status.success(), "bundles overwritten");
     assert!(!d.join("ca2/ca.key").exists());
 

@@ -294,7 +294,10 @@ fn a_forged_remote_checkpoint_is_skipped_and_never_replaces_a_local_one() {
     // Whoever can write to the bucket replaces version 2's weights (finite, plausible values) and fixes up the
     // manifest: size, SHA-256, and a MAC under a key that is not the shard's.
     let n = (RANGE.1 - RANGE.0) as usize;
-    let raw: Vec<u8> = vec![0.25f32; n].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let raw: Vec<u8> = vec![0.25f32; n]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     let forged = zstd::bulk::compress(&raw, 1).unwrap();
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let weights = ObjPath::from(format!("f/shard-1/v{:020}/{WEIGHTS_FILE}", 2));
@@ -314,7 +317,10 @@ fn a_forged_remote_checkpoint_is_skipped_and_never_replaces_a_local_one() {
     rt.block_on(async {
         store.put(&weights, PutPayload::from(forged)).await?;
         store
-            .put(&man, PutPayload::from(serde_json::to_vec(&envelope).unwrap()))
+            .put(
+                &man,
+                PutPayload::from(serde_json::to_vec(&envelope).unwrap()),
+            )
             .await
     })
     .unwrap();
@@ -330,7 +336,10 @@ fn a_forged_remote_checkpoint_is_skipped_and_never_replaces_a_local_one() {
     assert!(skipped[0].1.contains("MAC"), "{}", skipped[0].1);
     let (snap, skipped) = local.load_latest(LAYOUT, 1, RANGE).unwrap().unwrap();
     assert!(skipped.is_empty());
-    assert!(same(&snap, &snapshot(2)), "the local version 2 was replaced");
+    assert!(
+        same(&snap, &snapshot(2)),
+        "the local version 2 was replaced"
+    );
 
     // On a wiped disk, the forgery is skipped and the authentic version 1 restored.
     wipe(local.dir());
