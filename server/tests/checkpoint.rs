@@ -426,7 +426,8 @@ fn non_finite_weights_or_state_under_a_valid_mac_fall_back() {
 
 #[test]
 fn clocks_and_counters_out_of_bounds_under_a_valid_mac_fall_back() {
-    let edits: [(&str, fn(&mut Value)); 6] = [
+    type Edit = (&'static str, fn(&mut Value));
+    let edits: [Edit; 6] = [
         ("clock past MAX_CLOCK", |b| {
             b["clocks"][0][1] = (MAX_CLOCK + 1).into()
         }),
