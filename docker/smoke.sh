@@ -123,7 +123,7 @@ for s in server-0 server-1 worker-0 worker-1 worker-2 worker-3; do
     found=$(find "$src" -name ca.key 2>/dev/null | head -n 1)
     [ -z "$found" ] || fail "$s mounts $src, which holds $found"
   done
-  case $s in server-*) want=/certs/server.key ;; *) want=/certs/worker.key ;; esac
+  case $s in server-*) want="/certs/checkpoint.key /certs/server.key" ;; *) want=/certs/worker.key ;; esac
   keys=$(docker exec "$(cid "$s")" bash -c 'shopt -s nullglob; echo /certs/*.key')
   [ "$keys" = "$want" ] || fail "$s holds keys '$keys', expected only $want"
 done

@@ -189,6 +189,8 @@ impl LocalCluster {
                 metrics: None,
                 spike_factor: self.spike_factor,
                 layout: self.model.as_ref().map(|f| f().layout().clone()),
+                // The bundle `generate` just wrote holds the shard's checkpoint key.
+                checkpoint_key: None,
             };
             shards.push(start_shard(&cfg, opts).await?);
         }

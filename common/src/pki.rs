@@ -6,6 +6,11 @@
 //! `localhost` and `127.0.0.1`), `worker-R/` (CN `tether-worker-R`, bound to rank R) and, only on request,
 //! `client/` (CN [`CLIENT_CN`], may claim any rank: a development convenience). Every certificate has a random
 //! 127-bit serial (the handle of `cluster.revoked`) and a validity period. Keys are ECDSA P-256 from ring.
+//!
+//! A shard's bundle also holds [`CHECKPOINT_KEY_FILE`] (0600): the [`CheckpointKey`] its checkpoints are
+//! authenticated with. Re-issuing a shard's certificate keeps the key that is there, so the shard's checkpoints stay
+//! loadable. Bundles are never replaced silently: [`issue`] and [`generate`] refuse a folder that already holds one
+//! and name its serial; [`reissue`] replaces it and returns the serial to put in `cluster.revoked`.
 
 use std::io::Write;
 use std::net::IpAddr;
@@ -37,6 +42,12 @@ pub const DEFAULT_DAYS: u32 = 365;
 /// Longest serial number accepted (RFC 5280: at most 20 octets).
 pub const MAX_SERIAL_BYTES: usize = 20;
 
+/// File name of a shard's checkpoint key inside its bundle.
+pub const CHECKPOINT_KEY_FILE: &str = "checkpoint.key";
+
+/// Length of a checkpoint key in bytes.
+pub const CHECKPOINT_KEY_BYTES: usize = 32;
+
 /// Why certificate generation or loading failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PkiError {
@@ -65,6 +76,26 @@ pub enum PkiError {
     /// Refusing to overwrite an existing CA key.
     #[error("{0} already holds a CA key; add nodes with `keygen issue --ca {0}` instead")]
     AuthorityExists(PathBuf),
+    /// Refusing to replace an existing node bundle without `--force`.
+    #[error(
+        "{path} already holds a bundle (certificate serial {}); add --force to replace it, then list that serial \
+         in cluster.revoked",
+        serial.as_deref().unwrap_or("unreadable")
+    )]
+    BundleExists {
+        /// The bundle folder.
+        path: PathBuf,
+        /// The serial of the certificate in it, when it can be read.
+        serial: Option<String>,
+    },
+    /// A checkpoint key file is missing, unreadable or malformed, or refusing to overwrite one.
+    #[error("checkpoint key {path}: {reason}")]
+    CheckpointKey {
+        /// The key file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// Reading or writing a file failed.
     #[error("cannot write {path}: {source}")]
     Io {
@@ -220,12 +251,126 @@ fn san(host: &str) -> Result<SanType, PkiError> {
     Ok(SanType::DnsName(dns))
 }
 
-fn random_serial() -> Result<SerialNumber, PkiError> {
+/// Fills `bytes` from the system's secure random source.
+fn fill_random(bytes: &mut [u8]) -> Result<(), PkiError> {
     use ring::rand::SecureRandom;
-    let mut bytes = [0u8; 16];
     ring::rand::SystemRandom::new()
-        .fill(&mut bytes)
-        .map_err(|_| PkiError::Invalid("the system random source failed".into()))?;
+        .fill(bytes)
+        .map_err(|_| PkiError::Invalid("the system random source failed".into()))
+}
+
+/// The secret key a shard authenticates its checkpoints with (HMAC-SHA256): 32 random bytes, stored as 64 hex digits
+/// and a newline in [`CHECKPOINT_KEY_FILE`] (0600) in the shard's bundle.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CheckpointKey([u8; CHECKPOINT_KEY_BYTES]);
+
+impl std::fmt::Debug for CheckpointKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        f.write_str("CheckpointKey(..)")
+    }
+}
+
+impl CheckpointKey {
+    /// A new key from the system's secure random source.
+    pub fn generate() -> Result<CheckpointKey, PkiError> {
+        let mut bytes = [0u8; CHECKPOINT_KEY_BYTES];
+        fill_random(&mut bytes)?;
+        Ok(CheckpointKey(bytes))
+    }
+
+    /// A key with these bytes (tests and in-process clusters that derive their own).
+    pub fn from_bytes(bytes: [u8; CHECKPOINT_KEY_BYTES]) -> CheckpointKey {
+        CheckpointKey(bytes)
+    }
+
+    /// The key's bytes.
+    pub fn as_bytes(&self) -> &[u8; CHECKPOINT_KEY_BYTES] {
+        &self.0
+    }
+
+    /// Reads a key file: 64 hex digits, surrounding whitespace ignored. Anything else is refused.
+    pub fn load(path: &Path) -> Result<CheckpointKey, PkiError> {
+        let bad = |reason: String| PkiError::CheckpointKey {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut text = String::new();
+        // A key file is 65 bytes; reading a little more than that is enough to refuse anything longer.
+        std::io::Read::read_to_string(
+            &mut std::io::Read::take(
+                std::fs::File::open(path).map_err(|e| bad(e.to_string()))?,
+                256,
+            ),
+            &mut text,
+        )
+        .map_err(|e| bad(e.to_string()))?;
+        let hex = text.trim();
+        if hex.len() != 2 * CHECKPOINT_KEY_BYTES || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad(format!(
+                "expected {} hex digits (as `tether-server keygen` writes it)",
+                2 * CHECKPOINT_KEY_BYTES
+            )));
+        }
+        let mut bytes = [0u8; CHECKPOINT_KEY_BYTES];
+        for (b, pair) in bytes.iter_mut().zip(hex.as_bytes().chunks_exact(2)) {
+            // Both digits were checked to be ASCII hex above.
+            let digits = std::str::from_utf8(pair).map_err(|e| bad(e.to_string()))?;
+            *b = u8::from_str_radix(digits, 16).map_err(|e| bad(e.to_string()))?;
+        }
+        Ok(CheckpointKey(bytes))
+    }
+
+    /// Writes the key to `path` (0600). Refuses to replace an existing file unless `force`: a new key makes every
+    /// checkpoint written with the old one unloadable.
+    pub fn save(&self, path: &Path, force: bool) -> Result<(), PkiError> {
+        if !force && path.exists() {
+            return Err(PkiError::CheckpointKey {
+                path: path.to_path_buf(),
+                reason: "already exists; replacing it makes every checkpoint written with it unloadable \
+                         (add --force to do so anyway)"
+                    .into(),
+            });
+        }
+        let hex: String = self.0.iter().map(|b| format!("{b:02x}")).collect();
+        write_file(path, &format!("{hex}\n"), true)
+    }
+}
+
+/// Writes a new checkpoint key into the bundle folder `bundle` (as `keygen checkpoint-key` does for bundles issued
+/// before keys existed); refuses to replace an existing one unless `force`. Returns the key file's path.
+pub fn write_checkpoint_key(bundle: &Path, force: bool) -> Result<PathBuf, PkiError> {
+    if !bundle.is_dir() {
+        return Err(PkiError::Invalid(format!(
+            "{} is not a bundle folder",
+            bundle.display()
+        )));
+    }
+    let path = bundle.join(CHECKPOINT_KEY_FILE);
+    CheckpointKey::generate()?.save(&path, force)?;
+    Ok(path)
+}
+
+/// The serial of the certificate in `pem_path` (as keygen prints it), if the file holds a readable certificate.
+fn serial_of(pem_path: &Path) -> Option<String> {
+    let pem = std::fs::read(pem_path).ok()?;
+    let der = rustls::pki_types::CertificateDer::from_pem_slice(&pem).ok()?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+    Some(format_serial(parsed.raw_serial()))
+}
+
+/// `Some(serial or None)` when `out` already holds `node`'s bundle (its certificate or key exists).
+fn existing_bundle(out: &Path, node: &Node) -> Option<(PathBuf, Option<String>)> {
+    let dir = out.join(node.bundle_name());
+    let stem = node.stem();
+    let cert = dir.join(format!("{stem}.pem"));
+    let key = dir.join(format!("{stem}.key"));
+    (cert.exists() || key.exists()).then(|| (dir, serial_of(&cert)))
+}
+
+fn random_serial() -> Result<SerialNumber, PkiError> {
+    let mut bytes = [0u8; 16];
+    fill_random(&mut bytes)?;
     // Positive and exactly 16 octets in DER: top bit clear, first octet non-zero.
     bytes[0] = (bytes[0] & 0x7f) | 0x40;
     Ok(SerialNumber::from_slice(&bytes))
@@ -411,8 +556,9 @@ impl std::fmt::Debug for Issued {
 }
 
 impl Issued {
-    /// Writes the node's bundle `out/<bundle_name>/` (`ca.pem`, `<stem>.pem`, `<stem>.key` 0600; folder 0700) and
-    /// returns its path.
+    /// Writes the node's bundle `out/<bundle_name>/` (`ca.pem`, `<stem>.pem`, `<stem>.key` 0600; folder 0700; for a
+    /// shard also a new [`CHECKPOINT_KEY_FILE`] unless one is there, which is kept) and returns its path. Overwrites
+    /// an existing bundle's files: callers check first ([`issue`], [`generate`]).
     pub fn write_bundle(&self, out: &Path, ca_pem: &str) -> Result<PathBuf, PkiError> {
         let dir = out.join(self.node.bundle_name());
         create_dir(&dir, true)?;
@@ -420,6 +566,10 @@ impl Issued {
         write_file(&dir.join("ca.pem"), ca_pem, false)?;
         write_file(&dir.join(format!("{stem}.pem")), &self.cert_pem, false)?;
         write_file(&dir.join(format!("{stem}.key")), &self.key_pem, true)?;
+        let ckpt_key = dir.join(CHECKPOINT_KEY_FILE);
+        if matches!(self.node, Node::Server { .. }) && !ckpt_key.exists() {
+            CheckpointKey::generate()?.save(&ckpt_key, false)?;
+        }
         Ok(dir)
     }
 
@@ -506,11 +656,15 @@ impl Plan {
     }
 }
 
-/// Creates the cluster CA in `ca_dir` and one bundle per node of `plan` under `out`. Refuses an existing CA.
+/// Creates the cluster CA in `ca_dir` and one bundle per node of `plan` under `out`. Refuses an existing CA, and an
+/// `out` that already holds a bundle of one of the nodes (nothing is written then).
 pub fn generate(out: &Path, ca_dir: &Path, plan: &Plan) -> Result<Vec<Issued>, PkiError> {
     let nodes = plan.nodes()?;
     if ca_dir.join("ca.key").exists() {
         return Err(PkiError::AuthorityExists(ca_dir.to_path_buf()));
+    }
+    if let Some((path, serial)) = nodes.iter().find_map(|n| existing_bundle(out, n)) {
+        return Err(PkiError::BundleExists { path, serial });
     }
     let validity = Validity::days(plan.days);
     let ca = Authority::new(&validity)?;
@@ -526,8 +680,35 @@ pub fn generate(out: &Path, ca_dir: &Path, plan: &Plan) -> Result<Vec<Issued>, P
     Ok(issued)
 }
 
-/// Issues one more node from the CA in `ca_dir` (elastic scaling) and writes its bundle under `out`.
+/// Issues one more node from the CA in `ca_dir` (elastic scaling) and writes its bundle under `out`. Refuses
+/// ([`PkiError::BundleExists`], naming the old serial) when `out` already holds that node's bundle.
 pub fn issue(
+    ca_dir: &Path,
+    out: &Path,
+    node: &Node,
+    validity: &Validity,
+) -> Result<Issued, PkiError> {
+    if let Some((path, serial)) = existing_bundle(out, node) {
+        return Err(PkiError::BundleExists { path, serial });
+    }
+    issue_into(ca_dir, out, node, validity)
+}
+
+/// Issues `node` a new certificate and key from the CA in `ca_dir`, replacing its bundle under `out` if there is
+/// one (a shard's checkpoint key is kept). Returns the new certificate and the serial of the one it replaced (`None`
+/// when there was no bundle, or its certificate could not be read): that serial belongs in `cluster.revoked`, since
+/// the old certificate stays valid until it expires.
+pub fn reissue(
+    ca_dir: &Path,
+    out: &Path,
+    node: &Node,
+    validity: &Validity,
+) -> Result<(Issued, Option<String>), PkiError> {
+    let replaced = existing_bundle(out, node).and_then(|(_, serial)| serial);
+    Ok((issue_into(ca_dir, out, node, validity)?, replaced))
+}
+
+fn issue_into(
     ca_dir: &Path,
     out: &Path,
     node: &Node,
@@ -626,5 +807,95 @@ mod tests {
         }
         .nodes()
         .is_err());
+    }
+
+    #[test]
+    fn checkpoint_keys_round_trip_and_malformed_ones_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(CHECKPOINT_KEY_FILE);
+        let key = CheckpointKey::generate().unwrap();
+        key.save(&path, false).unwrap();
+        assert_eq!(CheckpointKey::load(&path).unwrap(), key);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(matches!(
+            CheckpointKey::generate().unwrap().save(&path, false),
+            Err(PkiError::CheckpointKey { .. })
+        ));
+        assert_eq!(CheckpointKey::load(&path).unwrap(), key, "not replaced");
+        assert_eq!(
+            format!("{key:?}"),
+            "CheckpointKey(..)",
+            "the secret is never printed"
+        );
+        for bad in ["", "abcd", &"zz".repeat(32), &"ab".repeat(33)] {
+            std::fs::write(&path, bad).unwrap();
+            assert!(CheckpointKey::load(&path).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn issue_refuses_an_existing_bundle_and_reissue_names_the_serial_it_replaces() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("certs");
+        let issued = generate(
+            &out,
+            &dir.path().join("ca"),
+            &Plan {
+                hosts: vec![],
+                servers: 1,
+                workers: 1,
+                shared_client: false,
+                days: 1,
+            },
+        )
+        .unwrap();
+        let ca = dir.path().join("ca");
+        let worker = Node::Worker { rank: 0 };
+        let old = &issued.iter().find(|i| i.node == worker).unwrap().serial;
+        let cert = out.join("worker-0/worker.pem");
+        let before = std::fs::read(&cert).unwrap();
+        match issue(&ca, &out, &worker, &Validity::days(1)) {
+            Err(PkiError::BundleExists { serial, .. }) => assert_eq!(serial.as_ref(), Some(old)),
+            other => panic!("expected BundleExists, got {other:?}"),
+        }
+        assert_eq!(std::fs::read(&cert).unwrap(), before, "bundle untouched");
+
+        let (new, replaced) = reissue(&ca, &out, &worker, &Validity::days(1)).unwrap();
+        assert_eq!(replaced.as_ref(), Some(old));
+        assert_ne!(&new.serial, old);
+        assert_eq!(serial_of(&cert).as_ref(), Some(&new.serial));
+
+        // A shard's re-issued bundle keeps its checkpoint key: its checkpoints stay loadable.
+        let server = Node::Server {
+            shard: 0,
+            hosts: vec![],
+        };
+        let key_path = out.join("server-0").join(CHECKPOINT_KEY_FILE);
+        let key = CheckpointKey::load(&key_path).unwrap();
+        assert!(issue(&ca, &out, &server, &Validity::days(1)).is_err());
+        reissue(&ca, &out, &server, &Validity::days(1)).unwrap();
+        assert_eq!(CheckpointKey::load(&key_path).unwrap(), key);
+        // Worker bundles hold no checkpoint key.
+        assert!(!out.join("worker-0").join(CHECKPOINT_KEY_FILE).exists());
+
+        // generate into a folder that holds bundles refuses before writing a CA.
+        let other_ca = dir.path().join("ca2");
+        assert!(matches!(
+            generate(
+                &out,
+                &other_ca,
+                &Plan {
+                    hosts: vec![],
+                    servers: 1,
+                    workers: 1,
+                    shared_client: false,
+                    days: 1,
+                },
+            ),
+            Err(PkiError::BundleExists { .. })
+        ));
+        assert!(!other_ca.join("ca.key").exists());
     }
 }

@@ -202,18 +202,24 @@ async fn keygen_separates_the_authority_from_per_node_bundles() {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         inside.sort();
-        assert_eq!(
-            inside,
-            vec![
-                "ca.pem".to_string(),
-                format!("{stem}.key"),
-                format!("{stem}.pem")
-            ],
-            "{bundle_name}"
-        );
-        let key =
-            std::fs::metadata(dir.path().join(bundle_name).join(format!("{stem}.key"))).unwrap();
-        assert_eq!(key.permissions().mode() & 0o777, 0o600, "{bundle_name}");
+        // A shard's bundle also holds the key its checkpoints are authenticated with.
+        let mut expected = vec![
+            "ca.pem".to_string(),
+            format!("{stem}.key"),
+            format!("{stem}.pem"),
+        ];
+        if stem == "server" {
+            expected.insert(1, pki::CHECKPOINT_KEY_FILE.to_string());
+        }
+        assert_eq!(inside, expected, "{bundle_name}");
+        for private in expected.iter().filter(|f| f.ends_with(".key")) {
+            let key = std::fs::metadata(dir.path().join(bundle_name).join(private)).unwrap();
+            assert_eq!(
+                key.permissions().mode() & 0o777,
+                0o600,
+                "{bundle_name}/{private}"
+            );
+        }
     }
     let ca_key = std::fs::metadata(dir.path().join("ca/ca.key")).unwrap();
     assert_eq!(ca_key.permissions().mode() & 0o777, 0o600);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Writes one Kubernetes Secret per node (tether-server-K, tether-worker-R: the CA certificate plus that node's own
-# certificate and key) as YAML on stdout, from a fresh `tether-server keygen`. The CA (ca.pem, ca.key, issued.txt)
+# certificate and key; a shard's also its checkpoint key) as YAML on stdout, from a fresh `tether-server keygen`. The CA (ca.pem, ca.key, issued.txt)
 # goes to CA_DIR, which stays where you ran this: it is in no Secret.
 #
 # Usage: deploy/k8s/make-secrets.sh SHARDS WORKERS [CA_DIR] > deploy/k8s/secrets.yaml     (TETHER_BIN=DIR optional)

@@ -26,7 +26,8 @@ for node, stem in [(f"server-{k}", "server") for k in range(2)] + [(f"worker-{r}
     s = secrets.get(f"tether-{node}")
     assert s, f"no Secret for {node}"
     keys = sorted(s["data"])
-    assert keys == sorted(["ca.pem", f"{stem}.pem", f"{stem}.key"]), (node, keys)
+    own = ["ca.pem", f"{stem}.pem", f"{stem}.key"] + (["checkpoint.key"] if stem == "server" else [])
+    assert keys == sorted(own), (node, keys)
     cert = base64.b64decode(s["data"][f"{stem}.pem"]).decode()
     assert "BEGIN CERTIFICATE" in cert
 for s in secrets.values():

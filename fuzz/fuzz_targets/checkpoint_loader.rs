@@ -1,18 +1,36 @@
 //! Feeds damaged checkpoints to the shard's loader (`CheckpointStore::load_latest`, which reads the manifest, checks
-//! it and every data file's CRC and size, and decompresses). A valid checkpoint of a small shard is written once as
-//! the template; each input then either replaces the manifest, overwrites bytes of the manifest or of a data file,
-//! replaces or truncates a data file, or removes one. Any panic is a finding; a damaged checkpoint must come back as
-//! a typed error (or, where the damage is harmless, as the snapshot it still is).
+//! its MAC, every data file's SHA-256 and size, decompresses, and checks the values). A valid checkpoint of a small
+//! shard is written once as the template; each input then either replaces the manifest, overwrites bytes of the
+//! manifest or of a data file, replaces or truncates a data file, removes one, or replaces the manifest body with
+//! the input's JSON *signed with the store's key* (so the checks behind the MAC are fuzzed too: what a key holder's
+//! bug could write). Any panic is a finding; a damaged checkpoint must come back as a typed error (or, where the
+//! damage is harmless, as the snapshot it still is), and whatever loads has passed the value checks.
 #![no_main]
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use tether_server::checkpoint::{CheckpointStore, ShardSnapshot, MANIFEST_FILE, WEIGHTS_FILE};
+use ring::hmac;
+use tether_common::pki::CheckpointKey;
+use tether_server::checkpoint::{
+    CheckpointStore, ShardSnapshot, MAC_CONTEXT, MANIFEST_FILE, WEIGHTS_FILE,
+};
+use tether_server::shard::MAX_CLOCK;
 
 const N: usize = 300;
 const LAYOUT_HASH: u64 = 0x7e7e;
+const KEY: [u8; 32] = [0x5a; 32];
+
+/// A manifest whose body is `body` (JSON text), with a valid MAC under [`KEY`]; `None` if `body` is not JSON.
+fn signed_manifest(body: &[u8]) -> Option<Vec<u8>> {
+    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let mut msg = MAC_CONTEXT.to_vec();
+    msg.extend(serde_json::to_vec(&body).ok()?);
+    let tag = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, &KEY), &msg);
+    let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    serde_json::to_vec(&serde_json::json!({ "body": body, "hmac_sha256": hex })).ok()
+}
 
 struct Template {
     root: PathBuf,
@@ -36,7 +54,7 @@ fn template() -> &'static Template {
             });
         let root = base.join(format!("tether-fuzz-ckpt-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
-        let store = CheckpointStore::new(root.clone(), 1);
+        let store = CheckpointStore::new(root.clone(), 1, CheckpointKey::from_bytes(KEY));
         let wave = |k: f32| (0..N).map(|i| (i as f32 * k).sin()).collect::<Vec<f32>>();
         let snap = ShardSnapshot {
             layout_hash: LAYOUT_HASH,
@@ -83,7 +101,7 @@ fuzz_target!(|data: &[u8]| {
         .position(|(n, _)| n == MANIFEST_FILE)
         .expect("template has a manifest");
     let k = usize::from(which) % files.len();
-    match op % 5 {
+    match op % 6 {
         // The manifest replaced by the input.
         0 => files[manifest].1 = edit.to_vec(),
         // Bytes of one file overwritten at positions the input names: [pos u16][byte] pairs.
@@ -114,9 +132,14 @@ fuzz_target!(|data: &[u8]| {
             body.truncate(cut % (body.len() + 1));
         }
         // One file removed.
-        _ => {
+        4 => {
             files.remove(k);
         }
+        // The manifest body replaced by the input's JSON, signed with the key.
+        _ => match signed_manifest(edit) {
+            Some(m) => files[manifest].1 = m,
+            None => return,
+        },
     }
     for (name, _) in &t.files {
         let path = t.version_dir.join(name);
@@ -127,11 +150,14 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
-    let store = CheckpointStore::new(t.root.clone(), 1);
+    let store = CheckpointStore::new(t.root.clone(), 1, CheckpointKey::from_bytes(KEY));
     match store.load_latest(LAYOUT_HASH, 0, (0, N as u64)) {
         Ok(Some((snap, _))) => {
             assert_eq!(snap.weights.len(), N);
             assert!(snap.slots.iter().all(|s| s.len() == N));
+            assert!(snap.weights.iter().chain(snap.slots.iter().flatten()).all(|v| v.is_finite()));
+            assert!(snap.clocks.iter().chain(&snap.evicted).all(|&(_, c)| c <= MAX_CLOCK));
+            assert!(snap.opt_steps <= snap.version);
             assert!(files.iter().any(|(n, _)| n == WEIGHTS_FILE));
         }
         Ok(None) => {}

@@ -80,7 +80,11 @@ fn bench_optim(c: &mut Criterion) {
 /// One timed checkpoint write of 16M weights plus two Adam slots (printed, not a criterion sample: it hits disk).
 fn bench_checkpoint(_c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let store = CheckpointStore::new(dir.path().to_path_buf(), 3);
+    let store = CheckpointStore::new(
+        dir.path().to_path_buf(),
+        3,
+        tether_common::pki::CheckpointKey::from_bytes([1; 32]),
+    );
     let mut opt = Optimizer::new(&OptimizerConfig::default(), N);
     let mut w = weights(N);
     let g = grad(N);

@@ -3,12 +3,21 @@
 //! # Layout
 //! `<root>/v<version:020>/` holds `weights.f32.zst`, `slot<i>.f32.zst` for each optimizer slot, and `manifest.json`.
 //! Data files are the raw little-endian f32 values, one zstd frame (level 1, with zstd's content checksum). The
-//! manifest is `{"body": {...}, "crc32": N}` where `N` is the CRC-32 (crc32fast, IEEE) of the compact JSON of `body`
-//! as a `serde_json::Value`; the body carries the format name and version, the layout hash, shard index and range,
-//! the version (applied updates), the optimizer step count, the worker clocks (of live workers, and of evicted ones:
-//! `evicted`, absent in older manifests), and per file its name, element count, stored byte length and CRC-32 of the
-//! stored (compressed) bytes. Integrity is therefore checked twice: CRC-32 over the stored bytes, and zstd's frame
-//! checksum (low 32 bits of XXH64) over the decompressed values.
+//! manifest is `{"body": {...}, "hmac_sha256": "<hex>"}`, the MAC being HMAC-SHA256 under the shard's
+//! [`CheckpointKey`] of [`MAC_CONTEXT`] followed by the compact JSON of `body` as a `serde_json::Value`; the body
+//! carries the format name and version, the layout hash, shard index and range, the version (applied updates), the
+//! optimizer step count, the worker clocks (of live workers and of evicted ones), and per file its name, element
+//! count, stored byte length and SHA-256 of the stored (compressed) bytes. So every byte a load uses is
+//! authenticated: the manifest by its MAC, each data file by its digest inside the manifest (plus zstd's frame
+//! checksum over the decompressed values).
+//!
+//! # Trust
+//! A checkpoint is untrusted until it authenticates: one whose MAC fails (forged, damaged, or written with another
+//! key), whose format is older than [`FORMAT_VERSION`] (format 1 carried CRC-32s only, which anyone can recompute),
+//! or whose values fail [`check_values`] (non-finite weights or optimizer state, clocks past [`MAX_CLOCK`], a step
+//! count past the version) is skipped like a corrupt one, and the next older one is tried. The writer refuses a
+//! snapshot that the loader would refuse, so a bad state never prunes a good checkpoint. The MAC does not stop
+//! whoever can delete files from rolling a shard back to an older authentic checkpoint of its own.
 //!
 //! # Invariants
 //! - A version directory appears only complete: files and directory are written under `.tmp-v<version>-<nonce>`,
@@ -27,12 +36,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use ring::{digest, hmac};
 use serde::{Deserialize, Serialize};
+use tether_common::pki::CheckpointKey;
+
+use crate::shard::MAX_CLOCK;
 
 /// Format name written into every manifest.
 pub const FORMAT_NAME: &str = "tether-shard-checkpoint";
-/// Current format version.
-pub const FORMAT_VERSION: u32 = 1;
+/// Current format version (2: HMAC-authenticated manifest, SHA-256 per data file).
+pub const FORMAT_VERSION: u32 = 2;
+/// What the manifest MAC covers before the body's JSON: binds the MAC to this use of the key.
+pub const MAC_CONTEXT: &[u8] = b"tether-shard-checkpoint manifest v2\0";
+/// Largest version (applied updates) a checkpoint may carry: far beyond any run, it keeps later `+ 1`s inside u64.
+pub const MAX_VERSION: u64 = 1 << 62;
 /// Manifest file name inside a version directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// Weights file name inside a version directory.
@@ -72,7 +89,7 @@ pub enum CheckpointError {
         /// What is wrong.
         reason: String,
     },
-    /// A file's stored bytes do not match the checksum in the manifest (or the manifest's own checksum fails).
+    /// A file's stored bytes do not match the SHA-256 the (authenticated) manifest gives for it.
     #[error("checksum mismatch in {file}")]
     ChecksumMismatch {
         /// File name within the checkpoint.
@@ -93,6 +110,27 @@ pub enum CheckpointError {
     MissingFile {
         /// File name within the checkpoint.
         file: String,
+    },
+    /// The manifest's MAC does not verify under this shard's key: forged, damaged, or written with another key.
+    #[error(
+        "manifest MAC does not verify: forged, damaged, or written with another checkpoint key"
+    )]
+    Forged,
+    /// The manifest carries no MAC (format 1, written before checkpoints were authenticated): not trusted.
+    #[error(
+        "format v{format_version} checkpoint is not authenticated (no MAC); it is not trusted: resume it with the \
+         release that wrote it, or move it aside to start fresh"
+    )]
+    Unauthenticated {
+        /// The format version the manifest claims.
+        format_version: u32,
+    },
+    /// A value is out of bounds: non-finite weights or optimizer state, a clock past [`MAX_CLOCK`], a step count
+    /// past the version, a worker listed twice.
+    #[error("value check: {reason}")]
+    BadValue {
+        /// What is wrong.
+        reason: String,
     },
     /// The checkpoint belongs to a different parameter layout.
     #[error("layout hash {found:#018x}, expected {expected:#018x}")]
@@ -175,12 +213,17 @@ pub struct ShardSnapshot {
     pub slots: Vec<Vec<f32>>,
 }
 
-/// The manifest envelope: the body plus the CRC-32 of its canonical JSON.
+/// The manifest envelope: the body plus the MAC of its canonical JSON (format 1 had a CRC-32 instead).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Envelope {
     body: serde_json::Value,
-    crc32: u32,
+    /// HMAC-SHA256 of [`MAC_CONTEXT`] and the body's canonical JSON, lowercase hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hmac_sha256: Option<String>,
+    /// Format 1's unauthenticated CRC-32: only recognised, to refuse it with a clear reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32: Option<u32>,
 }
 
 /// What the manifest says about a checkpoint.
@@ -195,11 +238,10 @@ struct ManifestBody {
     version: u64,
     opt_steps: u64,
     clocks: Vec<(u32, u64)>,
-    /// Clocks of evicted workers (absent in checkpoints written before it existed: none).
-    #[serde(default)]
+    /// Clocks of evicted workers.
     evicted: Vec<(u32, u64)>,
-    /// Checksum algorithm of `files[].checksum`.
-    checksum: String,
+    /// Digest algorithm of `files[].digest`.
+    digest: String,
     files: Vec<FileEntry>,
 }
 
@@ -210,11 +252,42 @@ struct FileEntry {
     name: String,
     elements: u64,
     bytes: u64,
-    checksum: u32,
+    /// SHA-256 of the stored bytes, lowercase hex.
+    digest: String,
 }
 
-/// Name of the checksum algorithm recorded in manifests.
-const CHECKSUM_ALGO: &str = "crc32";
+/// Name of the digest algorithm recorded in manifests.
+const DIGEST_ALGO: &str = "sha256";
+
+/// Lowercase hex of `bytes`.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of exactly `N` bytes' worth of hex digits, or `None`.
+fn unhex<const N: usize>(text: &str) -> Option<[u8; N]> {
+    if text.len() != 2 * N || !text.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (b, pair) in out.iter_mut().zip(text.as_bytes().chunks_exact(2)) {
+        *b = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// The HMAC-SHA256 key of `key`.
+fn mac_key(key: &CheckpointKey) -> hmac::Key {
+    hmac::Key::new(hmac::HMAC_SHA256, key.as_bytes())
+}
+
+/// The MAC of a manifest body's canonical JSON.
+fn manifest_mac(key: &hmac::Key, canonical_body: &[u8]) -> hmac::Tag {
+    let mut ctx = hmac::Context::with_key(key);
+    ctx.update(MAC_CONTEXT);
+    ctx.update(canonical_body);
+    ctx.sign()
+}
 
 /// The data file names of a checkpoint with `slots` optimizer slots, in manifest order.
 fn data_file_names(slots: usize) -> Vec<String> {
@@ -223,13 +296,16 @@ fn data_file_names(slots: usize) -> Vec<String> {
         .collect()
 }
 
-/// Directory name of a checkpoint version.
+/// Whether `name` is a file a checkpoint directory can hold (the manifest or a data file).
+pub fn is_checkpoint_file(name: &str) -> bool {
+    name == MANIFEST_FILE || data_file_names(MAX_SLOTS).iter().any(|n| n == name)
+}
+
 /// The directory name of checkpoint `version` (`v` and 20 digits).
 pub fn version_dir_name(version: u64) -> String {
     format!("v{version:020}")
 }
 
-/// The version encoded in a directory name, if it is one.
 /// The version a checkpoint directory name denotes, if it is one.
 pub fn parse_version_dir(name: &str) -> Option<u64> {
     let digits = name.strip_prefix('v')?;
@@ -253,14 +329,14 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
         .map_err(io_err(dir))
 }
 
-/// A writer that counts and checksums what passes through it.
-struct CrcWriter<W> {
+/// A writer that counts and digests what passes through it.
+struct DigestWriter<W> {
     inner: W,
-    hasher: crc32fast::Hasher,
+    hasher: digest::Context,
     bytes: u64,
 }
 
-impl<W: Write> Write for CrcWriter<W> {
+impl<W: Write> Write for DigestWriter<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.inner.write(buf)?;
         self.hasher.update(&buf[..n]);
@@ -273,13 +349,13 @@ impl<W: Write> Write for CrcWriter<W> {
     }
 }
 
-/// Writes `values` as one zstd frame of little-endian f32 to `path`, fsynced; returns (stored bytes, CRC-32).
-fn write_data_file(path: &Path, values: &[f32]) -> Result<(u64, u32), CheckpointError> {
-    let run = || -> io::Result<(u64, u32)> {
+/// Writes `values` as one zstd frame of little-endian f32 to `path`, fsynced; returns (stored bytes, SHA-256 hex).
+fn write_data_file(path: &Path, values: &[f32]) -> Result<(u64, String), CheckpointError> {
+    let run = || -> io::Result<(u64, String)> {
         let file = File::create(path)?;
-        let sink = CrcWriter {
+        let sink = DigestWriter {
             inner: BufWriter::with_capacity(1 << 20, file),
-            hasher: crc32fast::Hasher::new(),
+            hasher: digest::Context::new(&digest::SHA256),
             bytes: 0,
         };
         let mut enc = zstd::stream::Encoder::new(sink, ZSTD_LEVEL)?;
@@ -293,10 +369,10 @@ fn write_data_file(path: &Path, values: &[f32]) -> Result<(u64, u32), Checkpoint
         }
         let mut sink = enc.finish()?;
         sink.flush()?;
-        let (bytes, crc) = (sink.bytes, sink.hasher.finalize());
+        let (bytes, sum) = (sink.bytes, hex(sink.hasher.finish().as_ref()));
         let file = sink.inner.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
-        Ok((bytes, crc))
+        Ok((bytes, sum))
     };
     run().map_err(io_err(path))
 }
@@ -317,15 +393,18 @@ fn read_bounded(path: &Path, limit: u64, buf: &mut Vec<u8>) -> io::Result<()> {
 pub struct CheckpointStore {
     dir: PathBuf,
     keep: usize,
+    key: CheckpointKey,
     write_lock: Mutex<()>,
 }
 
 impl CheckpointStore {
-    /// A store rooted at `dir` (this shard's checkpoint root) keeping the newest `keep` checkpoints (at least 1).
-    pub fn new(dir: PathBuf, keep: usize) -> Self {
+    /// A store rooted at `dir` (this shard's checkpoint root) keeping the newest `keep` checkpoints (at least 1),
+    /// authenticating what it writes and loads with `key`.
+    pub fn new(dir: PathBuf, keep: usize, key: CheckpointKey) -> Self {
         Self {
             dir,
             keep: keep.max(1),
+            key,
             write_lock: Mutex::new(()),
         }
     }
@@ -335,12 +414,26 @@ impl CheckpointStore {
         &self.dir
     }
 
+    /// Verifies checkpoint directory `dir` of `version` with this store's key: see [`verify_dir`].
+    pub fn verify(
+        &self,
+        dir: &Path,
+        version: u64,
+        layout_hash: u64,
+        shard: u32,
+        range: (u64, u64),
+    ) -> Result<ShardSnapshot, CheckpointError> {
+        verify_dir(dir, version, &self.key, layout_hash, shard, range)
+    }
+
     /// Writes `snap` to `<dir>/.tmp-v<version>-<nonce>/`, fsyncs files and the dir, renames it to
     /// `<dir>/v<version:020>` (replacing an existing checkpoint of that version), fsyncs the parent, then prunes to
-    /// the newest `keep`. Stale `.tmp-*` directories are removed first. Returns the final path.
+    /// the newest `keep`. Stale `.tmp-*` directories are removed first. Returns the final path. A snapshot that
+    /// [`check_values`] refuses is not written (a checkpoint no load would accept must not prune good ones).
     pub fn write(&self, snap: &ShardSnapshot) -> Result<PathBuf, CheckpointError> {
         let started = Instant::now();
         let n = snapshot_len(snap)?;
+        check_values(snap)?;
         // A poisoned lock only means another write panicked; the directory protocol stays valid.
         let _guard = self.write_lock.lock().unwrap_or_else(|p| p.into_inner());
         fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
@@ -360,12 +453,12 @@ impl CheckpointStore {
             .into_iter()
             .zip(std::iter::once(&snap.weights).chain(&snap.slots))
         {
-            let (bytes, checksum) = write_data_file(&tmp.join(&name), values)?;
+            let (bytes, digest) = write_data_file(&tmp.join(&name), values)?;
             files.push(FileEntry {
                 name,
                 elements: n,
                 bytes,
-                checksum,
+                digest,
             });
         }
         let body = ManifestBody {
@@ -378,14 +471,15 @@ impl CheckpointStore {
             opt_steps: snap.opt_steps,
             clocks: snap.clocks.clone(),
             evicted: snap.evicted.clone(),
-            checksum: CHECKSUM_ALGO.to_owned(),
+            digest: DIGEST_ALGO.to_owned(),
             files,
         };
         let manifest_path = tmp.join(MANIFEST_FILE);
-        let manifest = encode_manifest(&body).map_err(|e| CheckpointError::Manifest {
-            path: manifest_path.clone(),
-            reason: e.to_string(),
-        })?;
+        let manifest =
+            encode_manifest(&body, &mac_key(&self.key)).map_err(|e| CheckpointError::Manifest {
+                path: manifest_path.clone(),
+                reason: e.to_string(),
+            })?;
         let write_manifest = || -> io::Result<()> {
             let mut f = File::create(&manifest_path)?;
             f.write_all(&manifest)?;
@@ -419,7 +513,7 @@ impl CheckpointStore {
         Ok(target)
     }
 
-    /// The newest checkpoint whose manifest and checksums verify and whose layout hash, shard and range match;
+    /// The newest checkpoint that authenticates, passes [`check_values`] and whose layout hash, shard and range match;
     /// older ones are tried when a newer one fails. Returns the snapshot and the (path, reason) of each skipped
     /// newer checkpoint. `Ok(None)` when there is no checkpoint at all; [`CheckpointError::NoneUsable`] when there
     /// are some but none can be used (resuming must not silently start from scratch).
@@ -436,7 +530,7 @@ impl CheckpointStore {
         }
         let mut skipped = Vec::new();
         for (version, path) in versions {
-            match verify_dir(&path, version, layout_hash, shard, range) {
+            match self.verify(&path, version, layout_hash, shard, range) {
                 Ok(snap) => return Ok(Some((snap, skipped))),
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "skipping checkpoint");
@@ -520,25 +614,85 @@ fn snapshot_len(snap: &ShardSnapshot) -> Result<u64, CheckpointError> {
     Ok(n)
 }
 
-/// The manifest bytes: the envelope with the CRC-32 of the body's canonical JSON.
-fn encode_manifest(body: &ManifestBody) -> serde_json::Result<Vec<u8>> {
+/// The manifest bytes: the envelope with the MAC of the body's canonical JSON.
+fn encode_manifest(body: &ManifestBody, key: &hmac::Key) -> serde_json::Result<Vec<u8>> {
     let body = serde_json::to_value(body)?;
-    let crc32 = crc32fast::hash(&serde_json::to_vec(&body)?);
-    serde_json::to_vec_pretty(&Envelope { body, crc32 })
+    let mac = manifest_mac(key, &serde_json::to_vec(&body)?);
+    serde_json::to_vec_pretty(&Envelope {
+        body,
+        hmac_sha256: Some(hex(mac.as_ref())),
+        crc32: None,
+    })
 }
 
-/// Reads and verifies one checkpoint directory against what this shard expects.
+/// Checks the values a shard would resume from: version at most [`MAX_VERSION`], optimizer steps at most the
+/// version (each applied update is one step; a rollback only lowers it), every clock (live and evicted) at most
+/// [`MAX_CLOCK`], no worker listed twice, and every weight and optimizer slot value finite.
+pub fn check_values(snap: &ShardSnapshot) -> Result<(), CheckpointError> {
+    check_counters(snap.version, snap.opt_steps, &snap.clocks, &snap.evicted)?;
+    check_finite("weights", &snap.weights)?;
+    for (i, slot) in snap.slots.iter().enumerate() {
+        check_finite(&format!("optimizer slot {i}"), slot)?;
+    }
+    Ok(())
+}
+
+fn bad_value(reason: String) -> CheckpointError {
+    CheckpointError::BadValue { reason }
+}
+
+/// The counter part of [`check_values`]: cheap, so a load runs it before reading any data file.
+fn check_counters(
+    version: u64,
+    opt_steps: u64,
+    clocks: &[(u32, u64)],
+    evicted: &[(u32, u64)],
+) -> Result<(), CheckpointError> {
+    if version > MAX_VERSION {
+        return Err(bad_value(format!(
+            "version {version} is past the maximum {MAX_VERSION}"
+        )));
+    }
+    if opt_steps > version {
+        return Err(bad_value(format!(
+            "{opt_steps} optimizer steps for {version} applied updates"
+        )));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(clocks.len() + evicted.len());
+    for &(rank, clock) in clocks.iter().chain(evicted) {
+        if clock > MAX_CLOCK {
+            return Err(bad_value(format!(
+                "worker {rank}'s clock {clock} is past the maximum {MAX_CLOCK}"
+            )));
+        }
+        if !seen.insert(rank) {
+            return Err(bad_value(format!("worker {rank} is listed twice")));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses the first non-finite value of `values`, naming where it is.
+fn check_finite(what: &str, values: &[f32]) -> Result<(), CheckpointError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(bad_value(format!("{what}[{i}] is {}", values[i]))),
+        None => Ok(()),
+    }
+}
+
 /// Largest stored file a checkpoint of a range of `elements` values can hold (a data file's zstd bound, or the
 /// manifest limit): the bound on any object fetched for it.
 pub fn max_stored_bytes(elements: u64) -> u64 {
     stored_bound(elements).max(MAX_MANIFEST_BYTES)
 }
 
-/// Verifies checkpoint directory `path` of `version` exactly as [`CheckpointStore::load_latest`] does (manifest and
-/// file checksums, zstd checksums, layout hash, shard and range) and returns its snapshot.
+/// Verifies checkpoint directory `dir` of `dir_version` exactly as [`CheckpointStore::load_latest`] does (the
+/// manifest's MAC under `key`, each data file's SHA-256 and zstd checksum, [`check_values`], layout hash, shard and
+/// range) and returns its snapshot.
 pub fn verify_dir(
     dir: &Path,
     dir_version: u64,
+    key: &CheckpointKey,
     layout_hash: u64,
     shard: u32,
     range: (u64, u64),
@@ -565,12 +719,21 @@ pub fn verify_dir(
     }
     let envelope: Envelope =
         serde_json::from_slice(&buf).map_err(|e| bad_manifest(e.to_string()))?;
+    let Some(mac) = envelope.hmac_sha256 else {
+        // Nothing in an unauthenticated manifest is believed, but the format it claims makes the refusal clear.
+        let format_version = envelope.body["format_version"]
+            .as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .unwrap_or(0);
+        return Err(CheckpointError::Unauthenticated { format_version });
+    };
     let canonical = serde_json::to_vec(&envelope.body).map_err(|e| bad_manifest(e.to_string()))?;
-    if crc32fast::hash(&canonical) != envelope.crc32 {
-        return Err(CheckpointError::ChecksumMismatch {
-            file: MANIFEST_FILE.to_owned(),
-        });
-    }
+    let tag = unhex::<32>(&mac).ok_or(CheckpointError::Forged)?;
+    let mut msg = Vec::with_capacity(MAC_CONTEXT.len() + canonical.len());
+    msg.extend_from_slice(MAC_CONTEXT);
+    msg.extend_from_slice(&canonical);
+    hmac::verify(&mac_key(key), &msg, &tag).map_err(|_| CheckpointError::Forged)?;
+    // Authentic from here on: what follows catches our own bugs and values a sick shard wrote, not forgeries.
     let body: ManifestBody =
         serde_json::from_value(envelope.body).map_err(|e| bad_manifest(e.to_string()))?;
     if body.format != FORMAT_NAME || body.format_version != FORMAT_VERSION {
@@ -579,8 +742,8 @@ pub fn verify_dir(
             body.format, body.format_version
         )));
     }
-    if body.checksum != CHECKSUM_ALGO {
-        return Err(format_err(format!("checksum algorithm {}", body.checksum)));
+    if body.digest != DIGEST_ALGO {
+        return Err(format_err(format!("digest algorithm {}", body.digest)));
     }
     if body.version != dir_version {
         return Err(bad_manifest(format!(
@@ -606,6 +769,7 @@ pub fn verify_dir(
             found: body.range,
         });
     }
+    check_counters(body.version, body.opt_steps, &body.clocks, &body.evicted)?;
     // From here on sizes derive from the caller's range, never from the manifest.
     let n = range
         .1
@@ -646,7 +810,7 @@ pub fn verify_dir(
     let weights = columns
         .next()
         .ok_or_else(|| format_err("no weights file"))?;
-    Ok(ShardSnapshot {
+    let snap = ShardSnapshot {
         layout_hash: body.layout_hash,
         shard: body.shard,
         range: body.range,
@@ -656,7 +820,9 @@ pub fn verify_dir(
         evicted: body.evicted,
         weights,
         slots: columns.collect(),
-    })
+    };
+    check_values(&snap)?;
+    Ok(snap)
 }
 
 /// Reads, verifies and decodes one data file of `n` values (`raw_bytes` = 4n), reusing the two scratch buffers.
@@ -704,7 +870,13 @@ fn read_data_file(
             entry.bytes
         )));
     }
-    if crc32fast::hash(stored) != entry.checksum {
+    let want = unhex::<32>(&entry.digest).ok_or_else(|| {
+        format_err(format!(
+            "{file}: digest {:?} is not SHA-256 hex",
+            entry.digest
+        ))
+    })?;
+    if digest::digest(&digest::SHA256, stored).as_ref() != want {
         return Err(CheckpointError::ChecksumMismatch { file });
     }
     raw.clear();

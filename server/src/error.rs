@@ -27,6 +27,9 @@ pub enum Error {
     /// Writing or loading a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The shard's checkpoint key is missing or unreadable.
+    #[error(transparent)]
+    CheckpointKey(tether_common::pki::PkiError),
     /// The object store of remote checkpoints failed.
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
@@ -66,6 +69,7 @@ impl Error {
             Error::ActorGone => Some(ErrorCode::Shutdown),
             Error::Optim(_)
             | Error::Checkpoint(_)
+            | Error::CheckpointKey(_)
             | Error::Remote(_)
             | Error::Config(_)
             | Error::Address(_) => None,

@@ -54,8 +54,8 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Write a cluster CA to its own folder and one bundle per node (`server-K/`, `worker-R/`: the CA certificate
-    /// plus that node's own certificate and key) to DIR. Deploy each node with only its bundle; keep the CA folder
-    /// off the cluster.
+    /// plus that node's own certificate and key; a shard's also its checkpoint key) to DIR. Deploy each node with
+    /// only its bundle; keep the CA folder off the cluster. Refuses a DIR that already holds one of the bundles.
     #[command(args_conflicts_with_subcommands = true)]
     Keygen {
         #[command(subcommand)]
@@ -92,6 +92,8 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum KeygenCommand {
     /// Issue one more node's bundle from an existing CA (elastic scaling): `--worker R`, or `--server K --host H`.
+    /// Refuses to replace an existing bundle unless `--force`; then prints the replaced certificate's serial, which
+    /// stays valid until it is listed in cluster.revoked.
     Issue {
         /// The CA folder (ca.pem, ca.key).
         #[arg(long)]
@@ -114,6 +116,20 @@ enum KeygenCommand {
         /// Give the written files to UID:GID.
         #[arg(long)]
         owner: Option<String>,
+        /// Replace an existing bundle (a shard's checkpoint key is kept).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Write a new checkpoint key (`checkpoint.key`, 0600) into a shard's bundle folder that has none (bundles
+    /// written before checkpoints were authenticated). Refuses to replace a key unless `--force`: checkpoints written
+    /// with the old key can no longer be loaded.
+    CheckpointKey {
+        /// The shard's bundle folder (e.g. certs/server-0).
+        #[arg(long)]
+        bundle: PathBuf,
+        /// Replace an existing key.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -144,6 +160,11 @@ fn keygen(command: &Command) -> Result<()> {
         dev_shared_client,
         owner,
     } = command;
+    if let Some(KeygenCommand::CheckpointKey { bundle, force }) = command {
+        let path = pki::write_checkpoint_key(bundle, *force)?;
+        println!("wrote a new checkpoint key to {}", path.display());
+        return Ok(());
+    }
     if let Some(KeygenCommand::Issue {
         ca,
         out,
@@ -152,6 +173,7 @@ fn keygen(command: &Command) -> Result<()> {
         host,
         days,
         owner,
+        force,
     }) = command
     {
         let node = match (worker, server) {
@@ -165,14 +187,26 @@ fn keygen(command: &Command) -> Result<()> {
         if *days == 0 {
             anyhow::bail!("--days must be at least 1");
         }
-        let issued = pki::issue(ca, out, &node, &Validity::days(*days))
-            .with_context(|| format!("keygen issue from {}", ca.display()))?;
+        let validity = Validity::days(*days);
+        let (issued, replaced) = if *force {
+            pki::reissue(ca, out, &node, &validity)
+        } else {
+            pki::issue(ca, out, &node, &validity).map(|i| (i, None))
+        }
+        .with_context(|| format!("keygen issue from {}", ca.display()))?;
         if let Some(owner) = owner {
             let (uid, gid) = parse_owner(owner)?;
             pki::chown_tree(&out.join(node.bundle_name()), uid, gid)?;
         }
         println!("issued into {}:", out.display());
         print_issued(std::slice::from_ref(&issued));
+        if let Some(old) = replaced {
+            println!(
+                "  replaced {} serial {old}: it stays valid until you add it to cluster.revoked:",
+                node.bundle_name()
+            );
+            println!("  revoked = [\"{old}\"]");
+        }
         return Ok(());
     }
     let out = out.as_ref().context("keygen needs --out DIR")?;
@@ -253,6 +287,7 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
             metrics: Some(server_metrics),
             spike_factor: cli.spike_factor,
             layout: None,
+            checkpoint_key: None,
         },
     )
     .await?;

@@ -15,6 +15,7 @@ use tether_common::config::Config;
 use tether_common::layout::{model_layout, Layout};
 use tether_common::metrics::ServerMetrics;
 use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
+use tether_common::pki::{CheckpointKey, PkiError, CHECKPOINT_KEY_FILE};
 use tether_common::protocol::{ErrorCode, FrameLimits};
 use tether_common::report::RunReport;
 
@@ -44,6 +45,9 @@ pub struct ShardOptions {
     pub spike_factor: f32,
     /// The parameter layout, when it is not the one `[model]` describes (a user model embedded as a library).
     pub layout: Option<Layout>,
+    /// The checkpoint key, overriding `checkpoint.key_file` and the bundle's `checkpoint.key` (in-process clusters
+    /// and tests that hold their own).
+    pub checkpoint_key: Option<CheckpointKey>,
 }
 
 /// A shard that is serving.
@@ -67,6 +71,37 @@ pub fn resolve(addr: &str) -> Result<SocketAddr, Error> {
         .map_err(|e| Error::Address(format!("cannot resolve {addr:?}: {e}")))?
         .next()
         .ok_or_else(|| Error::Address(format!("{addr:?} resolves to no address")))
+}
+
+/// The shard's checkpoint key: `opts`' own, else `checkpoint.key_file`, else `checkpoint.key` beside the TLS key.
+/// A missing key is an error, never a fresh one: a new key would silently orphan every checkpoint written before.
+fn checkpoint_key(
+    cfg: &Config,
+    own: Option<CheckpointKey>,
+    tls: &TlsFiles,
+) -> Result<CheckpointKey, Error> {
+    if let Some(key) = own {
+        return Ok(key);
+    }
+    let path = match &cfg.checkpoint.key_file {
+        Some(p) => p.clone(),
+        None => tls
+            .paths
+            .key
+            .parent()
+            .unwrap_or(std::path::Path::new("."))
+            .join(CHECKPOINT_KEY_FILE),
+    };
+    if !path.exists() {
+        return Err(Error::CheckpointKey(PkiError::CheckpointKey {
+            reason: "does not exist: this shard authenticates its checkpoints with it. Bundles from \
+                     `tether-server keygen` hold one; for an older bundle run \
+                     `tether-server keygen checkpoint-key --bundle <its folder>` (or set checkpoint.key_file)"
+                .into(),
+            path,
+        }));
+    }
+    CheckpointKey::load(&path).map_err(Error::CheckpointKey)
 }
 
 /// Starts shard `opts.shard` of `cfg`.
@@ -96,9 +131,15 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         spike_factor: opts.spike_factor,
     };
     let mut core = ShardCore::new(&layout, &spec);
+    let tls = match opts.tls {
+        Some(t) => t,
+        None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,
+    }
+    .with_revoked(&cfg.cluster.revoked_serials());
     let store = CheckpointStore::new(
         cfg.checkpoint.dir.join(format!("shard-{}", opts.shard)),
         cfg.checkpoint.keep,
+        checkpoint_key(cfg, opts.checkpoint_key, &tls)?,
     );
     let remote = match &cfg.checkpoint.url {
         Some(url) => Some(Arc::new(RemoteStore::from_url(
@@ -114,7 +155,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         if let Some(remote) = &remote {
             // The newest remote checkpoint that verifies joins the local ones; the newest of all is then used.
             match remote
-                .restore_into(store.dir(), layout.hash(), opts.shard, (r.start, r.end))
+                .restore_into(&store, layout.hash(), opts.shard, (r.start, r.end))
                 .await
             {
                 Ok(Some((v, skipped))) => {
@@ -155,11 +196,6 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     core.set_public(cfg.compression.pull_codec(), lineage);
     core.set_push_scale(update_rule::push_scale(cfg));
     core.set_rollback(&cfg.rollback);
-    let tls = match opts.tls {
-        Some(t) => t,
-        None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,
-    }
-    .with_revoked(&cfg.cluster.revoked_serials());
     let range = core.range();
     let limits =
         FrameLimits::for_codec(&cfg.compression.codec(), (range.end - range.start) as usize);

@@ -7,8 +7,10 @@
 //! upload cut short (a kill -9) leaves a version without a manifest, which nobody reads and a later prune removes.
 //! Keep-K is applied remotely after each upload. Resuming downloads the newest complete version into the local root
 //! (bounded: no object larger than the checkpoint of this range can be), verifies it exactly as a local checkpoint
-//! (CRC-32 of every file, zstd checksums, layout, shard, range) and falls back to older versions when one fails. The
-//! bytes come from the network, so every defect is a typed error, never a panic.
+//! (the manifest's MAC under the shard's checkpoint key, SHA-256 and zstd checksums of every file, value checks,
+//! layout, shard, range) and falls back to older versions when one fails. Whoever can write to the bucket can delete
+//! or withhold checkpoints, but cannot make a shard load one it did not write. The bytes come from the network, so
+//! every defect is a typed error, never a panic.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,8 +21,8 @@ use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, PutPayload};
 
 use crate::checkpoint::{
-    max_stored_bytes, parse_version_dir, verify_dir, version_dir_name, CheckpointError,
-    MANIFEST_FILE,
+    is_checkpoint_file, max_stored_bytes, parse_version_dir, version_dir_name, CheckpointError,
+    CheckpointStore, MANIFEST_FILE,
 };
 
 /// Why a remote checkpoint operation failed.
@@ -216,8 +218,21 @@ impl RemoteStore {
 
     /// Downloads complete version `version` into `<local_root>/v<version>` (through a temporary directory, so a
     /// cut-short download leaves nothing that looks like a checkpoint). Objects larger than a checkpoint file of
-    /// `range` can be are refused before they are read.
+    /// `range` can be are refused before they are read. Does not verify: [`RemoteStore::restore_into`] does, before
+    /// anything replaces a local checkpoint.
     pub async fn fetch(
+        &self,
+        version: u64,
+        local_root: &Path,
+        range: (u64, u64),
+    ) -> Result<PathBuf, RemoteError> {
+        let tmp = self.download(version, local_root, range).await?;
+        install(&tmp, local_root, version)
+    }
+
+    /// Downloads version `version` into a temporary directory under `local_root` and returns it. Only the file
+    /// names a checkpoint can hold are fetched, each bounded by what a checkpoint of `range` can need.
+    async fn download(
         &self,
         version: u64,
         local_root: &Path,
@@ -231,7 +246,12 @@ impl RemoteStore {
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
         for o in objects {
-            let Some(name) = o.location.filename().map(str::to_string) else {
+            let Some(name) = o
+                .location
+                .filename()
+                .filter(|n| is_checkpoint_file(n))
+                .map(str::to_string)
+            else {
                 continue;
             };
             if o.size > limit {
@@ -252,23 +272,21 @@ impl RemoteStore {
             let path = tmp.join(&name);
             std::fs::write(&path, &bytes).map_err(io(&path))?;
         }
-        let target = local_root.join(version_dir_name(version));
-        let _ = std::fs::remove_dir_all(&target);
-        std::fs::rename(&tmp, &target).map_err(io(&target))?;
-        Ok(target)
+        Ok(tmp)
     }
 
-    /// Restores the newest remote checkpoint that verifies into `local_root` (falling back to older ones, whose
-    /// failed downloads are removed again). Returns its version and the versions skipped with why; `Ok(None)` when the
-    /// store holds no complete checkpoint.
+    /// Restores the newest remote checkpoint that verifies with `local`'s key into `local`'s root (falling back to
+    /// older ones, whose failed downloads are removed again). Returns its version and the versions skipped with why;
+    /// `Ok(None)` when the store holds no complete checkpoint.
     #[allow(clippy::type_complexity)]
     pub async fn restore_into(
         &self,
-        local_root: &Path,
+        local: &CheckpointStore,
         layout_hash: u64,
         shard: u32,
         range: (u64, u64),
     ) -> Result<Option<(u64, Vec<(u64, String)>)>, RemoteError> {
+        let local_root = local.dir();
         std::fs::create_dir_all(local_root).map_err(io(local_root))?;
         let versions = self.versions().await?;
         if versions.is_empty() {
@@ -276,7 +294,7 @@ impl RemoteStore {
         }
         let mut skipped = Vec::new();
         for &v in &versions {
-            let dir = match self.fetch(v, local_root, range).await {
+            let tmp = match self.download(v, local_root, range).await {
                 Ok(dir) => dir,
                 Err(e) => {
                     tracing::warn!(shard, version = v, error = %e, "skipping remote checkpoint");
@@ -284,11 +302,15 @@ impl RemoteStore {
                     continue;
                 }
             };
-            match verify_dir(&dir, v, layout_hash, shard, range) {
-                Ok(_) => return Ok(Some((v, skipped))),
+            // Verified where it was downloaded: a forged object never replaces a good local checkpoint.
+            match local.verify(&tmp, v, layout_hash, shard, range) {
+                Ok(_) => {
+                    install(&tmp, local_root, v)?;
+                    return Ok(Some((v, skipped)));
+                }
                 Err(e) => {
-                    tracing::warn!(shard, version = v, error = %e, "remote checkpoint does not verify");
-                    let _ = std::fs::remove_dir_all(&dir);
+                    tracing::warn!(shard, version = v, error = %e, "skipping remote checkpoint that does not verify");
+                    let _ = std::fs::remove_dir_all(&tmp);
                     skipped.push((v, e.to_string()));
                 }
             }
@@ -298,6 +320,14 @@ impl RemoteStore {
             newest: skipped.first().map(|s| s.1.clone()).unwrap_or_default(),
         })
     }
+}
+
+/// Moves the downloaded directory `tmp` to `<local_root>/v<version>`, replacing what is there.
+fn install(tmp: &Path, local_root: &Path, version: u64) -> Result<PathBuf, RemoteError> {
+    let target = local_root.join(version_dir_name(version));
+    let _ = std::fs::remove_dir_all(&target);
+    std::fs::rename(tmp, &target).map_err(io(&target))?;
+    Ok(target)
 }
 
 impl From<RemoteError> for CheckpointError {

@@ -9,6 +9,7 @@ use actix::Addr;
 use tether_common::codec::{CodecConfig, Encoder};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Staleness};
 use tether_common::layout::{mlp_layout, Layout};
+use tether_common::pki::CheckpointKey;
 use tether_common::protocol::{
     decode_params, encode_push, encode_values, ErrorCode, FrameKind, Outcome, ParamReply,
     Precision, PullMode, PushFrame,
@@ -352,7 +353,11 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
     let root = dir.path().join("shard-0");
     let (addr, arbiter) = start(
         core(Staleness::Bounded(1), 60_000),
-        Some(CheckpointStore::new(root.clone(), 2)),
+        Some(CheckpointStore::new(
+            root.clone(),
+            2,
+            CheckpointKey::from_bytes([1; 32]),
+        )),
         60_000,
     );
     join(&addr, 0).await;
@@ -371,7 +376,7 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
 
     let mut fresh = core(Staleness::Bounded(1), 60_000);
     let r = fresh.range();
-    let store = CheckpointStore::new(root, 2);
+    let store = CheckpointStore::new(root, 2, CheckpointKey::from_bytes([1; 32]));
     let (snap, skipped) = store
         .load_latest(fresh.layout_hash(), 0, (r.start, r.end))
         .unwrap()

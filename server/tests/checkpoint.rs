@@ -1,15 +1,19 @@
 //! The checkpoint store: round trips, pruning, every kind of corruption falling back to the previous checkpoint,
-//! mismatched layouts, stale temporary directories, and bounded allocation on crafted files.
+//! forged, foreign-key, unauthenticated (format 1) and out-of-bounds checkpoints skipped the same way, mismatched
+//! layouts, stale temporary directories, and bounded allocation on crafted files.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use ring::{digest, hmac};
 use serde_json::Value;
+use tether_common::pki::CheckpointKey;
 use tether_server::checkpoint::{
-    CheckpointError, CheckpointStore, ShardSnapshot, MANIFEST_FILE, WEIGHTS_FILE,
+    CheckpointError, CheckpointStore, ShardSnapshot, MAC_CONTEXT, MANIFEST_FILE, WEIGHTS_FILE,
 };
+use tether_server::shard::MAX_CLOCK;
 
 /// Records the largest single allocation made by the current thread, so a test can bound what a load allocates.
 struct LargestAllocation;
@@ -51,23 +55,27 @@ static ALLOCATOR: LargestAllocation = LargestAllocation;
 const HASH: u64 = 0xdead_beef_f00d_cafe;
 const RANGE: (u64, u64) = (1000, 2003);
 
-/// A snapshot whose values include the awkward ones (NaN payloads, −0, infinities, subnormals).
+/// The key of the store under test.
+const KEY: [u8; 32] = [7; 32];
+
+/// A snapshot whose values include the awkward finite ones (−0, the extremes, subnormals) and the largest clock.
 fn snapshot(version: u64) -> ShardSnapshot {
     let n = (RANGE.1 - RANGE.0) as usize;
     let mut weights: Vec<f32> = (0..n)
         .map(|i| ((i as f32) * 0.013 + version as f32).sin())
         .collect();
-    weights[0] = f32::from_bits(0x7fc0_1234);
+    weights[0] = f32::MAX;
     weights[1] = -0.0;
-    weights[2] = f32::INFINITY;
+    weights[2] = f32::MIN;
     weights[3] = f32::from_bits(1);
     ShardSnapshot {
         layout_hash: HASH,
         shard: 2,
         range: RANGE,
         version,
-        opt_steps: version * 3 + 1,
-        clocks: vec![(0, version), (3, version + 2), (u32::MAX, u64::MAX)],
+        // At most the version (a loaded checkpoint must have it so), and not equal to it.
+        opt_steps: version.saturating_sub(1),
+        clocks: vec![(0, version), (3, version + 2), (u32::MAX, MAX_CLOCK)],
         evicted: vec![(1, version + 1), (7, 0)],
         weights,
         slots: vec![
@@ -97,7 +105,7 @@ fn assert_same(a: &ShardSnapshot, b: &ShardSnapshot) {
 }
 
 fn store(dir: &Path, keep: usize) -> CheckpointStore {
-    CheckpointStore::new(dir.join("shard-2"), keep)
+    CheckpointStore::new(dir.join("shard-2"), keep, CheckpointKey::from_bytes(KEY))
 }
 
 type Loaded = (ShardSnapshot, Vec<(PathBuf, CheckpointError)>);
@@ -120,14 +128,39 @@ fn fall_back_after(
     (snap, skipped, newest)
 }
 
-/// Edits the manifest body and re-signs it, as a crafted (not merely corrupted) manifest would be.
-fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut Value)) {
+/// Edits the manifest body and re-signs it with `key`, as a crafted manifest from a key holder would be (the format
+/// 2 MAC, computed here independently of the writer).
+fn rewrite_manifest_with(dir: &Path, key: &[u8], edit: impl FnOnce(&mut Value)) {
     let path = dir.join(MANIFEST_FILE);
     let mut envelope: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
     edit(&mut envelope["body"]);
-    let crc = crc32fast::hash(&serde_json::to_vec(&envelope["body"]).unwrap());
-    envelope["crc32"] = crc.into();
+    let mut msg = MAC_CONTEXT.to_vec();
+    msg.extend(serde_json::to_vec(&envelope["body"]).unwrap());
+    let tag = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, key), &msg);
+    envelope["hmac_sha256"] = hex(tag.as_ref()).into();
     fs::write(&path, serde_json::to_vec(&envelope).unwrap()).unwrap();
+}
+
+/// [`rewrite_manifest_with`] the store's own key: what passes authentication and must still be checked.
+fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    rewrite_manifest_with(dir, &KEY, edit)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex(digest::digest(&digest::SHA256, bytes).as_ref())
+}
+
+/// Replaces data file 0 (the weights) with `values`, updating its size and digest in the manifest body.
+fn replace_weights(dir: &Path, values: &[f32], body: &mut Value) {
+    let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let stored = zstd::bulk::compress(&raw, 1).unwrap();
+    fs::write(dir.join(WEIGHTS_FILE), &stored).unwrap();
+    body["files"][0]["bytes"] = (stored.len() as u64).into();
+    body["files"][0]["digest"] = sha256_hex(&stored).into();
 }
 
 #[test]
@@ -148,7 +181,7 @@ fn save_then_load_is_bit_identical() {
 #[test]
 fn sgd_snapshot_without_slots_and_empty_range_round_trip() {
     let tmp = tempfile::tempdir().unwrap();
-    let s = CheckpointStore::new(tmp.path().to_path_buf(), 2);
+    let s = CheckpointStore::new(tmp.path().to_path_buf(), 2, CheckpointKey::from_bytes(KEY));
     let mut snap = snapshot(1);
     snap.slots.clear();
     s.write(&snap).unwrap();
@@ -256,20 +289,197 @@ fn a_garbled_manifest_falls_back() {
 }
 
 #[test]
-fn a_manifest_edited_into_other_valid_json_fails_its_checksum() {
+fn a_manifest_edited_into_other_valid_json_fails_its_mac() {
     let (_, skipped, _) = fall_back_after(|dir| {
         let path = dir.join(MANIFEST_FILE);
         let text = fs::read_to_string(&path).unwrap();
-        // The optimizer step count of version 2 is 7; make it 8 without touching the checksum.
-        let edited = text.replacen("\"opt_steps\": 7", "\"opt_steps\": 8", 1);
+        // The optimizer step count of version 2 is 1; make it 0 without touching the MAC.
+        let edited = text.replacen("\"opt_steps\": 1", "\"opt_steps\": 0", 1);
         assert_ne!(text, edited);
         fs::write(&path, edited).unwrap();
     });
     assert!(
-        matches!(&skipped[0].1, CheckpointError::ChecksumMismatch { file } if file == MANIFEST_FILE),
+        matches!(&skipped[0].1, CheckpointError::Forged),
         "{:?}",
         skipped[0].1
     );
+}
+
+#[test]
+fn forged_weights_with_recomputed_checksums_fall_back() {
+    // What defeated format 1: new (finite) weights, the file's size and digest recomputed, the manifest re-checksummed
+    // by someone without the key. Here that is a MAC under another key.
+    let (_, skipped, _) = fall_back_after(|dir| {
+        rewrite_manifest_with(dir, &[9; 32], |body| {
+            replace_weights(dir, &vec![1e3; (RANGE.1 - RANGE.0) as usize], body)
+        });
+    });
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::Forged),
+        "{:?}",
+        skipped[0].1
+    );
+    // The same with the MAC left as the writer made it.
+    let (_, skipped, _) = fall_back_after(|dir| {
+        let path = dir.join(MANIFEST_FILE);
+        let mut envelope: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        replace_weights(
+            dir,
+            &vec![1e3; (RANGE.1 - RANGE.0) as usize],
+            &mut envelope["body"],
+        );
+        fs::write(&path, serde_json::to_vec(&envelope).unwrap()).unwrap();
+    });
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::Forged),
+        "{:?}",
+        skipped[0].1
+    );
+}
+
+#[test]
+fn a_checkpoint_written_with_another_key_is_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(tmp.path(), 3);
+    s.write(&snapshot(1)).unwrap();
+    // Another shard's (or another cluster's) key writes a newer, otherwise perfect checkpoint into the same root.
+    let foreign =
+        CheckpointStore::new(s.dir().to_path_buf(), 3, CheckpointKey::from_bytes([8; 32]));
+    let newest = foreign.write(&snapshot(2)).unwrap();
+    let (snap, skipped) = load(&s).unwrap().expect("our own checkpoint");
+    assert_same(&snap, &snapshot(1));
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(skipped[0].0, newest);
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::Forged),
+        "{:?}",
+        skipped[0].1
+    );
+    // And the foreign store cannot load ours.
+    assert!(matches!(
+        foreign.load_latest(HASH, 2, RANGE),
+        Ok(Some((ref snap, _))) if snap.version == snapshot(2).version
+    ));
+    fs::remove_dir_all(&newest).unwrap();
+    assert!(matches!(
+        foreign.load_latest(HASH, 2, RANGE),
+        Err(CheckpointError::NoneUsable { .. })
+    ));
+}
+
+#[test]
+fn an_unauthenticated_format_1_checkpoint_is_not_trusted() {
+    let (_, skipped, _) = fall_back_after(|dir| {
+        // A format 1 manifest: the same body with a CRC-32 and no MAC, as the previous release wrote it.
+        let path = dir.join(MANIFEST_FILE);
+        let envelope: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let mut body = envelope["body"].clone();
+        body["format_version"] = 1.into();
+        let crc = crc32fast::hash(&serde_json::to_vec(&body).unwrap());
+        let old = serde_json::json!({ "body": body, "crc32": crc });
+        fs::write(&path, serde_json::to_vec(&old).unwrap()).unwrap();
+    });
+    assert!(
+        matches!(
+            &skipped[0].1,
+            CheckpointError::Unauthenticated { format_version: 1 }
+        ),
+        "{:?}",
+        skipped[0].1
+    );
+    assert!(skipped[0].1.to_string().contains("not authenticated"));
+}
+
+#[test]
+fn non_finite_weights_or_state_under_a_valid_mac_fall_back() {
+    let n = (RANGE.1 - RANGE.0) as usize;
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let (_, skipped, _) = fall_back_after(|dir| {
+            let mut values = snapshot(2).weights;
+            values[n / 2] = bad;
+            rewrite_manifest(dir, |body| replace_weights(dir, &values, body));
+        });
+        assert!(
+            matches!(&skipped[0].1, CheckpointError::BadValue { reason } if reason.contains("weights[501]")),
+            "{bad}: {:?}",
+            skipped[0].1
+        );
+    }
+    // An optimizer slot (data file 2, Adam's second moment) holding a NaN.
+    let (_, skipped, _) = fall_back_after(|dir| {
+        let mut values = snapshot(2).slots[1].clone();
+        values[0] = f32::NAN;
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let stored = zstd::bulk::compress(&raw, 1).unwrap();
+        fs::write(dir.join("slot1.f32.zst"), &stored).unwrap();
+        rewrite_manifest(dir, |body| {
+            body["files"][2]["bytes"] = (stored.len() as u64).into();
+            body["files"][2]["digest"] = sha256_hex(&stored).into();
+        });
+    });
+    assert!(
+        matches!(&skipped[0].1, CheckpointError::BadValue { reason } if reason.contains("optimizer slot 1")),
+        "{:?}",
+        skipped[0].1
+    );
+}
+
+#[test]
+fn clocks_and_counters_out_of_bounds_under_a_valid_mac_fall_back() {
+    type Edit = (&'static str, fn(&mut Value));
+    let edits: [Edit; 6] = [
+        ("clock past MAX_CLOCK", |b| {
+            b["clocks"][0][1] = (MAX_CLOCK + 1).into()
+        }),
+        ("clock 2^63", |b| b["clocks"][1][1] = (1u64 << 63).into()),
+        ("evicted clock past MAX_CLOCK", |b| {
+            b["evicted"][0][1] = u64::MAX.into()
+        }),
+        ("worker listed twice", |b| b["evicted"][0][0] = 3.into()),
+        ("more steps than updates", |b| {
+            b["opt_steps"] = (b["version"].as_u64().unwrap() + 1).into()
+        }),
+        ("version 2^63 (directory renamed to match)", |b| {
+            b["version"] = (1u64 << 63).into()
+        }),
+    ];
+    for (what, edit) in edits {
+        let (_, skipped, _) = fall_back_after(|dir| {
+            rewrite_manifest(dir, edit);
+            let renamed = dir.with_file_name(tether_server::checkpoint::version_dir_name(1 << 63));
+            if what.starts_with("version") {
+                fs::rename(dir, renamed).unwrap();
+            }
+        });
+        assert!(
+            matches!(&skipped[0].1, CheckpointError::BadValue { .. }),
+            "{what}: {:?}",
+            skipped[0].1
+        );
+    }
+}
+
+#[test]
+fn the_writer_refuses_what_the_loader_would_refuse_and_keeps_the_good_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(tmp.path(), 1);
+    let good = s.write(&snapshot(1)).unwrap();
+    let mut nan = snapshot(2);
+    nan.weights[7] = f32::NAN;
+    let mut far = snapshot(3);
+    far.evicted.push((99, MAX_CLOCK + 1));
+    let mut nan_slot = snapshot(4);
+    nan_slot.slots[0][0] = f32::INFINITY;
+    for bad in [nan, far, nan_slot] {
+        assert!(
+            matches!(s.write(&bad), Err(CheckpointError::BadValue { .. })),
+            "written: version {}",
+            bad.version
+        );
+    }
+    // keep = 1: a refused write must not have pruned the good one.
+    assert_eq!(s.list().unwrap(), vec![(snapshot(1).version, good)]);
+    assert_same(&load(&s).unwrap().unwrap().0, &snapshot(1));
 }
 
 #[test]
@@ -419,7 +629,7 @@ fn a_decompression_bomb_is_stopped_at_the_expected_size() {
     fs::write(newest.join(WEIGHTS_FILE), &bomb).unwrap();
     rewrite_manifest(&newest, |body| {
         body["files"][0]["bytes"] = (bomb.len() as u64).into();
-        body["files"][0]["checksum"] = crc32fast::hash(&bomb).into();
+        body["files"][0]["digest"] = sha256_hex(&bomb).into();
     });
 
     LARGEST.with(|c| c.set(0));

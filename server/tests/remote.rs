@@ -1,7 +1,9 @@
 //! Checkpoints in a real S3-compatible object store: moto's server mode (`moto_server`, PyPI), started here on
 //! 127.0.0.1 for each test. Cases: resume from the store after the shard's disk is wiped; an upload cut short (data
 //! objects without their manifest, which is what a kill -9 mid-upload leaves, since the manifest is the last PUT)
-//! leaves the previous checkpoint usable and is pruned later; a corrupted object is detected and skipped; keep-K
+//! leaves the previous checkpoint usable and is pruned later; a corrupted object is detected and skipped; a forged
+//! checkpoint (whoever can write to the bucket, without the shard's key) is skipped and never replaces a good local
+//! one; keep-K
 //! applied remotely; and a shard that checkpoints to the store in the background (no local copies), shut down, and
 //! resumed from the store on a fresh disk.
 //!
@@ -20,6 +22,7 @@ use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, PutPayload};
 use tether_common::config::{Config, Staleness};
 use tether_common::layout::model_layout;
+use tether_common::pki::CheckpointKey;
 use tether_server::checkpoint::{CheckpointStore, ShardSnapshot, MANIFEST_FILE, WEIGHTS_FILE};
 use tether_server::remote::RemoteStore;
 
@@ -112,6 +115,11 @@ fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// The shard's checkpoint key in these tests.
+fn key() -> CheckpointKey {
+    CheckpointKey::from_bytes([3; 32])
+}
+
 const RANGE: (u64, u64) = (100, 1100);
 const LAYOUT: u64 = 0xfeed;
 
@@ -163,14 +171,14 @@ fn resume_from_the_store_after_the_local_disk_is_wiped() {
     let Some(m) = moto() else { return };
     let rt = rt();
     let tmp = tempfile::tempdir().unwrap();
-    let local = CheckpointStore::new(tmp.path().join("shard-1"), 3);
+    let local = CheckpointStore::new(tmp.path().join("shard-1"), 3, key());
     let remote = RemoteStore::new(s3(&m), "runs/a", 1, 3);
     write_and_upload(&rt, &local, &remote, 10);
     write_and_upload(&rt, &local, &remote, 20);
     assert_eq!(rt.block_on(remote.versions()).unwrap(), vec![20, 10]);
     wipe(local.dir());
     let (v, skipped) = rt
-        .block_on(remote.restore_into(local.dir(), LAYOUT, 1, RANGE))
+        .block_on(remote.restore_into(&local, LAYOUT, 1, RANGE))
         .unwrap()
         .unwrap();
     assert_eq!((v, skipped.len()), (20, 0));
@@ -183,7 +191,7 @@ fn an_upload_cut_short_leaves_the_previous_checkpoint_usable() {
     let Some(m) = moto() else { return };
     let rt = rt();
     let tmp = tempfile::tempdir().unwrap();
-    let local = CheckpointStore::new(tmp.path().join("shard-1"), 3);
+    let local = CheckpointStore::new(tmp.path().join("shard-1"), 3, key());
     let store = s3(&m);
     let remote = RemoteStore::new(store.clone(), "", 1, 1);
     write_and_upload(&rt, &local, &remote, 5);
@@ -200,7 +208,7 @@ fn an_upload_cut_short_leaves_the_previous_checkpoint_usable() {
     );
     wipe(local.dir());
     let (v, _) = rt
-        .block_on(remote.restore_into(local.dir(), LAYOUT, 1, RANGE))
+        .block_on(remote.restore_into(&local, LAYOUT, 1, RANGE))
         .unwrap()
         .unwrap();
     assert_eq!(v, 5);
@@ -228,7 +236,7 @@ fn a_corrupted_object_is_detected_and_skipped() {
     let Some(m) = moto() else { return };
     let rt = rt();
     let tmp = tempfile::tempdir().unwrap();
-    let local = CheckpointStore::new(tmp.path().join("shard-1"), 3);
+    let local = CheckpointStore::new(tmp.path().join("shard-1"), 3, key());
     let store = s3(&m);
     let remote = RemoteStore::new(store.clone(), "p", 1, 3);
     write_and_upload(&rt, &local, &remote, 1);
@@ -245,7 +253,7 @@ fn a_corrupted_object_is_detected_and_skipped() {
         .unwrap();
     wipe(local.dir());
     let (v, skipped) = rt
-        .block_on(remote.restore_into(local.dir(), LAYOUT, 1, RANGE))
+        .block_on(remote.restore_into(&local, LAYOUT, 1, RANGE))
         .unwrap()
         .unwrap();
     assert_eq!(v, 1, "the corrupted newest checkpoint was used");
@@ -267,9 +275,83 @@ fn a_corrupted_object_is_detected_and_skipped() {
         .unwrap();
     wipe(local.dir());
     let err = rt
-        .block_on(remote.restore_into(local.dir(), LAYOUT, 1, RANGE))
+        .block_on(remote.restore_into(&local, LAYOUT, 1, RANGE))
         .unwrap_err();
     assert!(err.to_string().contains("none of 2"), "{err}");
+}
+
+#[test]
+fn a_forged_remote_checkpoint_is_skipped_and_never_replaces_a_local_one() {
+    use ring::{digest, hmac};
+    let Some(m) = moto() else { return };
+    let rt = rt();
+    let tmp = tempfile::tempdir().unwrap();
+    let local = CheckpointStore::new(tmp.path().join("shard-1"), 3, key());
+    let store = s3(&m);
+    let remote = RemoteStore::new(store.clone(), "f", 1, 3);
+    write_and_upload(&rt, &local, &remote, 1);
+    write_and_upload(&rt, &local, &remote, 2);
+    // Whoever can write to the bucket replaces version 2's weights (finite, plausible values) and fixes up the
+    // manifest: size, SHA-256, and a MAC under a key that is not the shard's.
+    let n = (RANGE.1 - RANGE.0) as usize;
+    let raw: Vec<u8> = vec![0.25f32; n]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let forged = zstd::bulk::compress(&raw, 1).unwrap();
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let weights = ObjPath::from(format!("f/shard-1/v{:020}/{WEIGHTS_FILE}", 2));
+    let man = ObjPath::from(format!("f/shard-1/v{:020}/{MANIFEST_FILE}", 2));
+    let mut envelope: serde_json::Value = serde_json::from_slice(
+        &rt.block_on(async { store.get(&man).await?.bytes().await })
+            .unwrap(),
+    )
+    .unwrap();
+    envelope["body"]["files"][0]["bytes"] = (forged.len() as u64).into();
+    envelope["body"]["files"][0]["digest"] =
+        hex(digest::digest(&digest::SHA256, &forged).as_ref()).into();
+    let mut msg = tether_server::checkpoint::MAC_CONTEXT.to_vec();
+    msg.extend(serde_json::to_vec(&envelope["body"]).unwrap());
+    let tag = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, &[4; 32]), &msg);
+    envelope["hmac_sha256"] = hex(tag.as_ref()).into();
+    rt.block_on(async {
+        store.put(&weights, PutPayload::from(forged)).await?;
+        store
+            .put(
+                &man,
+                PutPayload::from(serde_json::to_vec(&envelope).unwrap()),
+            )
+            .await
+    })
+    .unwrap();
+
+    // With the local copies still there, restoring must not replace the good local version 2 with the forgery.
+    let (v, skipped) = rt
+        .block_on(remote.restore_into(&local, LAYOUT, 1, RANGE))
+        .unwrap()
+        .unwrap();
+    assert_eq!(v, 1, "the forged newest checkpoint was used");
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(skipped[0].0, 2);
+    assert!(skipped[0].1.contains("MAC"), "{}", skipped[0].1);
+    let (snap, skipped) = local.load_latest(LAYOUT, 1, RANGE).unwrap().unwrap();
+    assert!(skipped.is_empty());
+    assert!(
+        same(&snap, &snapshot(2)),
+        "the local version 2 was replaced"
+    );
+
+    // On a wiped disk, the forgery is skipped and the authentic version 1 restored.
+    wipe(local.dir());
+    let (v, _) = rt
+        .block_on(remote.restore_into(&local, LAYOUT, 1, RANGE))
+        .unwrap()
+        .unwrap();
+    assert_eq!(v, 1);
+    let (snap, _) = local.load_latest(LAYOUT, 1, RANGE).unwrap().unwrap();
+    assert!(same(&snap, &snapshot(1)));
+    let listed: Vec<u64> = local.list().unwrap().into_iter().map(|(v, _)| v).collect();
+    assert_eq!(listed, vec![1], "the forged download was left on disk");
 }
 
 #[test]
@@ -277,7 +359,7 @@ fn keep_k_applies_to_the_store() {
     let Some(m) = moto() else { return };
     let rt = rt();
     let tmp = tempfile::tempdir().unwrap();
-    let local = CheckpointStore::new(tmp.path().join("shard-1"), 5);
+    let local = CheckpointStore::new(tmp.path().join("shard-1"), 5, key());
     let remote = RemoteStore::new(s3(&m), "k", 1, 2);
     for v in 1..=5 {
         write_and_upload(&rt, &local, &remote, v);

@@ -7,6 +7,7 @@ use std::fs;
 use tether_common::codec::{CodecConfig, Encoder, Rounding, Scheme, HEADER_LEN};
 use tether_common::config::{OptimizerConfig, OptimizerKind, Schedule, Staleness};
 use tether_common::layout::{mlp_layout, Layout};
+use tether_common::pki::CheckpointKey;
 use tether_server::checkpoint::{CheckpointStore, ShardSnapshot, WEIGHTS_FILE};
 use tether_server::shard::{Push, ShardCore, ShardError, ShardSpec};
 
@@ -481,7 +482,11 @@ fn fresh_joined() -> ShardCore {
 #[test]
 fn checkpoint_restore_is_bit_exact_and_training_continues_identically() {
     let dir = tempfile::tempdir().unwrap();
-    let store = CheckpointStore::new(dir.path().join("shard-1"), 3);
+    let store = CheckpointStore::new(
+        dir.path().join("shard-1"),
+        3,
+        CheckpointKey::from_bytes([1; 32]),
+    );
     let mut a = fresh_joined();
     let mut reference = fresh_joined();
     run_rounds(&mut [&mut a, &mut reference], 0..5);
@@ -519,7 +524,11 @@ fn flip_byte(path: &std::path::Path) {
 fn corrupted_newest_checkpoint_falls_back_to_the_previous_one_through_restore() {
     for corrupt in ["truncate", "flip"] {
         let dir = tempfile::tempdir().unwrap();
-        let store = CheckpointStore::new(dir.path().join("shard-1"), 3);
+        let store = CheckpointStore::new(
+            dir.path().join("shard-1"),
+            3,
+            CheckpointKey::from_bytes([1; 32]),
+        );
         let mut a = fresh_joined();
         let mut reference = fresh_joined();
         run_rounds(&mut [&mut a, &mut reference], 0..3);

@@ -19,6 +19,10 @@ pub struct CheckpointConfig {
     pub url: Option<String>,
     /// Keep the local copy of checkpoints when `url` is set (default true: restoring from it is fast).
     pub local: bool,
+    /// The shard's checkpoint key (HMAC-SHA256, 64 hex digits), overriding the default: `checkpoint.key` in the
+    /// shard's TLS bundle, beside its `server.key` (default none: that file). Relative paths resolve against the
+    /// config file's folder.
+    pub key_file: Option<PathBuf>,
 }
 
 impl Default for CheckpointConfig {
@@ -29,6 +33,7 @@ impl Default for CheckpointConfig {
             keep: 3,
             url: None,
             local: true,
+            key_file: None,
         }
     }
 }

@@ -128,6 +128,11 @@ impl Config {
                 *p = base.join(&*p);
             }
         }
+        if let Some(p) = self.checkpoint.key_file.as_mut() {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
         if let Some(p) = self.data.test_path.as_mut() {
             if p.is_relative() {
                 *p = base.join(&*p);
