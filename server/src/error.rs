@@ -64,7 +64,9 @@ impl Error {
             Error::Protocol(e) => Some(e.code()),
             Error::Net(e) => e.code(),
             Error::ActorGone => Some(ErrorCode::Shutdown),
-            Error::Optim(_)
+            // A restored clock beyond the maximum is a bad checkpoint, a local failure.
+            Error::Clock(ClockError::Unbounded { .. })
+            | Error::Optim(_)
             | Error::Checkpoint(_)
             | Error::Remote(_)
             | Error::Config(_)

@@ -23,7 +23,7 @@ use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
 use crate::remote::RemoteStore;
-use crate::shard::{ShardCore, ShardSpec, ShardStats};
+use crate::shard::{Membership, ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
 
 /// At most this many connections are served at once per shard; more wait in the accept queue.
@@ -157,6 +157,10 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     core.set_public(cfg.compression.pull_codec(), lineage);
     core.set_push_scale(update_rule::push_scale(cfg));
     core.set_rollback(&cfg.rollback);
+    core.set_membership(Membership {
+        workers: Some(cfg.cluster.workers),
+        progress_timeout_ms: cfg.cluster.progress_timeout_ms,
+    });
     let tls = match opts.tls {
         Some(t) => t,
         None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,
