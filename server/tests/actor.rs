@@ -83,7 +83,12 @@ async fn push(
         payload: gradient(n, worker, clock),
     })
     .unwrap();
-    match addr.send(ApplyPush { body }).await.unwrap().unwrap() {
+    match addr
+        .send(ApplyPush {
+            conn: u64::from(worker),
+            body,
+        })
+        .await.unwrap().unwrap() {
         Outcome::Applied => Ok(addr.send(GetStats).await.unwrap().0),
         other => Err(other),
     }

@@ -80,7 +80,7 @@ fn send(p: &mut ShardProtocol, worker: u32, clock: u64, read_version: u64, loss:
     };
     let bytes = encode_push(&frame).unwrap();
     let archived = access_push(&bytes).unwrap();
-    p.push_frame(archived, 0).0
+    p.push_frame(u64::from(worker), archived, 0).0
 }
 
 /// One BSP round on every shard: each worker pushes with `loss`, read at the shard's current version.

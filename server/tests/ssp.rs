@@ -238,8 +238,16 @@ impl Sim {
                         );
                     }
                 }
-                // Nobody got more than s rounds ahead of this reader: no round above c + s is applied yet.
-                if let Some(&(_, k, _)) = self.applied.iter().max_by_key(|(_, k, _)| *k) {
+                // No live member got more than s rounds ahead of this reader: none of their rounds above c + s is
+                // applied yet. (Rounds of members that left are history: with nobody live, a newcomer joins at the
+                // floor, which a lone member's rounds never move.)
+                let live_now = |v: usize, inc: u32| self.is_live(v) && self.workers[v].incarnation == inc;
+                if let Some(&(_, k, _)) = self
+                    .applied
+                    .iter()
+                    .filter(|(v, _, inc)| live_now(*v, *inc))
+                    .max_by_key(|(_, k, _)| *k)
+                {
                     assert!(
                         k <= c + s,
                         "round {k} applied before pull {c} answered (s={s})"
