@@ -11,7 +11,7 @@
 //!   minimum after a restore): one worker alone, whatever it claims, pushes or skips, never moves it, so the clock
 //!   of a departed (goodbye) or evicted worker never becomes the value newcomers join at;
 //! - a hello's clock claim is taken only up to [`ClockTable::claim_bound`]: the highest clock of the *other* live
-//!   workers (or the floor when none is live) plus `s + 1`; a larger claim rejoins at `max(own row, join value)`
+//!   workers (or the floor when none is live) plus `s + 1` (plus 1 when unbounded); a larger claim rejoins at `max(own row, join value)`
 //!   (the worker fills the gap with skip markers). A lone live member is the whole membership and may advance by
 //!   its own rounds; its clock is the join value only while it is live;
 //! - a round (push or skip) at clock `c` is taken only when `c ≤ m + s + 1` ([`ClockTable::may_take`]); an honest
@@ -135,11 +135,13 @@ impl ClockTable {
     }
 
     /// The largest clock a hello of `worker` may claim: the highest clock of the *other* live workers, or the floor
-    /// when none is live, plus `s + 1` (capped at [`MAX_CLOCK`]; just the cap when staleness is unbounded). The
-    /// claimant's own row never raises it, so repeated hellos cannot climb.
+    /// when none is live, plus `s + 1` (plus 1 when staleness is unbounded: nothing gates a worker there, so
+    /// nothing lets one be ahead of every other; capped at [`MAX_CLOCK`]). The claimant's own row never raises it,
+    /// so repeated hellos cannot climb.
     pub fn claim_bound(&self, worker: u32) -> u64 {
-        let Staleness::Bounded(s) = self.staleness else {
-            return MAX_CLOCK;
+        let ahead = match self.staleness {
+            Staleness::Bounded(s) => u64::from(s) + 1,
+            Staleness::Unbounded => 1,
         };
         let base = self
             .rows
@@ -148,7 +150,7 @@ impl ClockTable {
             .map(|(_, row)| row.clock)
             .max()
             .unwrap_or(self.floor);
-        base.saturating_add(u64::from(s) + 1).min(MAX_CLOCK)
+        base.saturating_add(ahead).min(MAX_CLOCK)
     }
 
     /// Whether a round (push or skip) at `clock` may be taken now: `clock ≤ m + s + 1` (always when unbounded or

@@ -451,10 +451,9 @@ impl Sim {
             if self.shards[k].proto.is_none() {
                 return Ok(());
             }
-            // A sign of life is a message on the worker's newest connection to this shard; a dead connection's
-            // late streams are old news.
-            // (A push counts from any connection: it is this worker's, bound to its certificate.)
-            if self.shards[k].newest_conn.get(&w) == Some(&conn) || msg.lane == Lane::PushUp {
+            // A sign of life is a message on the worker's newest connection to this shard; a dead or superseded
+            // connection's late streams (pushes included) are old news.
+            if self.shards[k].newest_conn.get(&w) == Some(&conn) {
                 self.shards[k].last_heard.insert(w, self.now);
             }
             let now = self.now;
