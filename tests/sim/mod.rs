@@ -415,6 +415,26 @@ impl Sim {
         self.at(t, Ev::WorkerRestart { worker: w });
     }
 
+    /// Crashes worker `w` like [`crash_worker`](Self::crash_worker), but it restarts exactly `down_ms` later.
+    pub fn crash_worker_for(&mut self, w: usize, down_ms: u64) {
+        if matches!(self.workers[w].phase, Phase::Crashed | Phase::Done) {
+            return;
+        }
+        self.workers[w].phase = Phase::Crashed;
+        self.workers[w].incarnation += 1;
+        let conns: Vec<ConnId> = self.workers[w]
+            .conns
+            .iter_mut()
+            .filter_map(|c| c.take())
+            .collect();
+        for c in conns {
+            self.break_conn(c, false);
+        }
+        self.note(format!("worker {w} crashed for {down_ms} ms"));
+        let t = self.now + down_ms;
+        self.at(t, Ev::WorkerRestart { worker: w });
+    }
+
     fn restart_worker(&mut self, w: usize) {
         let ranges: Vec<(u64, u64)> = (0..SHARDS)
             .map(|k| {
