@@ -295,7 +295,11 @@ fn a_lone_hostile_members_clock_never_becomes_where_honest_workers_rejoin() {
     let honest = (0..WORKERS as u32)
         .filter_map(|w| {
             let p = sim.shard(0).expect("up");
-            p.core().clocks().evicted().find(|(v, _)| *v == w).map(|(_, c)| c)
+            p.core()
+                .clocks()
+                .evicted()
+                .find(|(v, _)| *v == w)
+                .map(|(_, c)| c)
         })
         .max()
         .expect("evicted rows are kept");
@@ -309,7 +313,10 @@ fn a_lone_hostile_members_clock_never_becomes_where_honest_workers_rejoin() {
             .and_then(|p| p.core().clocks().clock_of(HOSTILE as u32))
             .unwrap_or(0)
     };
-    assert!(clock_of(&sim) <= 2, "the claim was bounded by the floor + s + 1");
+    assert!(
+        clock_of(&sim) <= 2,
+        "the claim was bounded by the floor + s + 1"
+    );
     for _ in 0..2 {
         sim.hostile(Move::Flood {
             shard: 0,
@@ -354,9 +361,14 @@ fn a_superseded_session_is_closed_and_its_late_rounds_change_nothing() {
     );
     assert!(clock.is_some());
     // A second session; the first one's late rounds are refused (the checker fails the run if one is applied).
-    sim.hostile(Move::Supersede { shard: 1 }).expect("supersede");
+    sim.hostile(Move::Supersede { shard: 1 })
+        .expect("supersede");
     let p = sim.shard(1).expect("up");
-    assert_eq!(p.weights(), &before[..], "nothing from the old session changed a weight");
+    assert_eq!(
+        p.weights(),
+        &before[..],
+        "nothing from the old session changed a weight"
+    );
     assert_eq!(hostile_clock(&sim), clock, "nor moved a clock");
     sim.hostile(Move::Beyond { shard: 1 })
         .expect("a rank beyond the configured workers is refused");

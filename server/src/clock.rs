@@ -388,7 +388,12 @@ impl ClockTable {
     /// Restores the row of a worker that was evicted when the checkpoint was taken: it stays evicted (it blocks
     /// nobody) and keeps `clock`, so that its rejoin never moves it below rounds the checkpoint's weights hold. A
     /// worker already in the table keeps its row; a clock beyond [`MAX_CLOCK`] is refused and changes nothing.
-    pub fn restore_evicted(&mut self, worker: u32, clock: u64, now_ms: u64) -> Result<(), ClockError> {
+    pub fn restore_evicted(
+        &mut self,
+        worker: u32,
+        clock: u64,
+        now_ms: u64,
+    ) -> Result<(), ClockError> {
         if clock > MAX_CLOCK {
             return Err(ClockError::Unbounded { worker, clock });
         }
@@ -402,7 +407,11 @@ impl ClockTable {
     }
 
     fn recompute_min(&mut self) {
-        let mut live = self.rows.values().filter(|row| row.live).map(|row| row.clock);
+        let mut live = self
+            .rows
+            .values()
+            .filter(|row| row.live)
+            .map(|row| row.clock);
         match live.next() {
             Some(first) => {
                 self.min = live.fold(first, u64::min);

@@ -88,7 +88,10 @@ async fn push(
             conn: u64::from(worker),
             body,
         })
-        .await.unwrap().unwrap() {
+        .await
+        .unwrap()
+        .unwrap()
+    {
         Outcome::Applied => Ok(addr.send(GetStats).await.unwrap().0),
         other => Err(other),
     }

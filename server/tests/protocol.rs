@@ -197,7 +197,10 @@ fn a_rejoin_that_jumps_over_rounds_refuses_them_later() {
     // late copy is refused.
     assert_eq!(p.hello(1, 0, 3, 0).unwrap().clock, 3);
     let f = frame(0, 1);
-    assert_eq!(push(&mut p, 1, 0, 1, &f), Outcome::Refused(ErrorCode::Replay));
+    assert_eq!(
+        push(&mut p, 1, 0, 1, &f),
+        Outcome::Refused(ErrorCode::Replay)
+    );
     assert_eq!(p.core().version(), 0);
 }
 
@@ -368,7 +371,11 @@ fn a_hello_claim_beyond_the_bound_rejoins_at_the_shards_value() {
     assert_eq!(p.core().clocks().clock_of(1), Some(0));
     // Up to worker 0's clock + s + 1 a claim is taken (an honest rejoin ahead after a shard restart).
     assert_eq!(p.hello(13, 1, 3, 0).unwrap().clock, 3);
-    assert_eq!(p.hello(14, 1, 4, 0).unwrap().clock, 3, "its own row never raises the bound");
+    assert_eq!(
+        p.hello(14, 1, 4, 0).unwrap().clock,
+        3,
+        "its own row never raises the bound"
+    );
     // Alone, a claim is bounded by the floor: nobody live to measure against.
     let mut alone = proto(Staleness::Bounded(2));
     assert_eq!(alone.hello(1, 5, 1 << 48, 0).unwrap().clock, 0);
@@ -382,7 +389,11 @@ fn a_departed_or_evicted_workers_clock_never_becomes_the_join_value() {
         let mut p = proto(Staleness::Bounded(2));
         p.hello(1, 5, 0, 0).unwrap();
         for c in 0..50 {
-            assert_eq!(skip(&mut p, 1, 5, c), Outcome::Applied, "a lone member may advance");
+            assert_eq!(
+                skip(&mut p, 1, 5, c),
+                Outcome::Applied,
+                "a lone member may advance"
+            );
         }
         if leave_by_goodbye {
             p.goodbye(1, 5, 50, 0);
@@ -390,7 +401,11 @@ fn a_departed_or_evicted_workers_clock_never_becomes_the_join_value() {
             p.tick(TIMEOUT);
         }
         assert_eq!(p.live(), 0);
-        assert_eq!(p.core().clocks().min_clock(), 0, "the floor, not the departed clock");
+        assert_eq!(
+            p.core().clocks().min_clock(),
+            0,
+            "the floor, not the departed clock"
+        );
         let w = p.hello(2, 0, 0, TIMEOUT).unwrap();
         assert_eq!(w.clock, 0);
         let f = frame(0, 0);
@@ -456,7 +471,10 @@ fn a_new_hello_closes_the_superseded_connection_and_nothing_sent_on_it_is_taken(
         push(&mut p, 1, 0, 0, &f),
         Outcome::Refused(ErrorCode::Superseded)
     );
-    assert_eq!(skip(&mut p, 1, 0, 0), Outcome::Refused(ErrorCode::Superseded));
+    assert_eq!(
+        skip(&mut p, 1, 0, 0),
+        Outcome::Refused(ErrorCode::Superseded)
+    );
     assert_eq!(p.pull(1, 0, 8, 0, F32, 0), Err(ShardError::Superseded(0)));
     assert_eq!(bits(&p), before);
     assert_eq!(p.core().clocks().clock_of(0), Some(0));
@@ -491,7 +509,11 @@ fn finished_workers_are_counted_by_distinct_rank_not_by_goodbye() {
         p.goodbye(conn, 0, 0, 0);
     }
     assert_eq!(p.stats().left, 2);
-    assert_eq!(p.stats().finished.len(), 1, "one identity finishing twice is one rank");
+    assert_eq!(
+        p.stats().finished.len(),
+        1,
+        "one identity finishing twice is one rank"
+    );
     p.hello(3, 1, 0, 0).unwrap();
     p.goodbye(3, 1, 0, 0);
     assert_eq!(
@@ -538,10 +560,36 @@ fn a_member_that_heartbeats_but_never_pushes_is_evicted_at_the_progress_deadline
         q.heartbeat(10, 0, now);
         q.heartbeat(11, 1, now);
         let f = frame(0, c);
-        assert_eq!(q.round(10, Round::Push(Push { worker: 0, clock: c, shard: 0, range: (0, N as u64), read_version: 0, payload: &f }), now).0, Outcome::Applied);
+        assert_eq!(
+            q.round(
+                10,
+                Round::Push(Push {
+                    worker: 0,
+                    clock: c,
+                    shard: 0,
+                    range: (0, N as u64),
+                    read_version: 0,
+                    payload: &f
+                }),
+                now
+            )
+            .0,
+            Outcome::Applied
+        );
         q.pull(10, 0, c, c + 1, F32, now).unwrap();
         assert!(q.tick(now).is_empty());
-        assert_eq!(q.round(11, Round::Skip { worker: 1, clock: c }, now).0, Outcome::Applied);
+        assert_eq!(
+            q.round(
+                11,
+                Round::Skip {
+                    worker: 1,
+                    clock: c
+                },
+                now
+            )
+            .0,
+            Outcome::Applied
+        );
         actions(&mut q);
     }
 }
@@ -563,7 +611,11 @@ fn a_snapshot_with_a_clock_beyond_the_maximum_is_refused_and_changes_nothing() {
         assert_eq!(fresh.version(), 0);
         assert_eq!(fresh.clocks().live(), 0);
         assert_eq!(
-            fresh.weights().iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            fresh
+                .weights()
+                .iter()
+                .map(|w| w.to_bits())
+                .collect::<Vec<_>>(),
             before
         );
     }

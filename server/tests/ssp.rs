@@ -241,7 +241,8 @@ impl Sim {
                 // No live member got more than s rounds ahead of this reader: none of their rounds above c + s is
                 // applied yet. (Rounds of members that left are history: with nobody live, a newcomer joins at the
                 // floor, which a lone member's rounds never move.)
-                let live_now = |v: usize, inc: u32| self.is_live(v) && self.workers[v].incarnation == inc;
+                let live_now =
+                    |v: usize, inc: u32| self.is_live(v) && self.workers[v].incarnation == inc;
                 if let Some(&(_, k, _)) = self
                     .applied
                     .iter()
@@ -574,9 +575,17 @@ fn min_clock_of_empty_table_is_the_floor_that_no_lone_worker_moves() {
 #[test]
 fn claims_are_bounded_by_the_other_live_workers_and_rounds_by_the_minimum() {
     let mut t = ClockTable::new(Staleness::Bounded(1), TIMEOUT);
-    assert_eq!(t.join_claiming(0, 1 << 40, 0), 0, "alone: the floor + s + 1 bounds the claim");
+    assert_eq!(
+        t.join_claiming(0, 1 << 40, 0),
+        0,
+        "alone: the floor + s + 1 bounds the claim"
+    );
     assert_eq!(t.join_claiming(1, 2, 0), 2, "worker 0's clock + s + 1");
-    assert_eq!(t.join_claiming(1, 3, 0), 2, "its own row does not raise its bound");
+    assert_eq!(
+        t.join_claiming(1, 3, 0),
+        2,
+        "its own row does not raise its bound"
+    );
     assert_eq!(t.claim_bound(0), 4);
     // Rounds: m = 0, s = 1: up to clock 2 may be taken.
     assert!(t.may_take(2) && !t.may_take(3));

@@ -165,7 +165,9 @@ impl Sim {
                         ));
                     }
                     if p.core().clocks().is_live(BEYOND) || p.core().clocks().is_evicted(BEYOND) {
-                        return Err(format!("a refused rank {BEYOND} left a row in shard {shard}'s table"));
+                        return Err(format!(
+                            "a refused rank {BEYOND} left a row in shard {shard}'s table"
+                        ));
                     }
                 }
             }
@@ -185,7 +187,9 @@ impl Sim {
             Ok(w) => w,
             Err(e) => {
                 if claim <= MAX_CLOCK {
-                    return Err(format!("shard {shard} refused the hostile hello at {claim}: {e}"));
+                    return Err(format!(
+                        "shard {shard} refused the hostile hello at {claim}: {e}"
+                    ));
                 }
                 return Ok(None);
             }
@@ -217,7 +221,12 @@ impl Sim {
     }
 
     /// A zero-gradient push (or a skip marker) of the hostile member for `shard` at `clock`.
-    fn hostile_frame(&mut self, shard: usize, clock: u64, skip: bool) -> Result<bytes::Bytes, String> {
+    fn hostile_frame(
+        &mut self,
+        shard: usize,
+        clock: u64,
+        skip: bool,
+    ) -> Result<bytes::Bytes, String> {
         let (start, end) = self.ranges(shard);
         let mut payload = Vec::new();
         if !skip {

@@ -588,8 +588,8 @@ impl Sim {
                 let conn = self.next_conn;
                 self.next_conn += 1;
                 let clocks = p.core().clocks();
-                let others_live = (0..=hostile::HOSTILE as u32)
-                    .any(|w| w != worker as u32 && clocks.is_live(w));
+                let others_live =
+                    (0..=hostile::HOSTILE as u32).any(|w| w != worker as u32 && clocks.is_live(w));
                 let own_before = clocks
                     .clocks()
                     .chain(clocks.evicted())

@@ -413,7 +413,11 @@ impl Sim {
             }
         }
         if outcome == Outcome::Applied && meta.skip {
-            self.shards[k].skipped.entry(w).or_default().insert(meta.clock);
+            self.shards[k]
+                .skipped
+                .entry(w)
+                .or_default()
+                .insert(meta.clock);
         }
         self.note(format!(
             "s{k} took w{w} round {} (skip {}) on conn {conn}: {outcome:?}",

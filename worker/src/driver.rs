@@ -475,8 +475,8 @@ impl Driver {
                 }
             }
             Inbound::Lost { shard, gen, error } => {
-                let superseded = error.remote_close_code()
-                    == Some(u64::from(ErrorCode::Superseded.code()));
+                let superseded =
+                    error.remote_close_code() == Some(u64::from(ErrorCode::Superseded.code()));
                 if superseded && current(&self.links, shard, gen) {
                     // A newer session of our rank took over at this shard (another process holds our identity):
                     // reconnecting would fight it, so this is a permanent refusal.

@@ -578,7 +578,11 @@ fn a_welcome_below_the_hello_fills_the_gap_with_skip_markers_then_resends() {
         s.outcome(0, c, Outcome::Applied);
     }
     let (t, _) = drain(&mut s);
-    assert_eq!(requests(&t).iter().filter(|(k, _, _)| *k == 0).count(), 1, "asked once the gap settled");
+    assert_eq!(
+        requests(&t).iter().filter(|(k, _, _)| *k == 0).count(),
+        1,
+        "asked once the gap settled"
+    );
     assert!(s.settled());
     // A shard that claims an absurd gap is refused instead of costing a skip marker per round.
     let mut far = connected(0);
