@@ -583,6 +583,7 @@ fn a_welcome_below_the_hello_fills_the_gap_with_skip_markers_then_resends() {
         1,
         "asked once the gap settled"
     );
+    s.outcome(1, 5, Outcome::Applied);
     assert!(s.settled());
     // A shard that claims an absurd gap is refused instead of costing a skip marker per round.
     let mut far = connected(0);
