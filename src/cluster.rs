@@ -251,7 +251,7 @@ impl LocalCluster {
         for s in &shards {
             while Instant::now() < deadline {
                 match s.stats().await {
-                    Ok((_, st, _)) if st.left >= u64::from(workers) => break,
+                    Ok((_, st, _)) if st.finished.len() >= workers as usize => break,
                     Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
                     Err(_) => break,
                 }

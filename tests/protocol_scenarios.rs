@@ -8,6 +8,7 @@
 
 mod sim;
 
+use sim::hostile::{Move, HOSTILE};
 use sim::{Faults, Phase, Sim, ROUNDS, SHARDS, TIMEOUT_MS, WORKERS};
 use tether::common::config::Staleness;
 
@@ -275,4 +276,102 @@ fn a_step_ten_times_the_timeout_is_not_silence() {
     for w in 0..WORKERS {
         assert_eq!(sim.protocol(w).stats().pushes_refused, 0);
     }
+}
+
+#[test]
+fn a_lone_hostile_members_clock_never_becomes_where_honest_workers_rejoin() {
+    // Issue 22's two-message brick, played against the real protocols: with every honest worker down, a hostile
+    // member says hello at 2^40, runs its clock up alone with a flood of skip markers and says goodbye. The honest
+    // workers restart and rejoin: the simulator's checker fails the run if one is welcomed above its claim, its own
+    // row and every honest clock, and the run must finish with every round in the weights once.
+    let mut sim = calm(21, 1);
+    sim.run_until(|s| (0..WORKERS).all(|w| s.protocol(w).clock() >= 2), STEPS)
+        .expect("the workers run");
+    for w in 0..WORKERS {
+        sim.crash_worker_for(w, 4 * TIMEOUT_MS);
+    }
+    sim.run_until(|s| s.shard(0).is_some_and(|p| p.live() == 0), STEPS)
+        .expect("shard 0 evicts the silent workers");
+    let honest = (0..WORKERS as u32)
+        .filter_map(|w| {
+            let p = sim.shard(0).expect("up");
+            p.core()
+                .clocks()
+                .evicted()
+                .find(|(v, _)| *v == w)
+                .map(|(_, c)| c)
+        })
+        .max()
+        .expect("evicted rows are kept");
+    sim.hostile(Move::Hello {
+        shard: 0,
+        claim: 1 << 40,
+    })
+    .expect("a configured rank joins");
+    let clock_of = |s: &Sim| {
+        s.shard(0)
+            .and_then(|p| p.core().clocks().clock_of(HOSTILE as u32))
+            .unwrap_or(0)
+    };
+    assert!(
+        clock_of(&sim) <= 2,
+        "the claim was bounded by the floor + s + 1"
+    );
+    for _ in 0..2 {
+        sim.hostile(Move::Flood {
+            shard: 0,
+            count: 16,
+            skips: true,
+        })
+        .expect("flood");
+        let target = clock_of(&sim) + 16;
+        sim.run_until(|s| clock_of(s) >= target, STEPS)
+            .expect("a lone member takes its own rounds");
+    }
+    let high = clock_of(&sim);
+    assert!(high > honest + 20);
+    sim.hostile(Move::Goodbye { shard: 0 }).expect("goodbye");
+    let p = sim.shard(0).expect("up");
+    assert_eq!(p.live(), 0);
+    assert!(
+        p.core().clocks().min_clock() <= honest,
+        "the join value {} is not the departed member's clock {high}",
+        p.core().clocks().min_clock()
+    );
+    sim.run().expect("the honest workers rejoin and finish");
+    for w in 0..WORKERS {
+        assert_eq!(sim.protocol(w).clock(), ROUNDS);
+    }
+}
+
+#[test]
+fn a_superseded_session_is_closed_and_its_late_rounds_change_nothing() {
+    let mut sim = calm(22, 1);
+    sim.run_until(|s| (0..WORKERS).all(|w| s.protocol(w).clock() >= 1), STEPS)
+        .expect("the workers run");
+    sim.hostile(Move::Hello { shard: 1, claim: 0 })
+        .expect("a configured rank joins");
+    let hostile_clock = |s: &Sim| {
+        s.shard(1)
+            .and_then(|p| p.core().clocks().clock_of(HOSTILE as u32))
+    };
+    let (before, clock) = (
+        sim.shard(1).expect("up").weights().to_vec(),
+        hostile_clock(&sim),
+    );
+    assert!(clock.is_some());
+    // A second session; the first one's late rounds are refused (the checker fails the run if one is applied).
+    sim.hostile(Move::Supersede { shard: 1 })
+        .expect("supersede");
+    let p = sim.shard(1).expect("up");
+    assert_eq!(
+        p.weights(),
+        &before[..],
+        "nothing from the old session changed a weight"
+    );
+    assert_eq!(hostile_clock(&sim), clock, "nor moved a clock");
+    sim.hostile(Move::Beyond { shard: 1 })
+        .expect("a rank beyond the configured workers is refused");
+    sim.run().expect("the honest workers finish");
+    assert_each_round_applied_once(&sim);
 }

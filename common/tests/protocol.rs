@@ -181,6 +181,7 @@ fn error_codes_are_stable() {
         (ErrorCode::UnexpectedMessage, 17),
         (ErrorCode::RolledBack, 18),
         (ErrorCode::ConfigMismatch, 19),
+        (ErrorCode::Superseded, 20),
     ];
     assert_eq!(table, expected);
     for (code, n) in expected {
@@ -188,7 +189,7 @@ fn error_codes_are_stable() {
         assert_eq!(code.close_code().into_inner(), u64::from(n));
     }
     assert_eq!(ErrorCode::from_code(0), None);
-    assert_eq!(ErrorCode::from_code(20), None);
+    assert_eq!(ErrorCode::from_code(21), None);
 }
 
 #[test]

@@ -123,7 +123,7 @@ fn main() {
                         payload: frame.clone(),
                     })
                     .expect("encode push");
-                    let outcome = addr.send(ApplyPush { body }).await.expect("push").expect("push valid");
+                    let outcome = addr.send(ApplyPush { conn: u64::from(w), body }).await.expect("push").expect("push valid");
                     assert_eq!(outcome, Outcome::Applied);
                     clock += 1;
                 }

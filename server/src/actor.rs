@@ -29,7 +29,7 @@ use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REAS
 pub const MAILBOX: usize = 64;
 
 /// A worker's hello on connection `conn` (the explicit rejoin at `clock`). `kick` is fired with a close code when
-/// the shard wants this connection closed (the worker was evicted).
+/// the shard wants this connection closed (the worker was evicted, or a newer session superseded it).
 #[derive(Message)]
 #[rtype(result = "Result<Welcome, ShardError>")]
 pub struct Hello {
@@ -78,6 +78,8 @@ pub struct Closed {
 #[derive(Message)]
 #[rtype(result = "Result<Outcome, ProtocolError>")]
 pub struct ApplyPush {
+    /// The connection it came on (a superseded one is refused).
+    pub conn: ConnId,
     /// The frame body, validated with `access_push` by the connection task (it is accessed again here, in place).
     pub body: AlignedVec,
 }
@@ -405,7 +407,7 @@ impl Handler<ApplyPush> for ShardActor {
         let now = self.now_ms();
         let frame = access_push(&msg.body)?;
         let meta = frame.meta();
-        let (outcome, applied) = self.proto.push_frame(frame, now);
+        let (outcome, applied) = self.proto.push_frame(msg.conn, frame, now);
         if let Some(m) = &self.metrics {
             if !meta.skip {
                 let fp32 = 4 * meta.range_end.saturating_sub(meta.range_start);

@@ -5,18 +5,35 @@
 //! Deterministic core: no actors, sockets, threads or clocks. Time comes in as `now_ms` arguments and the caller
 //! decides when to sweep for silent workers. Invariants:
 //! - a live worker's clock only moves forward, by exactly one per [`ClockTable::advance`];
-//! - `m` (the minimum over live workers) never decreases: workers (re)join at `max(own clock, m)` and eviction or
-//!   leaving can only raise the minimum;
+//! - a newcomer joins at the **join value**: `m` while some worker is live, otherwise the **floor**. A returning
+//!   worker joins at `max(own row, join value)`, so it never moves backwards;
+//! - the floor is the last minimum that held over at least two live workers (0 for a fresh table, the restored
+//!   minimum after a restore): one worker alone, whatever it claims, pushes or skips, never moves it, so the clock
+//!   of a departed (goodbye) or evicted worker never becomes the value newcomers join at;
+//! - a hello's clock claim is taken only up to [`ClockTable::claim_bound`]: the highest clock of the *other* live
+//!   workers (or the floor when none is live) plus `s + 1` (plus 1 when unbounded); a larger claim rejoins at `max(own row, join value)`
+//!   (the worker fills the gap with skip markers). A lone live member is the whole membership and may advance by
+//!   its own rounds; its clock is the join value only while it is live;
+//! - a round (push or skip) at clock `c` is taken only when `c ≤ m + s + 1` ([`ClockTable::may_take`]); an honest
+//!   worker pulls at `c` (gated by `m ≥ c − s`) before it pushes `c`, and the worker at `m` is never refused, so
+//!   catching up always progresses;
+//! - while some worker is live, `m` never decreases (joins are at `≥ m`, eviction and leaving only raise it); with
+//!   nobody live it falls back to the floor;
 //! - a pull for clock `c` passes [`ClockTable::can_answer`] only when the table is empty or `m ≥ c − s`, so the
 //!   clock lead `c − m` of an answered pull never exceeds `s`;
-//! - an evicted (silent) worker blocks nobody; it keeps its last clock so that a rejoin never moves it backwards,
-//!   also across a checkpoint and restore ([`ClockTable::evicted`], [`ClockTable::restore_evicted`]).
+//! - an evicted (silent or stalled) worker blocks nobody; it keeps its last clock so that a rejoin never moves it
+//!   backwards, also across a checkpoint and restore ([`ClockTable::evicted`], [`ClockTable::restore_evicted`]);
+//! - every clock in the table is at most [`MAX_CLOCK`]; a restore beyond it is refused ([`ClockError::Unbounded`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 use tether_common::config::Staleness;
+
+/// The largest clock the table holds or a peer may claim. Far beyond any real run (2^48 rounds), it keeps every
+/// `clock + 1` and `clock + s + 1` on peer-supplied values inside u64.
+pub const MAX_CLOCK: u64 = 1 << 48;
 
 /// Why a clock-table operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -43,6 +60,14 @@ pub enum ClockError {
         /// The clock it claimed.
         got: u64,
     },
+    /// A restored clock beyond [`MAX_CLOCK`] (a checkpoint no honest run can have written).
+    #[error("restored clock {clock} of worker {worker} exceeds the maximum {MAX_CLOCK}")]
+    Unbounded {
+        /// The worker.
+        worker: u32,
+        /// The clock in the snapshot.
+        clock: u64,
+    },
 }
 
 /// One worker's row in the table.
@@ -54,6 +79,8 @@ struct Row {
     last_seen: u64,
     /// False once evicted for silence; the row is kept so a rejoin never moves the clock backwards.
     live: bool,
+    /// Last time (ms) the clock moved or the worker (re)joined: the progress deadline counts from here.
+    progressed: u64,
 }
 
 /// Clocks of the workers known to one shard and the SSP gate over them.
@@ -63,8 +90,10 @@ pub struct ClockTable {
     timeout_ms: u64,
     rows: BTreeMap<u32, Row>,
     live: usize,
-    /// The minimum clock over live workers; when none is live, the last such minimum (the low-water mark).
+    /// The minimum clock over live workers; when none is live, the floor.
     min: u64,
+    /// The join value with nobody live: the last minimum over at least two live workers (see the invariants).
+    floor: u64,
 }
 
 impl ClockTable {
@@ -77,6 +106,7 @@ impl ClockTable {
             rows: BTreeMap::new(),
             live: 0,
             min: 0,
+            floor: 0,
         }
     }
 
@@ -90,17 +120,64 @@ impl ClockTable {
         self.timeout_ms
     }
 
-    /// (Re)joins `worker` and returns its starting clock: `max(own clock, m)`, so a new or returning worker starts at
-    /// the current minimum and a worker that is ahead (live, or evicted while ahead) never moves backwards.
+    /// The clock a newcomer joins at now: `m` while some worker is live, the floor otherwise.
+    pub fn join_value(&self) -> u64 {
+        if self.live == 0 {
+            self.floor
+        } else {
+            self.min
+        }
+    }
+
+    /// The floor: the clock newcomers join at when nobody is live (see the module's invariants).
+    pub fn floor(&self) -> u64 {
+        self.floor
+    }
+
+    /// The largest clock a hello of `worker` may claim: the highest clock of the *other* live workers, or the floor
+    /// when none is live, plus `s + 1` (plus 1 when staleness is unbounded: nothing gates a worker there, so
+    /// nothing lets one be ahead of every other; capped at [`MAX_CLOCK`]). The claimant's own row never raises it,
+    /// so repeated hellos cannot climb.
+    pub fn claim_bound(&self, worker: u32) -> u64 {
+        let ahead = match self.staleness {
+            Staleness::Bounded(s) => u64::from(s) + 1,
+            Staleness::Unbounded => 1,
+        };
+        let base = self
+            .rows
+            .iter()
+            .filter(|(w, row)| **w != worker && row.live)
+            .map(|(_, row)| row.clock)
+            .max()
+            .unwrap_or(self.floor);
+        base.saturating_add(ahead).min(MAX_CLOCK)
+    }
+
+    /// Whether a round (push or skip) at `clock` may be taken now: `clock ≤ m + s + 1` (always when unbounded or
+    /// nobody is live). The worker at `m` is never refused.
+    pub fn may_take(&self, clock: u64) -> bool {
+        match self.staleness {
+            Staleness::Unbounded => true,
+            Staleness::Bounded(s) => {
+                self.live == 0 || clock <= self.min.saturating_add(u64::from(s) + 1)
+            }
+        }
+    }
+
+    /// (Re)joins `worker` and returns its starting clock: `max(own clock, join value)`, so a new or returning worker
+    /// starts at the current minimum (the floor when nobody is live) and a worker that is ahead (live, or evicted
+    /// while ahead) never moves backwards.
     pub fn join(&mut self, worker: u32, now_ms: u64) -> u64 {
-        let m = self.min;
+        let j = self.join_value();
         let row = self.rows.entry(worker).or_insert(Row {
-            clock: m,
+            clock: j,
             last_seen: now_ms,
             live: false,
+            progressed: now_ms,
         });
-        row.clock = row.clock.max(m);
+        row.clock = row.clock.max(j);
         row.last_seen = row.last_seen.max(now_ms);
+        row.progressed = row.progressed.max(now_ms);
         let clock = row.clock;
         if !row.live {
             row.live = true;
@@ -108,6 +185,22 @@ impl ClockTable {
         }
         self.recompute_min();
         clock
+    }
+
+    /// (Re)joins `worker` claiming clock `claim` (a hello): the claim is taken when it is at most
+    /// [`claim_bound`](Self::claim_bound), otherwise the worker rejoins at `max(own clock, join value)` (it then
+    /// fills the rounds up to its claim with skip markers). Returns its clock.
+    pub fn join_claiming(&mut self, worker: u32, claim: u64, now_ms: u64) -> u64 {
+        let bound = self.claim_bound(worker);
+        let joined = self.join(worker, now_ms);
+        if claim > joined && claim <= bound {
+            if let Some(row) = self.rows.get_mut(&worker) {
+                row.clock = claim;
+            }
+            self.recompute_min();
+            return claim;
+        }
+        joined
     }
 
     /// Records that `worker` is alive at `now_ms`; ignored for workers that are not live (they must [`join`](Self::join)).
@@ -140,6 +233,7 @@ impl ClockTable {
         let was_min = row.clock == self.min;
         row.clock = clock;
         row.last_seen = row.last_seen.max(now_ms);
+        row.progressed = row.progressed.max(now_ms);
         if was_min {
             self.recompute_min();
         }
@@ -173,9 +267,36 @@ impl ClockTable {
         evicted
     }
 
-    /// `m`, the minimum clock over live workers. With no live worker it is the low-water mark: the last minimum
-    /// while some worker was live (0 for a fresh table), which is also the clock a newcomer would join at. It is
-    /// never `u64::MAX`; use [`can_answer`](Self::can_answer), which treats an empty table as never blocking.
+    /// Evicts every live worker that sits at the minimum clock and has not moved for `progress_timeout_ms`
+    /// (`now_ms − progressed ≥ progress_timeout_ms`) while some other live worker is ahead of it, and returns them
+    /// in ascending order. The caller decides when this applies (a pull waiting on the gate): a member that only
+    /// heartbeats cannot hold the gate for ever. Evicted workers keep their rows, like silent ones.
+    pub fn evict_stalled(&mut self, now_ms: u64, progress_timeout_ms: u64) -> Vec<u32> {
+        let m = self.min;
+        let ahead = self.rows.values().any(|row| row.live && row.clock > m);
+        if self.live == 0 || !ahead {
+            return Vec::new();
+        }
+        let mut evicted = Vec::new();
+        for (&worker, row) in &mut self.rows {
+            if row.live
+                && row.clock == m
+                && now_ms.saturating_sub(row.progressed) >= progress_timeout_ms
+            {
+                row.live = false;
+                evicted.push(worker);
+            }
+        }
+        if !evicted.is_empty() {
+            self.live -= evicted.len();
+            self.recompute_min();
+        }
+        evicted
+    }
+
+    /// `m`, the minimum clock over live workers. With no live worker it is the floor, the clock a newcomer would
+    /// join at (see the module's invariants). It is never `u64::MAX`; use [`can_answer`](Self::can_answer), which
+    /// treats an empty table as never blocking.
     pub fn min_clock(&self) -> u64 {
         self.min
     }
@@ -240,55 +361,67 @@ impl ClockTable {
         }
     }
 
-    /// Raises a live worker's clock to `clock` (never lowers it): a worker announcing its clock after a server
-    /// restart, or after refusing to push a round. Unknown or evicted workers are joined first.
-    pub fn raise(&mut self, worker: u32, clock: u64, now_ms: u64) {
-        self.join(worker, now_ms);
-        if let Some(row) = self.rows.get_mut(&worker) {
-            row.clock = row.clock.max(clock);
-        }
-        self.recompute_min();
-    }
-
     /// Restores a worker's clock from a checkpoint manifest: the worker is live as of `now_ms` at `clock`, so a
-    /// restarted shard waits for it (up to the timeout) exactly as before the crash.
-    pub fn restore(&mut self, worker: u32, clock: u64, now_ms: u64) {
+    /// restarted shard waits for it (up to the timeout) exactly as before the crash. A clock beyond [`MAX_CLOCK`]
+    /// is refused and changes nothing. The floor becomes the restored minimum once two workers are restored.
+    pub fn restore(&mut self, worker: u32, clock: u64, now_ms: u64) -> Result<(), ClockError> {
+        if clock > MAX_CLOCK {
+            return Err(ClockError::Unbounded { worker, clock });
+        }
         let row = self.rows.entry(worker).or_insert(Row {
             clock,
             last_seen: now_ms,
             live: false,
+            progressed: now_ms,
         });
         row.clock = clock;
         row.last_seen = now_ms;
+        row.progressed = now_ms;
         if !row.live {
             row.live = true;
             self.live += 1;
         }
         self.recompute_min();
+        Ok(())
     }
 
     /// Restores the row of a worker that was evicted when the checkpoint was taken: it stays evicted (it blocks
     /// nobody) and keeps `clock`, so that its rejoin never moves it below rounds the checkpoint's weights hold. A
-    /// worker already in the table keeps its row.
-    pub fn restore_evicted(&mut self, worker: u32, clock: u64, now_ms: u64) {
+    /// worker already in the table keeps its row; a clock beyond [`MAX_CLOCK`] is refused and changes nothing.
+    pub fn restore_evicted(
+        &mut self,
+        worker: u32,
+        clock: u64,
+        now_ms: u64,
+    ) -> Result<(), ClockError> {
+        if clock > MAX_CLOCK {
+            return Err(ClockError::Unbounded { worker, clock });
+        }
         self.rows.entry(worker).or_insert(Row {
             clock,
             last_seen: now_ms,
             live: false,
+            progressed: now_ms,
         });
+        Ok(())
     }
 
     fn recompute_min(&mut self) {
-        if let Some(m) = self
+        let mut live = self
             .rows
             .values()
             .filter(|row| row.live)
-            .map(|row| row.clock)
-            .min()
-        {
-            self.min = m;
+            .map(|row| row.clock);
+        match live.next() {
+            Some(first) => {
+                self.min = live.fold(first, u64::min);
+                // One worker alone never moves the floor: only a minimum over two or more is evidence.
+                if self.live >= 2 {
+                    self.floor = self.floor.max(self.min);
+                }
+            }
+            None => self.min = self.floor,
         }
-        // With nobody live the low-water mark stays where it was.
     }
 }
 

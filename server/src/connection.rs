@@ -148,7 +148,13 @@ pub async fn serve_connection(
     let (sender, receiver) = control.split();
     let (out_tx, out_rx) = mpsc::channel(CONTROL_QUEUE);
     let writer = tokio::spawn(control_writer(sender, out_rx));
-    let pushes = tokio::spawn(push_loop(conn.clone(), ctx.clone(), worker, out_tx.clone()));
+    let pushes = tokio::spawn(push_loop(
+        conn.clone(),
+        ctx.clone(),
+        id,
+        worker,
+        out_tx.clone(),
+    ));
     let connection = WorkerConnection {
         conn: conn.clone(),
         ctx: ctx.clone(),
@@ -160,9 +166,13 @@ pub async fn serve_connection(
     tokio::select! {
         _ = connection.control_loop(receiver) => {}
         code = kick_rx => match code {
+            Ok(Some(ErrorCode::Superseded)) => {
+                info!(shard = ctx.shard, worker, "closing a connection a newer session of its worker superseded");
+                close_with(&conn, ErrorCode::Superseded, "superseded by a newer session of this worker");
+            }
             Ok(Some(code)) => {
                 info!(shard = ctx.shard, worker, ?code, "closing the connection of an evicted worker");
-                close_with(&conn, code, "evicted for silence: reconnect and rejoin");
+                close_with(&conn, code, "evicted: reconnect and rejoin");
             }
             Ok(None) => {
                 info!(shard = ctx.shard, worker, "worker left");
@@ -316,6 +326,7 @@ impl WorkerConnection {
 async fn push_loop(
     conn: quinn::Connection,
     ctx: Arc<ConnectionContext>,
+    id: ConnId,
     worker: u32,
     out: mpsc::Sender<Control>,
 ) {
@@ -357,7 +368,14 @@ async fn push_loop(
             close_with(&conn, ErrorCode::Unauthorized, "push names another worker");
             return;
         }
-        let outcome = match ctx.shard_actor.send(ApplyPush { body: frame.body }).await {
+        let outcome = match ctx
+            .shard_actor
+            .send(ApplyPush {
+                conn: id,
+                body: frame.body,
+            })
+            .await
+        {
             Ok(Ok(o)) => o,
             Ok(Err(p)) => {
                 reject(&conn, None, &p).await;

@@ -67,7 +67,9 @@ impl Error {
             Error::Protocol(e) => Some(e.code()),
             Error::Net(e) => e.code(),
             Error::ActorGone => Some(ErrorCode::Shutdown),
-            Error::Optim(_)
+            // A restored clock beyond the maximum is a bad checkpoint, a local failure.
+            Error::Clock(ClockError::Unbounded { .. })
+            | Error::Optim(_)
             | Error::Checkpoint(_)
             | Error::CheckpointKey(_)
             | Error::Remote(_)

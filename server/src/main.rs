@@ -46,7 +46,8 @@ struct Cli {
     /// Reject gradients whose norm exceeds this multiple of the running median (0 = off).
     #[arg(long, default_value_t = 0.0)]
     spike_factor: f32,
-    /// Exit (with a final checkpoint) once this many workers have finished and left (0 = run until SIGTERM).
+    /// Exit (with a final checkpoint) once this many distinct configured ranks have finished and left (0 = run until
+    /// SIGTERM).
     #[arg(long, default_value_t = 0)]
     exit_after_workers: u32,
 }
@@ -323,7 +324,8 @@ async fn wait_for_end(running: &tether_server::node::RunningShard, exit_after_wo
         loop {
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             match running.stats().await {
-                Ok((_, stats, _)) if stats.left >= u64::from(exit_after_workers) => return,
+                // Distinct ranks that finished, not goodbyes: one identity saying goodbye twice counts once.
+                Ok((_, stats, _)) if stats.finished.len() >= exit_after_workers as usize => return,
                 Ok(_) => {}
                 Err(_) => return,
             }

@@ -25,7 +25,7 @@ use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
 use crate::remote::RemoteStore;
-use crate::shard::{ShardCore, ShardSpec, ShardStats};
+use crate::shard::{Membership, ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
 
 /// How to start one shard.
@@ -196,6 +196,10 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     core.set_public(cfg.compression.pull_codec(), lineage);
     core.set_push_scale(update_rule::push_scale(cfg));
     core.set_rollback(&cfg.rollback);
+    core.set_membership(Membership {
+        workers: Some(cfg.cluster.workers),
+        progress_timeout_ms: cfg.cluster.progress_timeout_ms,
+    });
     let range = core.range();
     let limits =
         FrameLimits::for_codec(&cfg.compression.codec(), (range.end - range.start) as usize);

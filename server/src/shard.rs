@@ -7,7 +7,7 @@
 //! passed: their reported losses go to the spike detector, a snapshot is kept at each boundary, and an alarm restores
 //! weights and optimizer state from the snapshot of the same round on every shard (see [`crate::rollback`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 
 use tether_common::codec::{CodecConfig, CodecError, Decoder, Rounding, Scheme};
@@ -122,6 +122,17 @@ pub enum ShardError {
         /// Version the worker read.
         found: u64,
     },
+    /// The message came on a connection a newer hello of the same worker replaced.
+    #[error("worker {0} spoke on a connection its newer session superseded")]
+    Superseded(u32),
+    /// The rank is not one of the configured workers (`0..workers`).
+    #[error("rank {worker} is not a configured worker (cluster.workers = {workers})")]
+    UnknownRank {
+        /// The rank in the hello.
+        worker: u32,
+        /// The configured number of workers.
+        workers: u32,
+    },
 }
 
 impl From<ClockError> for ShardError {
@@ -130,6 +141,12 @@ impl From<ClockError> for ShardError {
             ClockError::UnknownWorker { worker } | ClockError::Evicted { worker } => {
                 ShardError::NotMember(worker)
             }
+            // Only restores produce it; a peer's clock beyond the maximum is a clock from the future.
+            ClockError::Unbounded { worker, clock } => ShardError::ClockFromFuture {
+                worker,
+                expected: MAX_CLOCK,
+                found: clock,
+            },
             ClockError::NotNext {
                 worker,
                 expected,
@@ -169,13 +186,15 @@ impl ShardError {
             ShardError::NotMember(_) => ErrorCode::Evicted,
             ShardError::Overloaded => ErrorCode::Overloaded,
             ShardError::RolledBack { .. } => ErrorCode::RolledBack,
+            ShardError::Superseded(_) => ErrorCode::Superseded,
+            ShardError::UnknownRank { .. } => ErrorCode::Unauthorized,
         }
     }
 }
 
 /// Every label [`reject_reason`] returns (the metric's series are created at start, at 0, so that rates and alerts
 /// see them before the first rejection).
-pub const REJECT_REASONS: [&str; 11] = [
+pub const REJECT_REASONS: [&str; 13] = [
     "wrong_shard",
     "bad_range",
     "bad_frame",
@@ -187,6 +206,8 @@ pub const REJECT_REASONS: [&str; 11] = [
     "norm_spike",
     "overloaded",
     "rolled_back",
+    "superseded",
+    "unknown_rank",
 ];
 
 /// Why a push was rejected, as a metric label.
@@ -203,12 +224,12 @@ pub fn reject_reason(e: &ShardError) -> &'static str {
         ShardError::NormSpike { .. } => "norm_spike",
         ShardError::Overloaded => "overloaded",
         ShardError::RolledBack { .. } => "rolled_back",
+        ShardError::Superseded(_) => "superseded",
+        ShardError::UnknownRank { .. } => "unknown_rank",
     }
 }
 
-/// The largest clock a peer may claim. Far beyond any real run (2^48 rounds), it keeps every `clock + 1` and
-/// `clock + s` on peer-supplied values inside u64.
-pub const MAX_CLOCK: u64 = 1 << 48;
+pub use crate::clock::MAX_CLOCK;
 
 /// `clock + 1` for a peer-supplied clock, as a typed error instead of an overflow.
 fn next_clock(worker: u32, clock: u64) -> Result<u64, ShardError> {
@@ -267,8 +288,12 @@ pub struct ShardStats {
     pub staleness: StalenessHistogram,
     /// Largest clock lead at a pull answer.
     pub max_lead: u64,
-    /// Workers that finished and left.
+    /// Goodbyes taken: workers that finished and left (a rank that leaves twice counts twice).
     pub left: u64,
+    /// The distinct ranks that finished and left (what `--exit-after-workers` counts).
+    pub finished: BTreeSet<u32>,
+    /// Workers evicted for holding the gate without progress (see [`ClockTable::evict_stalled`]).
+    pub stalled_evictions: u64,
     /// Loss-spike rollbacks carried out, oldest first.
     pub rollbacks: Vec<RollbackRecord>,
     /// Alarms with no snapshot of the target round to restore.
@@ -359,6 +384,27 @@ pub struct ShardCore {
     push_scale: f32,
     /// Loss-spike rollback, when enabled.
     rollback: Option<RollbackState>,
+    /// Who may join and how long a member may hold the gate without progress.
+    membership: Membership,
+}
+
+/// Who may join a shard and how long a member may hold the SSP gate without progress (from `[cluster]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Membership {
+    /// Ranks `0..workers` may join (`None`: any rank, for tests and benches that build a bare core).
+    pub workers: Option<u32>,
+    /// A live worker at the minimum clock that has not moved for this long while a pull waits on the gate is
+    /// evicted (`cluster.progress_timeout_ms`; `u64::MAX`: never).
+    pub progress_timeout_ms: u64,
+}
+
+impl Default for Membership {
+    fn default() -> Self {
+        Self {
+            workers: None,
+            progress_timeout_ms: u64::MAX,
+        }
+    }
 }
 
 /// Parameters to build a shard.
@@ -404,6 +450,7 @@ impl ShardCore {
             lineage: layout.hash() ^ u64::from(spec.shard),
             push_scale: 1.0,
             rollback: None,
+            membership: Membership::default(),
             weights,
         }
     }
@@ -419,6 +466,16 @@ impl ShardCore {
             )
         });
         self.settle_rounds();
+    }
+
+    /// Sets who may join and the progress deadline (the node sets them from `[cluster]`).
+    pub fn set_membership(&mut self, membership: Membership) {
+        self.membership = membership;
+    }
+
+    /// Who may join and the progress deadline.
+    pub fn membership(&self) -> Membership {
+        self.membership
     }
 
     /// The rollback bookkeeping, when enabled.
@@ -610,29 +667,41 @@ impl ShardCore {
         self.clocks.join(worker, now_ms)
     }
 
-    /// A worker (re)joins claiming it is at `clock` (after a server restart it may be ahead of the restored table);
-    /// its clock becomes the larger of the two. This explicit rejoin is the only way a clock moves without a push or
-    /// a skip. A claim past [`MAX_CLOCK`] is refused and changes nothing. Returns its clock.
+    /// A worker (re)joins claiming it is at `clock` (after a server restart it may be ahead of the restored table).
+    /// A rank outside the configured workers, or a claim past [`MAX_CLOCK`], is refused and changes nothing. A claim
+    /// up to [`ClockTable::claim_bound`] is taken; a larger one rejoins at `max(own row, join value)` and the worker
+    /// fills the gap with skip markers. This explicit rejoin is the only way a clock moves without a push or a skip.
+    /// Returns its clock.
     pub fn join_at(&mut self, worker: u32, clock: u64, now_ms: u64) -> Result<u64, ShardError> {
+        if let Some(workers) = self.membership.workers.filter(|n| worker >= *n) {
+            return Err(ShardError::UnknownRank { worker, workers });
+        }
         if clock > MAX_CLOCK {
             return Err(ShardError::ClockFromFuture {
                 worker,
-                expected: self.clocks.min_clock(),
+                expected: self.clocks.claim_bound(worker),
                 found: clock,
             });
         }
-        let joined = self.clocks.join(worker, now_ms);
-        if clock > joined {
-            self.clocks.raise(worker, clock, now_ms);
+        let joined = self.clocks.join_claiming(worker, clock, now_ms);
+        if joined < clock {
+            tracing::info!(
+                shard = self.shard,
+                worker,
+                claimed = clock,
+                joined,
+                "clock claim beyond the bound: rejoined at the shard's value"
+            );
         }
         self.settle_rounds();
-        Ok(self.clocks.clock_of(worker).unwrap_or(joined))
+        Ok(joined)
     }
 
     /// A worker leaves cleanly (it finished): nobody waits on it any more.
     pub fn leave(&mut self, worker: u32) {
         self.clocks.leave(worker);
         self.stats.left += 1;
+        self.stats.finished.insert(worker);
         self.settle_rounds();
     }
 
@@ -645,6 +714,19 @@ impl ShardCore {
     pub fn evict_silent(&mut self, now_ms: u64) -> Vec<u32> {
         let evicted = self.clocks.evict_silent(now_ms);
         if !evicted.is_empty() {
+            self.settle_rounds();
+        }
+        evicted
+    }
+
+    /// Evicts the workers at the minimum clock that made no progress for the progress deadline (call it while a
+    /// pull waits on the gate): a member that heartbeats but never pushes cannot hold the gate for ever.
+    pub fn evict_stalled(&mut self, now_ms: u64) -> Vec<u32> {
+        let evicted = self
+            .clocks
+            .evict_stalled(now_ms, self.membership.progress_timeout_ms);
+        if !evicted.is_empty() {
+            self.stats.stalled_evictions += evicted.len() as u64;
             self.settle_rounds();
         }
         evicted
@@ -671,7 +753,7 @@ impl ShardCore {
                 found: clock,
             });
         }
-        if clock > current {
+        if clock > current || !self.clocks.may_take(clock) {
             return Err(ShardError::ClockFromFuture {
                 worker,
                 expected: current,
@@ -826,24 +908,30 @@ impl ShardCore {
         }
     }
 
-    /// Restores weights, optimizer state and version from a verified snapshot of this shard.
-    pub fn restore(
-        &mut self,
-        snap: ShardSnapshot,
-        now_ms: u64,
-    ) -> Result<(), crate::optim::OptimError> {
+    /// Restores weights, optimizer state and version from a verified snapshot of this shard. A snapshot whose clock
+    /// table holds a clock beyond [`MAX_CLOCK`] is refused before anything changes.
+    pub fn restore(&mut self, snap: ShardSnapshot, now_ms: u64) -> Result<(), crate::error::Error> {
+        if let Some(&(worker, clock)) = snap
+            .clocks
+            .iter()
+            .chain(snap.evicted.iter())
+            .find(|(_, c)| *c > MAX_CLOCK)
+        {
+            return Err(ClockError::Unbounded { worker, clock }.into());
+        }
         self.optimizer.restore(snap.opt_steps, snap.slots)?;
         self.weights = snap.weights;
         self.version = snap.version;
         self.restored = true;
         self.public = None;
+        // Every clock was checked against MAX_CLOCK above, so these restores cannot fail.
         for (w, c) in snap.clocks {
-            self.clocks.restore(w, c, now_ms);
+            self.clocks.restore(w, c, now_ms)?;
         }
         // An evicted worker's clock covers rounds these weights hold: forgetting it would let its rejoin go back to
         // the minimum clock and a resend of such a round apply twice.
         for (w, c) in snap.evicted {
-            self.clocks.restore_evicted(w, c, now_ms);
+            self.clocks.restore_evicted(w, c, now_ms)?;
         }
         // In-memory snapshots and reported losses belong to the trajectory before the restore.
         if let Some(rb) = self.rollback.as_mut() {
@@ -891,6 +979,11 @@ mod tests {
             },
             ShardError::Overloaded,
             ShardError::RolledBack { since: 2, found: 1 },
+            ShardError::Superseded(0),
+            ShardError::UnknownRank {
+                worker: 9,
+                workers: 2,
+            },
         ];
         let labels: Vec<&str> = errors.iter().map(reject_reason).collect();
         assert_eq!(labels, REJECT_REASONS);

@@ -84,7 +84,15 @@ async fn push(
         payload: gradient(n, worker, clock),
     })
     .unwrap();
-    match addr.send(ApplyPush { body }).await.unwrap().unwrap() {
+    match addr
+        .send(ApplyPush {
+            conn: u64::from(worker),
+            body,
+        })
+        .await
+        .unwrap()
+        .unwrap()
+    {
         Outcome::Applied => Ok(addr.send(GetStats).await.unwrap().0),
         other => Err(other),
     }
@@ -390,8 +398,11 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
     let (v, resumed) = addr.send(GetWeights).await.unwrap();
     assert_eq!(v, 8);
     assert_eq!(bits(&resumed), bits(&weights));
-    // Workers carry on at clock 4 without rejoining (their clocks were restored), and the run continues identically
-    // to an uninterrupted core fed the same pushes.
+    // Workers reconnect (their connections died with the shard) and rejoin at their restored clock 4, and the run
+    // continues identically to an uninterrupted core fed the same pushes.
+    for w in 0..2u32 {
+        assert_eq!(join(&addr, w).await, 4);
+    }
     let n = layout().len();
     for clock in 0..6u64 {
         for w in 0..2u32 {

@@ -13,7 +13,7 @@ use tether_common::testing::{flat_layout, sgd};
 
 const F32: PullMode = PullMode::Full(Precision::F32);
 use tether_server::protocol::{Action, Round, ShardProtocol, MAX_PARKED_PER_WORKER};
-use tether_server::shard::{Push, ShardCore, ShardError, ShardSpec, MAX_CLOCK};
+use tether_server::shard::{Membership, Push, ShardCore, ShardError, ShardSpec, MAX_CLOCK};
 
 const N: usize = 8;
 const TIMEOUT: u64 = 1_000;
@@ -67,7 +67,8 @@ fn frame(worker: u32, clock: u64) -> Vec<u8> {
     out
 }
 
-fn push(p: &mut ShardProtocol, worker: u32, clock: u64, payload: &[u8]) -> Outcome {
+/// A push of `worker` on connection `conn`.
+fn push(p: &mut ShardProtocol, conn: u64, worker: u32, clock: u64, payload: &[u8]) -> Outcome {
     let round = Round::Push(Push {
         worker,
         clock,
@@ -76,7 +77,12 @@ fn push(p: &mut ShardProtocol, worker: u32, clock: u64, payload: &[u8]) -> Outco
         read_version: 0,
         payload,
     });
-    p.round(round, 0).0
+    p.round(conn, round, 0).0
+}
+
+/// A skip marker of `worker` on connection `conn`.
+fn skip(p: &mut ShardProtocol, conn: u64, worker: u32, clock: u64) -> Outcome {
+    p.round(conn, Round::Skip { worker, clock }, 0).0
 }
 
 fn actions(p: &mut ShardProtocol) -> Vec<Action> {
@@ -98,7 +104,7 @@ fn pulls_check_membership_connection_and_clock() {
     p.hello(7, 0, 0, 0).unwrap();
     assert_eq!(
         p.pull(8, 0, 1, 0, F32, 0),
-        Err(ShardError::NotMember(0)),
+        Err(ShardError::Superseded(0)),
         "not the worker's connection"
     );
     // Own clock 0, s = 1: pulls for clocks 0..=2 are possible, 3 is not, u64::MAX overflows nothing.
@@ -114,7 +120,7 @@ fn pulls_check_membership_connection_and_clock() {
         matches!(actions(&mut p).as_slice(), [Action::Answer { pull: a, .. }] if a.request == 1)
     );
     let f = frame(0, 0);
-    assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
+    assert_eq!(push(&mut p, 7, 0, 0, &f), Outcome::Applied);
     assert!(matches!(
         p.pull(7, 0, 2, 0, F32, 0),
         Err(ShardError::Replay { .. })
@@ -152,15 +158,11 @@ fn a_rejoin_past_max_clock_is_refused_and_changes_nothing() {
     // A push at the largest clock fails with a typed error (no overflow, in debug builds too).
     let f = frame(0, 0);
     assert!(matches!(
-        push(&mut p, 0, u64::MAX, &f),
+        push(&mut p, 0, 0, u64::MAX, &f),
         Outcome::Refused(ErrorCode::ClockFromFuture)
     ));
-    let skip = Round::Skip {
-        worker: 0,
-        clock: u64::MAX,
-    };
     assert!(matches!(
-        p.round(skip, 0).0,
+        skip(&mut p, 0, 0, u64::MAX),
         Outcome::Refused(ErrorCode::ClockFromFuture)
     ));
     assert_eq!(p.core().version(), 0);
@@ -173,11 +175,11 @@ fn a_round_from_the_future_is_refused_and_changes_nothing() {
     let mut p = proto(Staleness::Bounded(1));
     p.hello(0, 0, 0, 0).unwrap();
     let f0 = frame(0, 0);
-    assert_eq!(push(&mut p, 0, 0, &f0), Outcome::Applied);
+    assert_eq!(push(&mut p, 0, 0, 0, &f0), Outcome::Applied);
     let after = bits(&p);
     let f5 = frame(0, 5);
     assert_eq!(
-        push(&mut p, 0, 5, &f5),
+        push(&mut p, 0, 0, 5, &f5),
         Outcome::Refused(ErrorCode::ClockFromFuture)
     );
     assert_eq!(bits(&p), after);
@@ -187,12 +189,18 @@ fn a_round_from_the_future_is_refused_and_changes_nothing() {
 
 #[test]
 fn a_rejoin_that_jumps_over_rounds_refuses_them_later() {
-    let mut p = proto(Staleness::Bounded(0));
+    let mut p = proto(Staleness::Bounded(1));
     p.hello(0, 0, 0, 0).unwrap();
-    // Worker 0 rejoins at clock 3 (explicit): rounds 0..3 were never applied, a late copy is refused.
+    p.hello(5, 1, 0, 0).unwrap();
+    assert_eq!(skip(&mut p, 5, 1, 0), Outcome::Applied);
+    // Worker 0 rejoins at clock 3 (explicit, within worker 1's clock + s + 1): rounds 0..3 were never applied, a
+    // late copy is refused.
     assert_eq!(p.hello(1, 0, 3, 0).unwrap().clock, 3);
     let f = frame(0, 1);
-    assert_eq!(push(&mut p, 0, 1, &f), Outcome::Refused(ErrorCode::Replay));
+    assert_eq!(
+        push(&mut p, 1, 0, 1, &f),
+        Outcome::Refused(ErrorCode::Replay)
+    );
     assert_eq!(p.core().version(), 0);
 }
 
@@ -205,7 +213,7 @@ fn a_restart_from_a_checkpoint_keeps_an_evicted_workers_clock() {
     p.hello(11, 1, 0, 0).unwrap();
     // Worker 1's round 0 is applied; its outcome is lost with the link, so the round stays pending at the worker.
     let f = frame(1, 0);
-    assert_eq!(push(&mut p, 1, 0, &f), Outcome::Applied);
+    assert_eq!(push(&mut p, 11, 1, 0, &f), Outcome::Applied);
     let applied = bits(&p);
     // Worker 1 falls silent past the timeout and is evicted; worker 0 heartbeats.
     for now in (100..=TIMEOUT).step_by(100) {
@@ -224,7 +232,7 @@ fn a_restart_from_a_checkpoint_keeps_an_evicted_workers_clock() {
     // Worker 1 rejoins at its oldest unsettled round and resends it: the rejoin lands past the round the weights
     // hold, and the resend changes nothing.
     assert_eq!(p.hello(20, 1, 0, 2 * TIMEOUT).unwrap().clock, 1);
-    assert_ne!(push(&mut p, 1, 0, &f), Outcome::Applied);
+    assert_ne!(push(&mut p, 20, 1, 0, &f), Outcome::Applied);
     assert_eq!(bits(&p), applied);
     assert_eq!(p.core().version(), 1);
 }
@@ -235,7 +243,7 @@ fn eviction_refuses_the_evicted_pulls_and_closes_the_connection() {
     p.hello(10, 0, 0, 0).unwrap();
     p.hello(11, 1, 0, 0).unwrap();
     let f = frame(0, 0);
-    assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
+    assert_eq!(push(&mut p, 10, 0, 0, &f), Outcome::Applied);
     p.pull(10, 0, 5, 1, F32, 0).unwrap();
     p.pull(11, 1, 6, 0, F32, 0).unwrap();
     actions(&mut p); // worker 1's pull at 0 is answered at once
@@ -285,7 +293,7 @@ fn answers_come_out_as_finished_wire_replies_in_the_pulled_precision_and_mode() 
     );
     p.hello(1, 0, 0, 0).unwrap();
     let f = frame(0, 0);
-    assert_eq!(push(&mut p, 0, 0, &f), Outcome::Applied);
+    assert_eq!(push(&mut p, 1, 0, 0, &f), Outcome::Applied);
     let weights = p.core().weights().to_vec();
     assert!(weights.iter().any(|w| *w != 0.0));
     for (request, precision) in [(10, Precision::F32), (11, Precision::Bf16)] {
@@ -339,4 +347,276 @@ fn answers_come_out_as_finished_wire_replies_in_the_pulled_precision_and_mode() 
         (4 + 2 + 4) * N as u64,
         "values counted, headers not"
     );
+}
+
+// Issue 22: one compromised or broken node cannot stop the cluster. Each test below fails on the code before it.
+
+fn with_membership(staleness: Staleness, workers: u32, progress_timeout_ms: u64) -> ShardProtocol {
+    let mut c = core(staleness);
+    c.set_membership(Membership {
+        workers: Some(workers),
+        progress_timeout_ms,
+    });
+    ShardProtocol::new(c)
+}
+
+#[test]
+fn a_hello_claim_beyond_the_bound_rejoins_at_the_shards_value() {
+    let mut p = proto(Staleness::Bounded(2));
+    p.hello(10, 0, 0, 0).unwrap();
+    p.hello(11, 1, 0, 0).unwrap();
+    // Worker 1 claims 2^40: beyond worker 0's clock + s + 1, so it rejoins at its own row.
+    let w = p.hello(12, 1, 1 << 40, 0).unwrap();
+    assert_eq!(w.clock, 0);
+    assert_eq!(p.core().clocks().clock_of(1), Some(0));
+    // Up to worker 0's clock + s + 1 a claim is taken (an honest rejoin ahead after a shard restart).
+    assert_eq!(p.hello(13, 1, 3, 0).unwrap().clock, 3);
+    assert_eq!(
+        p.hello(14, 1, 4, 0).unwrap().clock,
+        3,
+        "its own row never raises the bound"
+    );
+    // Alone, a claim is bounded by the floor: nobody live to measure against.
+    let mut alone = proto(Staleness::Bounded(2));
+    assert_eq!(alone.hello(1, 5, 1 << 48, 0).unwrap().clock, 0);
+}
+
+#[test]
+fn a_departed_or_evicted_workers_clock_never_becomes_the_join_value() {
+    // The attack of the issue: one identity, alone on the shard, runs its clock up and leaves; every later
+    // newcomer would join there and every honest push would be refused for the shard's life.
+    for leave_by_goodbye in [true, false] {
+        let mut p = proto(Staleness::Bounded(2));
+        p.hello(1, 5, 0, 0).unwrap();
+        for c in 0..50 {
+            assert_eq!(
+                skip(&mut p, 1, 5, c),
+                Outcome::Applied,
+                "a lone member may advance"
+            );
+        }
+        if leave_by_goodbye {
+            p.goodbye(1, 5, 50, 0);
+        } else {
+            p.tick(TIMEOUT);
+        }
+        assert_eq!(p.live(), 0);
+        assert_eq!(
+            p.core().clocks().min_clock(),
+            0,
+            "the floor, not the departed clock"
+        );
+        let w = p.hello(2, 0, 0, TIMEOUT).unwrap();
+        assert_eq!(w.clock, 0);
+        let f = frame(0, 0);
+        assert_eq!(push(&mut p, 2, 0, 0, &f), Outcome::Applied);
+        assert_eq!(p.core().version(), 1);
+    }
+    // A minimum held over two live workers is evidence: it stays the join value after both leave.
+    let mut p = proto(Staleness::Bounded(2));
+    p.hello(1, 0, 0, 0).unwrap();
+    p.hello(2, 1, 0, 0).unwrap();
+    for c in 0..3 {
+        skip(&mut p, 1, 0, c);
+        skip(&mut p, 2, 1, c);
+    }
+    p.goodbye(1, 0, 3, 0);
+    p.goodbye(2, 1, 3, 0);
+    assert_eq!(p.live(), 0);
+    assert_eq!(p.hello(3, 2, 0, 0).unwrap().clock, 3);
+}
+
+#[test]
+fn rounds_more_than_s_plus_one_ahead_of_the_minimum_are_refused_and_change_nothing() {
+    let mut p = proto(Staleness::Bounded(1));
+    p.hello(10, 0, 0, 0).unwrap();
+    p.hello(11, 1, 0, 0).unwrap();
+    // Worker 0 floods pushes without pulling: rounds 0, 1 and 2 (m + s + 1 with m = 0) are taken, round 3 is not.
+    for c in 0..3 {
+        let f = frame(0, c);
+        assert_eq!(push(&mut p, 10, 0, c, &f), Outcome::Applied);
+    }
+    let before = bits(&p);
+    let f = frame(0, 3);
+    assert_eq!(
+        push(&mut p, 10, 0, 3, &f),
+        Outcome::Refused(ErrorCode::ClockFromFuture)
+    );
+    assert_eq!(
+        skip(&mut p, 10, 0, 3),
+        Outcome::Refused(ErrorCode::ClockFromFuture)
+    );
+    assert_eq!(bits(&p), before);
+    assert_eq!(p.core().version(), 3);
+    assert_eq!(p.core().clocks().clock_of(0), Some(3), "clock not advanced");
+    // The worker at the minimum is never refused; once it moves, the held-back round is taken.
+    assert_eq!(skip(&mut p, 11, 1, 0), Outcome::Applied);
+    assert_eq!(push(&mut p, 10, 0, 3, &f), Outcome::Applied);
+}
+
+#[test]
+fn a_new_hello_closes_the_superseded_connection_and_nothing_sent_on_it_is_taken() {
+    let mut p = proto(Staleness::Bounded(2));
+    p.hello(1, 0, 0, 0).unwrap();
+    p.pull(1, 0, 7, 0, F32, 0).unwrap();
+    actions(&mut p);
+    p.hello(2, 0, 0, 0).unwrap();
+    assert!(actions(&mut p).contains(&Action::Close {
+        conn: 1,
+        code: Some(ErrorCode::Superseded)
+    }));
+    let before = bits(&p);
+    let f = frame(0, 0);
+    assert_eq!(
+        push(&mut p, 1, 0, 0, &f),
+        Outcome::Refused(ErrorCode::Superseded)
+    );
+    assert_eq!(
+        skip(&mut p, 1, 0, 0),
+        Outcome::Refused(ErrorCode::Superseded)
+    );
+    assert_eq!(p.pull(1, 0, 8, 0, F32, 0), Err(ShardError::Superseded(0)));
+    assert_eq!(bits(&p), before);
+    assert_eq!(p.core().clocks().clock_of(0), Some(0));
+    assert_eq!(p.core().version(), 0);
+    // The newer session is heard.
+    assert_eq!(push(&mut p, 2, 0, 0, &f), Outcome::Applied);
+}
+
+#[test]
+fn ranks_beyond_the_configured_workers_are_refused_at_hello() {
+    let mut p = with_membership(Staleness::Bounded(2), 2, u64::MAX);
+    p.hello(1, 1, 0, 0).unwrap();
+    let e = p.hello(2, 999, 0, 0).unwrap_err();
+    assert_eq!(
+        e,
+        ShardError::UnknownRank {
+            worker: 999,
+            workers: 2
+        }
+    );
+    assert_eq!(e.code(), ErrorCode::Unauthorized);
+    assert!(e.to_string().contains("999") && e.to_string().contains("cluster.workers = 2"));
+    assert_eq!(p.live(), 1);
+    assert!(p.hello(3, 2, 0, 0).is_err(), "ranks are 0..workers");
+}
+
+#[test]
+fn finished_workers_are_counted_by_distinct_rank_not_by_goodbye() {
+    let mut p = with_membership(Staleness::Bounded(2), 2, u64::MAX);
+    for conn in [1, 2] {
+        p.hello(conn, 0, 0, 0).unwrap();
+        p.goodbye(conn, 0, 0, 0);
+    }
+    assert_eq!(p.stats().left, 2);
+    assert_eq!(
+        p.stats().finished.len(),
+        1,
+        "one identity finishing twice is one rank"
+    );
+    p.hello(3, 1, 0, 0).unwrap();
+    p.goodbye(3, 1, 0, 0);
+    assert_eq!(
+        p.stats().finished.iter().copied().collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+}
+
+#[test]
+fn a_member_that_heartbeats_but_never_pushes_is_evicted_at_the_progress_deadline() {
+    const PROGRESS: u64 = 10 * TIMEOUT;
+    let mut p = with_membership(Staleness::Bounded(0), 2, PROGRESS);
+    p.hello(10, 0, 0, 0).unwrap();
+    p.hello(11, 1, 0, 0).unwrap();
+    let f = frame(0, 0);
+    assert_eq!(push(&mut p, 10, 0, 0, &f), Outcome::Applied);
+    // Worker 1 heartbeats but never pushes; nobody waits on it yet: a slow round is not a stall.
+    for now in (100..=2 * PROGRESS).step_by(100) {
+        p.heartbeat(10, 0, now);
+        p.heartbeat(11, 1, now);
+        assert!(p.tick(now).is_empty(), "nobody waits: no eviction at {now}");
+    }
+    // Worker 0's pull at 1 now waits on worker 1, which has not moved for the deadline: it is evicted.
+    let t0 = 2 * PROGRESS;
+    p.pull(10, 0, 5, 1, F32, t0).unwrap();
+    assert_eq!(p.parked(), 1);
+    let evicted = p.tick(t0 + 100);
+    assert_eq!(evicted, vec![1]);
+    let acts = actions(&mut p);
+    assert!(acts.contains(&Action::Close {
+        conn: 11,
+        code: Some(ErrorCode::Evicted)
+    }));
+    assert!(acts
+        .iter()
+        .any(|a| matches!(a, Action::Answer { pull: r, .. } if r.request == 5)));
+    assert_eq!(p.stats().stalled_evictions, 1);
+    // A member that makes progress is never stalled out, however long the run.
+    let mut q = with_membership(Staleness::Bounded(0), 2, PROGRESS);
+    q.hello(10, 0, 0, 0).unwrap();
+    q.hello(11, 1, 0, 0).unwrap();
+    for c in 0..30u64 {
+        let now = c * (PROGRESS / 2);
+        q.heartbeat(10, 0, now);
+        q.heartbeat(11, 1, now);
+        let f = frame(0, c);
+        assert_eq!(
+            q.round(
+                10,
+                Round::Push(Push {
+                    worker: 0,
+                    clock: c,
+                    shard: 0,
+                    range: (0, N as u64),
+                    read_version: 0,
+                    payload: &f
+                }),
+                now
+            )
+            .0,
+            Outcome::Applied
+        );
+        q.pull(10, 0, c, c + 1, F32, now).unwrap();
+        assert!(q.tick(now).is_empty());
+        assert_eq!(
+            q.round(
+                11,
+                Round::Skip {
+                    worker: 1,
+                    clock: c
+                },
+                now
+            )
+            .0,
+            Outcome::Applied
+        );
+        actions(&mut q);
+    }
+}
+
+#[test]
+fn a_snapshot_with_a_clock_beyond_the_maximum_is_refused_and_changes_nothing() {
+    let p = proto(Staleness::Bounded(2));
+    for (live, evicted) in [
+        (vec![(0, MAX_CLOCK + 1)], vec![]),
+        (vec![(0, 1)], vec![(1, u64::MAX)]),
+    ] {
+        let mut snap = p.snapshot();
+        snap.version = 9;
+        snap.clocks = live;
+        snap.evicted = evicted;
+        let mut fresh = core(Staleness::Bounded(2));
+        let before: Vec<u32> = fresh.weights().iter().map(|w| w.to_bits()).collect();
+        assert!(fresh.restore(snap, 0).is_err());
+        assert_eq!(fresh.version(), 0);
+        assert_eq!(fresh.clocks().live(), 0);
+        assert_eq!(
+            fresh
+                .weights()
+                .iter()
+                .map(|w| w.to_bits())
+                .collect::<Vec<_>>(),
+            before
+        );
+    }
 }

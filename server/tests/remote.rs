@@ -447,7 +447,12 @@ fn a_shard_checkpoints_to_the_store_in_the_background_and_resumes_from_it() {
                 payload: payload.clone(),
             })
             .unwrap();
-            let o = shard.actor.send(ApplyPush { body }).await.unwrap().unwrap();
+            let o = shard
+                .actor
+                .send(ApplyPush { conn: 1, body })
+                .await
+                .unwrap()
+                .unwrap();
             assert_eq!(o, Outcome::Applied);
             clock += 1;
         }

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use proptest::prelude::*;
 use tether_common::config::Staleness;
 use tether_common::splitmix::{mix64, GAMMA};
-use tether_server::clock::{ClockError, ClockTable, StalenessHistogram};
+use tether_server::clock::{ClockError, ClockTable, StalenessHistogram, MAX_CLOCK};
 
 const TIMEOUT: u64 = 100;
 
@@ -59,7 +59,7 @@ struct Sim {
     /// Applied updates as (worker, round, incarnation): after a leave a worker restarts at m and may redo rounds.
     applied: BTreeSet<(usize, u64, u32)>,
     now: u64,
-    /// Reference low-water mark (min clock the last time anyone was live).
+    /// Reference floor: the last minimum clock over two or more live workers (the join value with nobody live).
     floor: u64,
     max_lead: u64,
     answered: u64,
@@ -238,8 +238,17 @@ impl Sim {
                         );
                     }
                 }
-                // Nobody got more than s rounds ahead of this reader: no round above c + s is applied yet.
-                if let Some(&(_, k, _)) = self.applied.iter().max_by_key(|(_, k, _)| *k) {
+                // No live member got more than s rounds ahead of this reader: none of their rounds above c + s is
+                // applied yet. (Rounds of members that left are history: with nobody live, a newcomer joins at the
+                // floor, which a lone member's rounds never move.)
+                let live_now =
+                    |v: usize, inc: u32| self.is_live(v) && self.workers[v].incarnation == inc;
+                if let Some(&(_, k, _)) = self
+                    .applied
+                    .iter()
+                    .filter(|(v, _, inc)| live_now(*v, *inc))
+                    .max_by_key(|(_, k, _)| *k)
+                {
                     assert!(
                         k <= c + s,
                         "round {k} applied before pull {c} answered (s={s})"
@@ -258,10 +267,18 @@ impl Sim {
     fn check_model(&mut self) {
         let live = (0..self.workers.len()).filter(|&w| self.is_live(w)).count();
         assert_eq!(self.table.live(), live);
-        if let Some(m) = self.ref_min() {
-            self.floor = m;
-        }
-        assert_eq!(self.table.min_clock(), self.floor);
+        // The floor is the last minimum over two or more live workers; with nobody live, m is the floor.
+        let m = match self.ref_min() {
+            Some(m) => {
+                if live >= 2 {
+                    self.floor = self.floor.max(m);
+                }
+                m
+            }
+            None => self.floor,
+        };
+        assert_eq!(self.table.min_clock(), m);
+        assert_eq!(self.table.floor(), self.floor);
         for w in 0..self.workers.len() {
             let want = self.is_live(w).then_some(self.workers[w].clock);
             assert_eq!(self.table.clock_of(w as u32), want, "clock of worker {w}");
@@ -530,18 +547,63 @@ fn rejoin_never_moves_a_clock_backwards() {
 }
 
 #[test]
-fn min_clock_of_empty_table_is_the_low_water_mark() {
+fn min_clock_of_empty_table_is_the_floor_that_no_lone_worker_moves() {
     let mut t = ClockTable::new(Staleness::Bounded(2), TIMEOUT);
     assert_eq!(t.min_clock(), 0);
     assert!(t.can_answer(u64::MAX));
+    // Alone, worker 5 runs its clock to 2 and leaves: its clock is not where newcomers start.
     t.join(5, 0);
     t.advance(5, 1, 1).unwrap();
     t.advance(5, 2, 2).unwrap();
     assert!(t.can_answer(4) && !t.can_answer(5));
     t.leave(5);
     assert_eq!(t.live(), 0);
-    assert_eq!(t.min_clock(), 2);
-    assert_eq!(t.join(9, 3), 2);
+    assert_eq!(t.min_clock(), 0);
+    assert_eq!(t.join(9, 3), 0);
+    // A minimum held over two live workers is the floor once both are gone (left or evicted).
+    t.join(8, 3);
+    for c in 1..=2 {
+        t.advance(8, c, 4).unwrap();
+        t.advance(9, c, 4).unwrap();
+    }
+    t.leave(8);
+    assert_eq!(t.evict_silent(4 + TIMEOUT), vec![9]);
+    assert_eq!((t.live(), t.min_clock(), t.floor()), (0, 2, 2));
+    assert_eq!(t.join(10, 5), 2);
+}
+
+#[test]
+fn claims_are_bounded_by_the_other_live_workers_and_rounds_by_the_minimum() {
+    let mut t = ClockTable::new(Staleness::Bounded(1), TIMEOUT);
+    assert_eq!(
+        t.join_claiming(0, 1 << 40, 0),
+        0,
+        "alone: the floor + s + 1 bounds the claim"
+    );
+    assert_eq!(t.join_claiming(1, 2, 0), 2, "worker 0's clock + s + 1");
+    assert_eq!(
+        t.join_claiming(1, 3, 0),
+        2,
+        "its own row does not raise its bound"
+    );
+    assert_eq!(t.claim_bound(0), 4);
+    // Rounds: m = 0, s = 1: up to clock 2 may be taken.
+    assert!(t.may_take(2) && !t.may_take(3));
+    assert_eq!(
+        t.restore(7, MAX_CLOCK + 1, 0),
+        Err(ClockError::Unbounded {
+            worker: 7,
+            clock: MAX_CLOCK + 1
+        })
+    );
+    assert_eq!(
+        t.restore_evicted(7, u64::MAX, 0),
+        Err(ClockError::Unbounded {
+            worker: 7,
+            clock: u64::MAX
+        })
+    );
+    assert!(!t.is_live(7) && !t.is_evicted(7));
 }
 
 #[test]

@@ -35,6 +35,7 @@
 #![allow(dead_code)] // each test binary uses a different subset of the verbs
 
 mod check;
+pub mod hostile;
 mod net;
 pub mod script;
 
@@ -47,7 +48,7 @@ use tether::common::layout::Layout;
 use tether::common::protocol::{Precision, PullMode};
 use tether::common::testing::{flat_layout, sgd, TestRng};
 use tether::server::protocol::{ConnId, ShardProtocol};
-use tether::server::shard::{ShardCore, ShardSpec};
+use tether::server::shard::{Membership, ShardCore, ShardSpec};
 use tether::worker::protocol::WorkerProtocol;
 
 use net::{Conn, Ev};
@@ -120,6 +121,9 @@ struct SimShard {
     newest_conn: BTreeMap<usize, ConnId>,
     /// Evictions the shard made.
     evictions: u64,
+    /// The highest clock an honest worker reached on this shard (a round taken, or a welcome): the join value of a
+    /// newcomer nobody else is live with may not exceed it.
+    honest_high: u64,
 }
 
 /// The simulated world: N workers, M shards, the network between them, and the checker's records.
@@ -148,10 +152,26 @@ pub struct Sim {
     sent: Vec<(usize, usize, u64, bytes::Bytes)>,
     /// Every (worker, shard, clock) whose outcome a worker learned.
     settled: BTreeSet<(usize, usize, u64)>,
+    /// The hostile member's own generator (so schedules without it draw as before it existed).
+    hostile_rng: TestRng,
+    /// A check that failed outside an event's own result (a hostile move of the random script).
+    failure: Option<String>,
+    /// Connections a newer hello of the same worker superseded.
+    superseded: BTreeSet<ConnId>,
 }
 
 fn layout() -> Layout {
     flat_layout(SHARDS * WORKERS * SLOTS as usize)
+}
+
+/// A shard core of this world: its spec, and the configured ranks (the honest workers and the hostile member).
+fn shard_core(layout: &Layout, shard: usize, staleness: Staleness) -> ShardCore {
+    let mut core = ShardCore::new(layout, &spec(shard, staleness));
+    core.set_membership(Membership {
+        workers: Some(WORKERS as u32 + 1),
+        progress_timeout_ms: u64::MAX,
+    });
+    core
 }
 
 fn spec(shard: usize, staleness: Staleness) -> ShardSpec {
@@ -183,6 +203,11 @@ fn pull_mode(f: &Faults) -> PullMode {
     }
 }
 
+/// The hostile member's generator of `seed`: its first draw decides whether the seed's mix has one.
+fn hostile_rng(seed: u64) -> TestRng {
+    TestRng::new(seed ^ 0x4057_11e0_0000_0000)
+}
+
 fn slot(worker: usize, clock: u64) -> usize {
     worker * SLOTS as usize + clock as usize
 }
@@ -198,15 +223,17 @@ impl Sim {
     /// The random schedule of `seed`: its fault mix and its script, both drawn from the seed.
     pub fn new(seed: u64) -> Sim {
         let mut rng = TestRng::new(seed);
-        let faults = Faults::draw(&mut rng);
-        Sim::build(rng, faults)
+        let mut faults = Faults::draw(&mut rng);
+        // Drawn from the hostile member's own generator: the schedules without it are the same as before it existed.
+        faults.hostile = hostile_rng(seed).chance(300);
+        Sim::build(rng, faults, seed)
     }
 
     /// The random schedule of `seed` under the given fault mix instead of the drawn one.
     pub fn with_faults(seed: u64, faults: Faults) -> Sim {
         let mut rng = TestRng::new(seed);
         let _drawn = Faults::draw(&mut rng);
-        Sim::build(rng, faults)
+        Sim::build(rng, faults, seed)
     }
 
     /// A scripted schedule: no random faults, only what the test does through the verbs (`seed` still draws the
@@ -217,7 +244,9 @@ impl Sim {
         sim
     }
 
-    fn build(mut rng: TestRng, faults: Faults) -> Sim {
+    fn build(mut rng: TestRng, faults: Faults, seed: u64) -> Sim {
+        let mut hostile_rng = hostile_rng(seed);
+        let _mix = hostile_rng.chance(300);
         let layout = layout();
         let ranges: Vec<(u64, u64)> = (0..SHARDS)
             .map(|k| {
@@ -246,7 +275,7 @@ impl Sim {
             .collect();
         let shards = (0..SHARDS)
             .map(|k| {
-                let mut core = ShardCore::new(&layout, &spec(k, faults.staleness));
+                let mut core = shard_core(&layout, k, faults.staleness);
                 core.set_public(lossless(), rng.next_u64());
                 let snapshot = core.snapshot();
                 SimShard {
@@ -260,6 +289,7 @@ impl Sim {
                     last_heard: BTreeMap::new(),
                     newest_conn: BTreeMap::new(),
                     evictions: 0,
+                    honest_high: 0,
                 }
             })
             .collect();
@@ -289,6 +319,9 @@ impl Sim {
             pushes: Vec::new(),
             sent: Vec::new(),
             settled: BTreeSet::new(),
+            hostile_rng,
+            failure: None,
+            superseded: BTreeSet::new(),
         };
         for w in 0..WORKERS {
             sim.drain_worker(w);
@@ -350,7 +383,7 @@ impl Sim {
     }
 
     fn restart_shard(&mut self, k: usize) {
-        let mut core = ShardCore::new(&self.layout, &spec(k, self.faults.staleness));
+        let mut core = shard_core(&self.layout, k, self.faults.staleness);
         core.restore(self.shards[k].snapshot.clone(), self.now)
             .expect("a snapshot of this shard restores");
         core.set_public(lossless(), self.rng.next_u64());
@@ -379,6 +412,26 @@ impl Sim {
         }
         self.note(format!("worker {w} crashed"));
         let t = self.now + 100 + self.rng.below(4 * TIMEOUT_MS);
+        self.at(t, Ev::WorkerRestart { worker: w });
+    }
+
+    /// Crashes worker `w` like [`crash_worker`](Self::crash_worker), but it restarts exactly `down_ms` later.
+    pub fn crash_worker_for(&mut self, w: usize, down_ms: u64) {
+        if matches!(self.workers[w].phase, Phase::Crashed | Phase::Done) {
+            return;
+        }
+        self.workers[w].phase = Phase::Crashed;
+        self.workers[w].incarnation += 1;
+        let conns: Vec<ConnId> = self.workers[w]
+            .conns
+            .iter_mut()
+            .filter_map(|c| c.take())
+            .collect();
+        for c in conns {
+            self.break_conn(c, false);
+        }
+        self.note(format!("worker {w} crashed for {down_ms} ms"));
+        let t = self.now + down_ms;
         self.at(t, Ev::WorkerRestart { worker: w });
     }
 
@@ -534,10 +587,30 @@ impl Sim {
                 };
                 let conn = self.next_conn;
                 self.next_conn += 1;
+                let clocks = p.core().clocks();
+                let others_live =
+                    (0..=hostile::HOSTILE as u32).any(|w| w != worker as u32 && clocks.is_live(w));
+                let own_before = clocks
+                    .clocks()
+                    .chain(clocks.evicted())
+                    .find(|(w, _)| *w == worker as u32)
+                    .map_or(0, |(_, c)| c);
                 // The shard protocol's own welcome, exactly what the connection shell sends.
                 let welcome = p
                     .hello(conn, worker as u32, clock, self.now)
                     .map_err(|e| format!("hello refused: {e}"))?;
+                // With nobody else live, the join value is evidence honest workers left, never a departed member's
+                // clock (the hostile one's, run up alone).
+                let high = self.shards[shard].honest_high;
+                if !others_live && welcome.clock > clock.max(own_before).max(high) {
+                    return Err(format!(
+                        "shard {shard} welcomed w{worker} at {} with nobody else live: above its claim {clock}, its \
+                         own row {own_before} and every honest clock {high} (a departed member's clock)",
+                        welcome.clock
+                    ));
+                }
+                let high = &mut self.shards[shard].honest_high;
+                *high = (*high).max(welcome.clock);
                 self.shards[shard].joined_at.insert(worker, welcome.clock);
                 self.shards[shard].last_heard.insert(worker, self.now);
                 self.shards[shard].newest_conn.insert(worker, conn);
@@ -633,8 +706,12 @@ impl Sim {
         }
         if self.random && !self.finished() {
             script::inject(self);
+            self.hostile_turn();
         }
-        Ok(())
+        match self.failure.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Runs steps until `done` holds; an error if it does not within `max_steps` steps or the time limit.

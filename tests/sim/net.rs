@@ -6,11 +6,13 @@
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
 
-use tether::common::protocol::{access_push, Control, FrameKind, Outcome, PullMode, Welcome};
+use tether::common::protocol::{
+    access_push, Control, ErrorCode, FrameKind, Outcome, PullMode, Welcome,
+};
 use tether::server::protocol::{Action, ConnId, Round};
 use tether::worker::protocol::{Event, Settled, Transmit, Verdict};
 
-use super::{Phase, Sim, TICK_MS, TIMEOUT_MS};
+use super::{bound, Phase, Sim, TICK_MS, TIMEOUT_MS, WORKERS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Lane {
@@ -254,6 +256,7 @@ impl Sim {
             p.closed(conn);
         }
         if notify_worker
+            && w < WORKERS
             && self.workers[w].conns[k] == Some(conn)
             && self.workers[w].phase != Phase::Crashed
         {
@@ -329,6 +332,24 @@ impl Sim {
                 }
                 Action::Close {
                     conn,
+                    code: Some(ErrorCode::Superseded),
+                } => {
+                    // A newer hello of the same worker replaced this connection. An honest worker abandons a
+                    // connection before it says hello on a new one, so its live session is never the one closed.
+                    let w = self.conns[&conn].worker;
+                    if w < WORKERS
+                        && self.workers[w].conns[k] == Some(conn)
+                        && self.workers[w].phase != Phase::Crashed
+                    {
+                        return Err(format!(
+                            "shard {k} superseded worker {w}'s live connection {conn}: an honest worker fought itself"
+                        ));
+                    }
+                    self.superseded.insert(conn);
+                    self.break_conn(conn, false);
+                }
+                Action::Close {
+                    conn,
                     code: Some(_),
                 } => {
                     let c = &self.conns[&conn];
@@ -345,6 +366,75 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// Shard `k` takes a push frame (or skip marker) of worker `w` on connection `conn` through its protocol, and the
+    /// checker reads what it did: a round applied more than `s + 1` ahead of the minimum clock, or from a connection a
+    /// newer session superseded, fails the schedule. The outcome goes back on the connection.
+    pub(super) fn take_push(
+        &mut self,
+        k: usize,
+        conn: ConnId,
+        w: usize,
+        bytes: bytes::Bytes,
+    ) -> Result<(), String> {
+        let now = self.now;
+        let frame = access_push(&bytes).map_err(|e| format!("a bad frame was built: {e}"))?;
+        let meta = frame.meta();
+        self.pushes.push((w, k, meta.clock, bytes.clone()));
+        let Some(proto) = self.shards[k].proto.as_mut() else {
+            return Ok(());
+        };
+        let (min_before, live_before) = (
+            proto.core().clocks().min_clock(),
+            proto.core().clocks().live(),
+        );
+        let (outcome, _) = proto.round(conn, Round::from_frame(frame), now);
+        if outcome == Outcome::Applied {
+            if let Some(s) = bound(self.faults.staleness) {
+                if live_before > 0 && meta.clock > min_before + s + 1 {
+                    return Err(format!(
+                        "shard {k} applied w{w}'s round {} more than s + 1 = {} ahead of the minimum clock {min_before}",
+                        meta.clock,
+                        s + 1
+                    ));
+                }
+            }
+            if self.shards[k].newest_conn.get(&w) != Some(&conn) {
+                return Err(format!(
+                    "shard {k} applied w{w}'s round {} from connection {conn}, superseded by {:?}",
+                    meta.clock,
+                    self.shards[k].newest_conn.get(&w)
+                ));
+            }
+            if w < WORKERS {
+                let high = &mut self.shards[k].honest_high;
+                *high = (*high).max(meta.clock + 1);
+            }
+        }
+        if outcome == Outcome::Applied && meta.skip {
+            self.shards[k]
+                .skipped
+                .entry(w)
+                .or_default()
+                .insert(meta.clock);
+        }
+        self.note(format!(
+            "s{k} took w{w} round {} (skip {}) on conn {conn}: {outcome:?}",
+            meta.clock, meta.skip
+        ));
+        self.maybe_snapshot(k);
+        self.send(Msg {
+            conn,
+            worker: w,
+            shard: k,
+            lane: Lane::ControlDown,
+            payload: Payload::Control(Control::PushOutcome {
+                clock: meta.clock,
+                outcome,
+            }),
+        });
+        self.drain_shard(k)
     }
 
     /// Delivers one message: to the shard (a heartbeat, pull, goodbye or push, answered through its protocol) or to
@@ -365,10 +455,9 @@ impl Sim {
             if self.shards[k].proto.is_none() {
                 return Ok(());
             }
-            // A sign of life is a message on the worker's newest connection to this shard; a dead connection's
-            // late streams are old news.
-            // (A push counts from any connection: it is this worker's, bound to its certificate.)
-            if self.shards[k].newest_conn.get(&w) == Some(&conn) || msg.lane == Lane::PushUp {
+            // A sign of life is a message on the worker's newest connection to this shard; a dead or superseded
+            // connection's late streams (pushes included) are old news.
+            if self.shards[k].newest_conn.get(&w) == Some(&conn) {
                 self.shards[k].last_heard.insert(w, self.now);
             }
             let now = self.now;
@@ -407,41 +496,16 @@ impl Sim {
                     .expect("up")
                     .goodbye(conn, w as u32, clock, now),
                 Payload::Control(other) => return Err(format!("worker sent {other:?}")),
-                Payload::Push(bytes) => {
-                    let frame = access_push(&bytes)
-                        .map_err(|e| format!("worker built a bad frame: {e}"))?;
-                    let meta = frame.meta();
-                    self.pushes.push((w, k, meta.clock, bytes.clone()));
-                    let round = Round::from_frame(frame);
-                    let (outcome, _) = self.shards[k].proto.as_mut().expect("up").round(round, now);
-                    let key = (w, meta.clock);
-                    match outcome {
-                        Outcome::Applied if meta.skip => {
-                            self.shards[k].skipped.entry(w).or_default().insert(key.1);
-                        }
-                        _ => {}
-                    }
-                    self.note(format!(
-                        "s{k} took w{w} round {} (skip {}): {outcome:?}",
-                        meta.clock, meta.skip
-                    ));
-                    self.maybe_snapshot(k);
-                    self.send(Msg {
-                        conn,
-                        worker: w,
-                        shard: k,
-                        lane: Lane::ControlDown,
-                        payload: Payload::Control(Control::PushOutcome {
-                            clock: meta.clock,
-                            outcome,
-                        }),
-                    });
-                }
+                Payload::Push(bytes) => self.take_push(k, conn, w, bytes)?,
                 Payload::Reply { .. } => return Err("reply travelling up".into()),
             }
             self.drain_shard(k)?;
         } else {
-            if self.workers[w].phase == Phase::Crashed || self.workers[w].conns[k] != Some(conn) {
+            // The hostile member reads nothing it is sent.
+            if w >= WORKERS
+                || self.workers[w].phase == Phase::Crashed
+                || self.workers[w].conns[k] != Some(conn)
+            {
                 return Ok(());
             }
             match msg.payload {

@@ -38,6 +38,8 @@ pub struct Faults {
     pub skip_per_mille: u64,
     /// Workers pull deltas of the public copies (else full f32 values).
     pub delta: bool,
+    /// A hostile member joins the shards (see `hostile.rs`); drawn from the hostile member's own generator.
+    pub hostile: bool,
 }
 
 impl Faults {
@@ -63,6 +65,7 @@ impl Faults {
             skip_per_mille: rng.below(100),
             late_per_mille: 500,
             delta: rng.chance(500),
+            hostile: false,
         }
     }
 
@@ -83,6 +86,7 @@ impl Faults {
             skip_per_mille: 0,
             late_per_mille: 500,
             delta: false,
+            hostile: false,
         }
     }
 }

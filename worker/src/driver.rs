@@ -19,7 +19,9 @@ use tether_common::net::{
     client_handshake, connect_shard, recv_bulk_any, ControlChannel, ControlReceiver, ControlSender,
     NetError, RefusedBy, TlsPaths,
 };
-use tether_common::protocol::{Control, FrameHeader, FrameKind, FrameLimits, PullMode, Welcome};
+use tether_common::protocol::{
+    Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, PullMode, Welcome,
+};
 
 use crate::error::WorkerError;
 use crate::protocol::{Event, Settled, Transmit, Verdict, WorkerProtocol};
@@ -473,6 +475,16 @@ impl Driver {
                 }
             }
             Inbound::Lost { shard, gen, error } => {
+                let superseded =
+                    error.remote_close_code() == Some(u64::from(ErrorCode::Superseded.code()));
+                if superseded && current(&self.links, shard, gen) {
+                    // A newer session of our rank took over at this shard (another process holds our identity):
+                    // reconnecting would fight it, so this is a permanent refusal.
+                    return Err(WorkerError::Net {
+                        shard,
+                        source: error,
+                    });
+                }
                 if current(&self.links, shard, gen) {
                     warn!(rank = self.rank, shard, error = %error, "link lost; reconnecting");
                     if let Some(io) = self.links[shard].take() {

@@ -11,7 +11,9 @@ use tether_common::protocol::{
     access_push, encode_params, encode_values, Control, ErrorCode, FrameKind, Outcome, ParamReply,
     Precision, ProtocolError, PublicRef, PullMode, ReplyHeader, Welcome,
 };
-use tether_worker::protocol::{Event, PullReply, Settled, Transmit, WorkerProtocol};
+use tether_worker::protocol::{
+    Event, PullReply, Settled, Transmit, WorkerProtocol, MAX_GAP_ROUNDS,
+};
 
 const RANGES: [(u64, u64); 2] = [(0, 10), (10, 20)];
 const HB: u64 = 100;
@@ -529,4 +531,102 @@ fn reply_bodies_are_read_into_the_model_and_a_bad_one_changes_nothing() {
     assert_eq!(&params[..10], &v0[..]);
     let (_, e) = drain(&mut s);
     assert_eq!(e, vec![Event::PullDone { clock: 0 }]);
+}
+
+/// The (clock, skip) of every push frame `t` sends to `shard`.
+fn rounds_to(t: &[Transmit], shard: usize) -> Vec<(u64, bool)> {
+    pushes(t)
+        .into_iter()
+        .filter(|(k, _, _)| *k == shard)
+        .map(|(_, c, b)| (c, access_push(&b).unwrap().meta().skip))
+        .collect()
+}
+
+#[test]
+fn a_welcome_below_the_hello_fills_the_gap_with_skip_markers_then_resends() {
+    // A shard resumed from an older checkpoint bounds our claim: it welcomes us at 2 while we say hello at 5 (our
+    // pending round). Rounds 2..5 are finished there with skip markers, then round 5 is resent at its clock.
+    let mut s = connected(0);
+    for _ in 0..5 {
+        s.skip(0.25).unwrap();
+        drain(&mut s);
+        for k in 0..2 {
+            s.outcome(k, s.clock() - 1, Outcome::Applied);
+        }
+    }
+    let mut frames = vec![vec![1u8], vec![2u8]];
+    s.push(&mut frames, 0.5).unwrap();
+    drain(&mut s);
+    s.disconnected(0);
+    drain(&mut s);
+    assert_eq!(s.hello(0).clock, 5);
+    s.connected(0, &welcome(0, 2), 10).unwrap();
+    let (t, _) = drain(&mut s);
+    assert_eq!(
+        rounds_to(&t, 0),
+        vec![(2, true), (3, true), (4, true), (5, false)]
+    );
+    assert_eq!(s.stats().gap_skips, 3);
+    // The gap skips report the latest loss, not a made-up one.
+    let gap = pushes(&t);
+    assert_eq!(access_push(&gap[0].2).unwrap().meta().loss, 0.5);
+    // No pull goes out before the shard can take it (clock 6 > oldest pending 2 + s + 1).
+    s.start_pull(11);
+    let (t, _) = drain(&mut s);
+    assert!(requests(&t).iter().all(|(k, _, _)| *k != 0));
+    for c in 2..=5 {
+        s.outcome(0, c, Outcome::Applied);
+    }
+    let (t, _) = drain(&mut s);
+    assert_eq!(
+        requests(&t).iter().filter(|(k, _, _)| *k == 0).count(),
+        1,
+        "asked once the gap settled"
+    );
+    s.outcome(1, 5, Outcome::Applied);
+    assert!(s.settled());
+    // A shard that claims an absurd gap is refused instead of costing a skip marker per round.
+    let mut far = connected(0);
+    let mut w = welcome(0, 0);
+    for _ in 0..(MAX_GAP_ROUNDS + 1) {
+        far.skip(0.0).unwrap();
+    }
+    drain(&mut far);
+    far.outcome(0, 0, Outcome::Applied);
+    for c in 0..=MAX_GAP_ROUNDS {
+        far.outcome(0, c, Outcome::Applied);
+    }
+    far.disconnected(0);
+    drain(&mut far);
+    assert_eq!(far.hello(0).clock, MAX_GAP_ROUNDS + 1);
+    w.clock = 0;
+    assert!(matches!(
+        far.connected(0, &w, 0),
+        Err(ProtocolError::UnexpectedMessage(_))
+    ));
+    assert_eq!(far.stats().gap_skips, 0);
+}
+
+#[test]
+fn a_round_refused_as_too_far_ahead_stays_pending_and_is_resent_at_the_next_tick() {
+    let mut s = connected(0);
+    let mut frames = vec![vec![1u8], vec![2u8]];
+    s.push(&mut frames, 0.5).unwrap();
+    let (t, _) = drain(&mut s);
+    let sent = pushes(&t);
+    s.outcome(0, 0, Outcome::Refused(ErrorCode::ClockFromFuture));
+    let (_, e) = drain(&mut s);
+    assert!(e.is_empty(), "not settled: {e:?}");
+    assert!(!s.settled());
+    assert_eq!(s.stats().held_back, 1);
+    assert_eq!(s.stats().pushes_refused, 0);
+    s.handle_timeout(HB);
+    let (t, _) = drain(&mut s);
+    let again = pushes(&t);
+    assert_eq!(again.len(), 1);
+    assert_eq!((again[0].0, again[0].1), (0, 0));
+    assert_eq!(again[0].2, sent[0].2, "byte for byte");
+    s.outcome(0, 0, Outcome::Applied);
+    s.outcome(1, 0, Outcome::Applied);
+    assert!(s.settled());
 }

@@ -96,6 +96,10 @@ pub struct ClusterConfig {
     pub worker_timeout_ms: u64,
     /// Workers send a heartbeat this often when otherwise idle (default 500).
     pub heartbeat_ms: u64,
+    /// A live worker at the minimum clock whose clock has not moved for this long while another worker's pull waits
+    /// on the SSP gate is evicted like a silent one (default 120000; at least `worker_timeout_ms`): a member that
+    /// heartbeats but never pushes cannot hold the gate for ever.
+    pub progress_timeout_ms: u64,
     /// Directory of the node's TLS bundle (default "certs"): keygen's output folder holding `server-K/` and
     /// `worker-R/` bundles, or one node's own bundle mounted alone.
     pub tls_dir: PathBuf,
@@ -112,6 +116,7 @@ impl Default for ClusterConfig {
             staleness: Staleness::Bounded(3),
             worker_timeout_ms: 5000,
             heartbeat_ms: 500,
+            progress_timeout_ms: 120_000,
             tls_dir: PathBuf::from("certs"),
             revoked: Vec::new(),
         }

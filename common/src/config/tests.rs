@@ -110,6 +110,22 @@ fn missing_servers_and_bad_values_are_rejected() {
     .is_err());
 }
 
+#[test]
+fn a_progress_deadline_shorter_than_the_eviction_timeout_is_refused_naming_the_key() {
+    let e = Config::parse(
+        "[cluster]\nservers=[\"a:1\"]\nworker_timeout_ms = 5000\nprogress_timeout_ms = 4999\n",
+        Path::new("/"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("cluster.progress_timeout_ms"), "{e}");
+    let ok = Config::parse(
+        "[cluster]\nservers=[\"a:1\"]\nworker_timeout_ms = 5000\nprogress_timeout_ms = 5000\n",
+        Path::new("/"),
+    )
+    .unwrap();
+    assert_eq!(ok.cluster.progress_timeout_ms, 5000);
+}
+
 /// One minimal file: the required key only.
 const MINIMAL: &str = "[cluster]\nservers = [\"a:1\"]\n";
 
@@ -145,9 +161,10 @@ fn documented_defaults_are_the_default_impls() {
             cl.workers,
             cl.staleness,
             cl.worker_timeout_ms,
-            cl.heartbeat_ms
+            cl.heartbeat_ms,
+            cl.progress_timeout_ms
         ),
-        (4, Staleness::Bounded(3), 5000, 500)
+        (4, Staleness::Bounded(3), 5000, 500, 120_000)
     );
     assert_eq!(cl.tls_dir, PathBuf::from("certs"));
     assert!(cl.revoked.is_empty());

@@ -21,6 +21,12 @@ impl Config {
         if self.cluster.worker_timeout_ms == 0 {
             return bad("cluster.worker_timeout_ms", "must be positive");
         }
+        if self.cluster.progress_timeout_ms < self.cluster.worker_timeout_ms {
+            return bad(
+                "cluster.progress_timeout_ms",
+                "must be at least cluster.worker_timeout_ms (honest rounds may be slow)",
+            );
+        }
         if let Some(s) = self
             .cluster
             .revoked

@@ -24,6 +24,7 @@
 //! |   17 | UnexpectedMessage | a valid message not allowed at this point of the connection       |
 //! |   18 | RolledBack        | push computed from parameters a loss-spike rollback discarded     |
 //! |   19 | ConfigMismatch    | peer runs under another cluster setting (e.g. the SSP bound)      |
+//! |   20 | Superseded        | a newer session of the same worker replaced this connection      |
 
 use serde::{Deserialize, Serialize};
 
@@ -70,11 +71,13 @@ pub enum ErrorCode {
     RolledBack = 18,
     /// Peer runs under another cluster setting than ours (e.g. the staleness bound).
     ConfigMismatch = 19,
+    /// A newer session (hello) of the same worker replaced this connection: nothing sent on it is taken any more.
+    Superseded = 20,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::BadFrame,
         ErrorCode::Oversized,
         ErrorCode::Truncated,
@@ -94,6 +97,7 @@ impl ErrorCode {
         ErrorCode::UnexpectedMessage,
         ErrorCode::RolledBack,
         ErrorCode::ConfigMismatch,
+        ErrorCode::Superseded,
     ];
 
     /// The stable numeric value.

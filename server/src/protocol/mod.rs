@@ -7,8 +7,14 @@
 //! goes on the wire: see [`reply`]), refusals and connections that must be closed come out of
 //! [`ShardProtocol::poll_action`]. No sockets, actors, timers or threads: the `ShardActor` and the per-connection
 //! connection tasks only move bytes and timers. Invariants:
+//! - one session per identity: a hello supersedes the worker's older connection, which is closed with
+//!   [`ErrorCode::Superseded`]; pushes, skips, pulls and heartbeats on it are refused or ignored and change nothing;
+//! - only configured ranks join (`0..cluster.workers`), and a hello's clock claim is bounded (see
+//!   [`crate::clock`]); a round more than `s + 1` ahead of the minimum clock is refused;
 //! - a pull is answered only when the SSP gate of the clock table allows it, and only for a live member at a clock
 //!   the protocol allows (`own ≤ clock ≤ own + s + 1`);
+//! - a member at the minimum clock that makes no progress for the progress deadline while another worker's pull
+//!   waits on the gate is evicted like a silent one;
 //! - a push or skip for `(worker, clock)` changes the weights at most once; a resend of an applied one is
 //!   acknowledged as [`Outcome::Duplicate`] and changes nothing;
 //! - every peer-supplied number goes through checked arithmetic and fails with a typed [`ShardError`];
@@ -343,10 +349,11 @@ impl ShardProtocol {
         }
     }
 
-    /// A worker's hello on connection `conn`: the explicit rejoin. The worker's clock becomes
-    /// `max(claimed, own row, m)`; a claim past [`MAX_CLOCK`] is refused and changes nothing. The new connection
-    /// supersedes the worker's older one: that one's parked pulls are refused. Returns the finished [`Welcome`]
-    /// the shell sends back (this shard, its range and bound, the worker's clock here, the min clock, the version).
+    /// A worker's hello on connection `conn`: the explicit rejoin (see [`ShardCore::join_at`]: a rank outside the
+    /// configured workers or a claim past [`MAX_CLOCK`] is refused and changes nothing; a claim beyond the bound
+    /// rejoins at the shard's value). The new connection supersedes the worker's older one: that one's parked pulls
+    /// are refused and it is closed with [`ErrorCode::Superseded`]. Returns the finished [`Welcome`] the shell sends
+    /// back (this shard, its range and bound, the worker's clock here, the min clock, the version).
     pub fn hello(
         &mut self,
         conn: ConnId,
@@ -358,7 +365,11 @@ impl ShardProtocol {
         let member = self.members.entry(worker).or_default();
         let old = member.conn.replace(conn);
         if let Some(old) = old.filter(|c| *c != conn) {
-            self.refuse_parked(|p| p.conn == old, ShardError::NotMember(worker));
+            self.refuse_parked(|p| p.conn == old, ShardError::Superseded(worker));
+            self.actions.push_back(Queued::Do(Action::Close {
+                conn: old,
+                code: Some(ErrorCode::Superseded),
+            }));
         }
         self.release_ready();
         let range = self.core.range();
@@ -384,16 +395,30 @@ impl ShardProtocol {
         self.members.get(&worker).and_then(|m| m.conn) == Some(conn)
     }
 
-    /// A push or skip marker. Idempotent by `(worker, clock)`: a round that was applied before is acknowledged as
-    /// [`Outcome::Duplicate`] and changes nothing; a round refused before is refused again with the same code.
-    /// Returns the outcome the worker is told, and what the shard did now: the application details, nothing (a
-    /// duplicate or skip), or the refusal in full.
+    /// Why `worker` may not speak on `conn`: superseded by a newer session, or not a member at all.
+    fn not_current(&self, worker: u32) -> ShardError {
+        match self.members.get(&worker).and_then(|m| m.conn) {
+            Some(_) => ShardError::Superseded(worker),
+            None => ShardError::NotMember(worker),
+        }
+    }
+
+    /// A push or skip marker on connection `conn`. Only the worker's current connection is heard: on any other the
+    /// round is refused ([`ErrorCode::Superseded`], or evicted for a non-member) and changes nothing. Idempotent by
+    /// `(worker, clock)`: a round that was applied before is acknowledged as [`Outcome::Duplicate`] and changes
+    /// nothing; a round refused before is refused again with the same code. Returns the outcome the worker is told,
+    /// and what the shard did now: the application details, nothing (a duplicate or skip), or the refusal in full.
     pub fn round(
         &mut self,
+        conn: ConnId,
         round: Round<'_>,
         now_ms: u64,
     ) -> (Outcome, Result<Option<Applied>, ShardError>) {
         let (worker, clock) = (round.worker(), round.clock());
+        if !self.is_current(conn, worker) {
+            let error = self.not_current(worker);
+            return (Outcome::Refused(error.code()), Err(error));
+        }
         // Any push is a sign of life, whatever becomes of it.
         self.core.heartbeat(worker, now_ms);
         let current = self.core.clocks().clock_of(worker);
@@ -439,17 +464,21 @@ impl ShardProtocol {
         (outcome, result)
     }
 
-    /// A validated push frame: its reported loss goes to the loss-spike detector (see [`ShardCore::note_loss`]),
-    /// then it is handled as [`round`](Self::round) handles its push or skip marker.
+    /// A validated push frame on connection `conn`: its reported loss goes to the loss-spike detector (see
+    /// [`ShardCore::note_loss`]) when `conn` is the worker's current connection, then it is handled as
+    /// [`round`](Self::round) handles its push or skip marker.
     pub fn push_frame(
         &mut self,
+        conn: ConnId,
         frame: &ArchivedPushFrame,
         now_ms: u64,
     ) -> (Outcome, Result<Option<Applied>, ShardError>) {
         let meta = frame.meta();
-        self.core
-            .note_loss(meta.worker, meta.clock, meta.read_version, meta.loss);
-        self.round(Round::from_frame(frame), now_ms)
+        if self.is_current(conn, meta.worker) {
+            self.core
+                .note_loss(meta.worker, meta.clock, meta.read_version, meta.loss);
+        }
+        self.round(conn, Round::from_frame(frame), now_ms)
     }
 
     /// A pull request. Checks membership (a live worker speaking on its current connection) and the clock
@@ -466,11 +495,13 @@ impl ShardProtocol {
         now_ms: u64,
     ) -> Result<u64, ShardError> {
         self.heartbeat(conn, worker, now_ms);
+        if !self.is_current(conn, worker) {
+            return Err(self.not_current(worker));
+        }
         let own = self
             .core
             .clocks()
             .clock_of(worker)
-            .filter(|_| self.is_current(conn, worker))
             .ok_or(ShardError::NotMember(worker))?;
         if clock < own {
             return Err(ShardError::Replay {
@@ -563,8 +594,10 @@ impl ShardProtocol {
         self.parked.retain(|p| p.token != token);
     }
 
-    /// Evicts the workers silent for the timeout: they stop blocking the gate, their parked pulls are refused and
-    /// their connections closed (so that, if they are alive after all, they reconnect and rejoin).
+    /// Evicts the workers silent for the timeout, and, while another worker's pull waits on the gate, those at the
+    /// minimum clock that made no progress for the progress deadline ([`ShardCore::evict_stalled`]): they stop
+    /// blocking the gate, their parked pulls are refused and their connections closed (so that, if they are alive
+    /// after all, they reconnect and rejoin).
     pub fn tick(&mut self, now_ms: u64) -> Vec<u32> {
         let draining: Vec<u32> = self
             .members
@@ -575,7 +608,26 @@ impl ShardProtocol {
         for w in draining {
             self.maybe_leave(w, now_ms);
         }
-        let evicted = self.core.evict_silent(now_ms);
+        let mut evicted = self.core.evict_silent(now_ms);
+        let m = self.core.clocks().min_clock();
+        let clocks = self.core.clocks();
+        // A pull of a worker ahead of the minimum waits on the gate: whoever sits at the minimum holds it.
+        let gate_held = self
+            .parked
+            .iter()
+            .any(|p| clocks.clock_of(p.worker).is_some_and(|c| c > m));
+        if gate_held {
+            let stalled = self.core.evict_stalled(now_ms);
+            if !stalled.is_empty() {
+                tracing::warn!(
+                    shard = self.core.shard(),
+                    ?stalled,
+                    "evicted for holding the gate without progress"
+                );
+            }
+            evicted.extend(stalled);
+            evicted.sort_unstable();
+        }
         for &w in &evicted {
             self.refuse_parked(|p| p.worker == w, ShardError::NotMember(w));
             if let Some(conn) = self.members.get_mut(&w).and_then(|m| m.conn.take()) {

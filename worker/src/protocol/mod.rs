@@ -12,6 +12,12 @@
 //! - a shard whose welcome announces another staleness bound than the worker's own is refused
 //!   ([`ProtocolError::StalenessMismatch`]);
 //! - the clock moves by a push or a skip marker on the push path, or by an explicit rejoin in a hello;
+//! - a shard that welcomes us below our hello's clock (it bounds clock claims: it restarted from an older
+//!   checkpoint, or is behind) gets skip markers for the rounds in between (at most [`MAX_GAP_ROUNDS`]; those
+//!   rounds' updates are not in its weights), then our pending pushes at their clocks;
+//! - a round the shard refuses as too far ahead of its minimum clock ([`ErrorCode::ClockFromFuture`]) stays
+//!   pending and is resent, with the rounds after it, at the next heartbeat tick; a pull is asked only once the
+//!   shard can take it (`clock ≤ oldest pending round + s + 1`);
 //! - a push stays pending until its shard gives it an outcome, and is resent byte for byte on every reconnect
 //!   (shards make it idempotent by worker and clock); it is never recomputed;
 //! - heartbeats go to every connected shard on a timer that does not depend on steps, so a long step is never
@@ -33,6 +39,10 @@ use tether_common::protocol::{
 };
 
 pub use reply::{rebuild_public, DeltaDecoder, PullReply, Replica};
+
+/// The most rounds a welcome may lie below our hello's clock: the gap is filled with one skip marker per round, so a
+/// shard claiming a larger one (no honest checkpoint is that old) is refused instead of costing unbounded memory.
+pub const MAX_GAP_ROUNDS: u64 = 1 << 16;
 
 /// Something to send.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,6 +151,10 @@ pub struct ProtocolStats {
     pub resent: u64,
     /// Rollback epochs seen change (one per shard per rollback).
     pub rollbacks_seen: u64,
+    /// Skip markers sent to fill the gap below a hello's clock that a shard did not take.
+    pub gap_skips: u64,
+    /// Rounds resent because a shard found them too far ahead of its minimum clock.
+    pub held_back: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -169,6 +183,8 @@ struct Link {
     rejoin: bool,
     /// The hello clock of the connection being established.
     hello_clock: u64,
+    /// A pending round was refused as too far ahead: resend the pending rounds at the next timer tick.
+    retry: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -210,6 +226,11 @@ pub struct WorkerProtocol {
     events: VecDeque<Event>,
     stats: ProtocolStats,
     replica: Replica,
+    /// The latest `now_ms` any call brought (for messages sent from calls that take no time, such as outcomes).
+    now_ms: u64,
+    /// The loss of our latest round: gap skip markers report it, so the shards' spike detectors see a value of this
+    /// run rather than a made-up one.
+    last_loss: f32,
 }
 
 impl WorkerProtocol {
@@ -245,6 +266,7 @@ impl WorkerProtocol {
                     last_sent_ms: 0,
                     rejoin: false,
                     hello_clock: 0,
+                    retry: false,
                 })
                 .collect(),
             round: None,
@@ -253,6 +275,8 @@ impl WorkerProtocol {
             events: VecDeque::new(),
             stats: ProtocolStats::default(),
             replica: Replica::default(),
+            now_ms: 0,
+            last_loss: 0.0,
         };
         for shard in 0..s.links.len() {
             s.events.push_back(Event::Reconnect { shard });
@@ -311,10 +335,20 @@ impl WorkerProtocol {
 
     fn synced(&self, shard: usize) -> bool {
         let l = &self.links[shard];
-        l.up && !l.rejoin && l.next_clock == self.clock
+        // The shard takes a pull only up to its own clock for us + s + 1; its clock is at least our oldest pending
+        // round, so past that bound the pull waits for outcomes (a gap being filled, held-back rounds).
+        let takes_pull = match self.staleness {
+            Staleness::Bounded(s) => l
+                .pending
+                .front()
+                .is_none_or(|p| self.clock <= p.clock.saturating_add(u64::from(s) + 1)),
+            Staleness::Unbounded => true,
+        };
+        l.up && !l.rejoin && l.next_clock == self.clock && takes_pull
     }
 
     fn send_control(&mut self, shard: usize, msg: Control, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
         self.links[shard].last_sent_ms = now_ms;
         self.transmits.push_back(Transmit::Control { shard, msg });
     }
@@ -345,12 +379,39 @@ impl WorkerProtocol {
                 got_end: welcome.range_end,
             });
         }
-        if welcome.clock < link.hello_clock {
+        let gap = link.hello_clock.saturating_sub(welcome.clock);
+        if gap > MAX_GAP_ROUNDS {
             return Err(ProtocolError::UnexpectedMessage(format!(
-                "welcome at clock {} below the hello's {}",
+                "welcome at clock {} is more than {MAX_GAP_ROUNDS} rounds below the hello's {}",
                 welcome.clock, link.hello_clock
             )));
         }
+        self.now_ms = self.now_ms.max(now_ms);
+        if gap > 0 {
+            // The shard took our claim only up to its bound: finish the rounds in between there with skip markers,
+            // ahead of the pending pushes (which are all at or above the hello's clock).
+            let (start, end) = (welcome.clock, self.links[shard].hello_clock);
+            let mut skips = Vec::with_capacity(gap as usize);
+            for clock in start..end {
+                skips.push(Pending {
+                    clock,
+                    frame: self.frame(shard, clock, Vec::new(), self.last_loss, true)?,
+                });
+            }
+            self.stats.gap_skips += gap;
+            let link = &mut self.links[shard];
+            for p in skips.into_iter().rev() {
+                link.pending.push_front(p);
+            }
+            tracing::info!(
+                shard,
+                from = start,
+                to = end,
+                "shard welcomed us below our clock: filling the gap with skip markers"
+            );
+        }
+        let link = &mut self.links[shard];
+        link.retry = false;
         link.up = true;
         link.rejoin = false;
         link.last_sent_ms = now_ms;
@@ -626,35 +687,64 @@ impl WorkerProtocol {
         self.round_frames(None, loss)
     }
 
+    /// The push frame (or skip marker) of round `clock` for `shard`; hands `payload` back through the frame it
+    /// builds when `payload_back` is given.
+    fn encode_frame(
+        &self,
+        shard: usize,
+        clock: u64,
+        payload: Vec<u8>,
+        loss: f32,
+        skip: bool,
+        payload_back: Option<&mut Vec<u8>>,
+    ) -> Result<Bytes, ProtocolError> {
+        let link = &self.links[shard];
+        let frame = PushFrame {
+            worker: self.rank,
+            clock,
+            shard: shard as u32,
+            range_start: link.range.0,
+            range_end: link.range.1,
+            read_version: link.version,
+            loss,
+            skip,
+            payload,
+        };
+        let bytes = encode_push(&frame);
+        if let Some(back) = payload_back {
+            *back = frame.payload;
+        }
+        Ok(Bytes::from_owner(bytes?))
+    }
+
+    fn frame(
+        &self,
+        shard: usize,
+        clock: u64,
+        payload: Vec<u8>,
+        loss: f32,
+        skip: bool,
+    ) -> Result<Bytes, ProtocolError> {
+        self.encode_frame(shard, clock, payload, loss, skip, None)
+    }
+
     fn round_frames(
         &mut self,
         mut payloads: Option<&mut [Vec<u8>]>,
         loss: f32,
     ) -> Result<(), ProtocolError> {
         let clock = self.clock;
+        let skip = payloads.is_none();
         let mut frames = Vec::with_capacity(self.links.len());
-        for (k, link) in self.links.iter().enumerate() {
+        for k in 0..self.links.len() {
             let payload = payloads
                 .as_deref_mut()
                 .map(|p| std::mem::take(&mut p[k]))
                 .unwrap_or_default();
-            let frame = PushFrame {
-                worker: self.rank,
-                clock,
-                shard: k as u32,
-                range_start: link.range.0,
-                range_end: link.range.1,
-                read_version: link.version,
-                loss,
-                skip: payloads.is_none(),
-                payload,
-            };
-            let bytes = encode_push(&frame);
-            if let Some(p) = payloads.as_deref_mut() {
-                p[k] = frame.payload;
-            }
-            frames.push(Bytes::from_owner(bytes?));
+            let back = payloads.as_deref_mut().map(|p| &mut p[k]);
+            frames.push(self.encode_frame(k, clock, payload, loss, skip, back)?);
         }
+        self.last_loss = loss;
         for (k, frame) in frames.into_iter().enumerate() {
             let link = &mut self.links[k];
             link.pending.push_back(Pending {
@@ -675,12 +765,20 @@ impl WorkerProtocol {
     }
 
     /// `shard` reports the outcome of round `clock`. Outcomes for rounds no longer pending (a resend's second
-    /// answer) are ignored.
+    /// answer) are ignored. A round refused as too far ahead of the shard's minimum clock stays pending and is
+    /// resent at the next timer tick; once the oldest pending rounds settle, a pull that waited for them is asked.
     pub fn outcome(&mut self, shard: usize, clock: u64, outcome: Outcome) {
         let link = &mut self.links[shard];
         let Some(i) = link.pending.iter().position(|p| p.clock == clock) else {
             return;
         };
+        if outcome == Outcome::Refused(ErrorCode::ClockFromFuture) {
+            if !link.retry {
+                self.stats.held_back += 1;
+            }
+            link.retry = true;
+            return;
+        }
         let Some(p) = link.pending.remove(i) else {
             return;
         };
@@ -699,6 +797,8 @@ impl WorkerProtocol {
             link.up = false;
             self.events.push_back(Event::Reconnect { shard });
         }
+        let now = self.now_ms;
+        self.request_missing(now);
     }
 
     /// When the next heartbeat is due (ms), if any link is up.
@@ -710,8 +810,24 @@ impl WorkerProtocol {
             .min()
     }
 
-    /// Timers: a heartbeat to every connected shard we have not sent anything to for a heartbeat period.
+    /// Timers: a heartbeat to every connected shard we have not sent anything to for a heartbeat period, and the
+    /// resend of rounds a shard found too far ahead.
     pub fn handle_timeout(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        for k in 0..self.links.len() {
+            let l = &mut self.links[k];
+            if l.retry && l.up && !l.rejoin {
+                l.retry = false;
+                for p in &l.pending {
+                    self.stats.resent += 1;
+                    self.transmits.push_back(Transmit::Push {
+                        shard: k,
+                        clock: p.clock,
+                        bytes: p.frame.clone(),
+                    });
+                }
+            }
+        }
         for k in 0..self.links.len() {
             let l = &self.links[k];
             if l.up && now_ms >= l.last_sent_ms.saturating_add(self.heartbeat_ms) {
