@@ -22,6 +22,7 @@ use crate::actor::{CheckpointNow, GetStats, ShardActor};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
+use crate::norm_guard::GuardSettings;
 use crate::remote::RemoteStore;
 use crate::shard::{ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
@@ -42,8 +43,8 @@ pub struct ShardOptions {
     pub tls: Option<TlsFiles>,
     /// Metrics to record into.
     pub metrics: Option<ServerMetrics>,
-    /// Spike-guard factor (0 = off).
-    pub spike_factor: f32,
+    /// Relative factor of the gradient-norm guard, overriding `guard.factor` (0 = off; `None`: the configured one).
+    pub spike_factor: Option<f32>,
     /// The parameter layout, when it is not the one `[model]` describes (a user model embedded as a library).
     pub layout: Option<Layout>,
 }
@@ -95,9 +96,21 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         optimizer: update_rule::shard_optimizer(cfg),
         staleness: cfg.cluster.staleness,
         worker_timeout_ms: cfg.cluster.worker_timeout_ms,
-        spike_factor: opts.spike_factor,
+        spike_factor: 0.0,
     };
     let mut core = ShardCore::new(&layout, &spec);
+    let mut guard = GuardSettings::derive(cfg, core.range().end.saturating_sub(core.range().start) as usize);
+    if let Some(factor) = opts.spike_factor {
+        guard.factor = factor;
+    }
+    info!(
+        shard = opts.shard,
+        bound = guard.bound,
+        floor = guard.floor,
+        factor = guard.factor,
+        "gradient-norm guard"
+    );
+    core.set_guard(guard);
     let store = CheckpointStore::new(
         cfg.checkpoint.dir.join(format!("shard-{}", opts.shard)),
         cfg.checkpoint.keep,
