@@ -54,7 +54,10 @@ fn the_default_guard_admits_every_honest_push_in_both_modes() {
         }
         // The larger of the two shards' ranges gives the looser bound; the smaller one's is what must hold.
         let layout = tether::common::layout::model_layout(&cfg).unwrap();
-        let len = layout.shard_range(1, 2).len().min(layout.shard_range(0, 2).len());
+        let len = layout
+            .shard_range(1, 2)
+            .len()
+            .min(layout.shard_range(0, 2).len());
         let guard = GuardSettings::derive(&cfg, len);
         let r = run(cfg);
         eprintln!(
@@ -69,8 +72,14 @@ fn the_default_guard_admits_every_honest_push_in_both_modes() {
             r.guard_refused,
             r.wall_seconds
         );
-        assert!(guard.bound.is_finite(), "the default configuration has a bound");
-        assert_eq!(r.guard_refused, 0, "H={local_steps} {kind:?}: honest pushes refused");
+        assert!(
+            guard.bound.is_finite(),
+            "the default configuration has a bound"
+        );
+        assert_eq!(
+            r.guard_refused, 0,
+            "H={local_steps} {kind:?}: honest pushes refused"
+        );
         assert_eq!(r.updates_rejected, 0, "H={local_steps} {kind:?}");
         assert!(r.max_push_norm > 0.0 && r.max_push_norm < f64::from(guard.bound));
         assert!(

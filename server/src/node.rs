@@ -99,7 +99,10 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         spike_factor: 0.0,
     };
     let mut core = ShardCore::new(&layout, &spec);
-    let mut guard = GuardSettings::derive(cfg, core.range().end.saturating_sub(core.range().start) as usize);
+    let mut guard = GuardSettings::derive(
+        cfg,
+        core.range().end.saturating_sub(core.range().start) as usize,
+    );
     if let Some(factor) = opts.spike_factor {
         guard.factor = factor;
     }

@@ -197,7 +197,10 @@ impl NormGuard {
         if norm > bound {
             return Err(ShardError::NormBound { norm, bound });
         }
-        let warm = self.workers.get(&worker).is_some_and(|w| w.median.is_some());
+        let warm = self
+            .workers
+            .get(&worker)
+            .is_some_and(|w| w.median.is_some());
         let verdict = match self.limit().filter(|_| warm) {
             Some(limit) if norm > limit => Err(ShardError::NormSpike { norm, limit }),
             _ => Ok(()),

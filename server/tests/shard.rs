@@ -884,18 +884,23 @@ fn one_workers_flood_does_not_move_the_limit_others_are_judged_by() {
         honest_push(&mut core, 0);
         honest_push(&mut core, 1);
     }
-    // The honest workers' medians: a limit between 3× the smaller and 3× the larger holds whatever worker 2 does.
-    let honest = core.guard_limit().unwrap() / 3.0;
-    let (lo, hi) = (2.7 * honest, 3.3 * honest);
+    // The honest workers' norms are alike (within a few percent): whatever worker 2 pushes, the limit must stay
+    // within a quarter of where they put it.
+    let before = core.guard_limit().unwrap();
+    let (lo, hi) = (0.75 * before, 1.25 * before);
     let n = core.weights().len();
-    // Zero norms, then norms just under the bound, 64 of each.
+    // Zero norms, then norms just under the bound, 64 of each (once worker 2 is warm, the relative limit refuses the
+    // large ones; they still enter its own window).
     let zeros = vec![0.0; n];
     let high = vec![0.99 * guard.bound / (n as f32).sqrt(); n];
     for flood in [&zeros, &high] {
         for _ in 0..64 {
-            push_values(&mut core, 2, flood).unwrap();
+            let _ = push_values(&mut core, 2, flood);
             let limit = core.guard_limit().unwrap();
-            assert!((lo..=hi).contains(&limit), "limit {limit} outside [{lo}, {hi}]");
+            assert!(
+                (lo..=hi).contains(&limit),
+                "limit {limit} outside [{lo}, {hi}]"
+            );
         }
         for _ in 0..10 {
             honest_push(&mut core, 0);
@@ -915,19 +920,28 @@ fn one_workers_flood_does_not_move_the_limit_others_are_judged_by() {
 fn a_1e30_scaled_push_is_refused_by_default_and_adams_state_stays_finite_and_unchanged() {
     let probe = adam_core(0.0);
     let guard = default_guard(&probe, 10.0);
-    assert_eq!(guard.bound, 8.0 * 5.0, "the default bound: margin 8 × clip 5");
+    assert_eq!(
+        guard.bound,
+        8.0 * 5.0,
+        "the default bound: margin 8 × clip 5"
+    );
     let mut core = guarded_core(guard, 1);
     for _ in 0..5 {
         honest_push(&mut core, 0);
     }
     let n = core.weights().len();
     let clock = core.clocks().clock_of(0).unwrap();
-    let hostile: Vec<f32> = gradient(n, 0, clock, 1e-2).iter().map(|g| g * 1e30).collect();
+    let hostile: Vec<f32> = gradient(n, 0, clock, 1e-2)
+        .iter()
+        .map(|g| g * 1e30)
+        .collect();
     assert!(hostile.iter().all(|g| g.is_finite()));
     let f = encode(Scheme::None, &hostile, 1);
-    rejected(&push(&core, 0, clock, &f), &mut core, |e| {
-        matches!(e, ShardError::NormBound { bound, .. } if *bound == 40.0)
-    });
+    rejected(
+        &push(&core, 0, clock, &f),
+        &mut core,
+        |e| matches!(e, ShardError::NormBound { bound, .. } if *bound == 40.0),
+    );
     assert_eq!(core.stats().rejected.get("norm_bound"), Some(&1));
     assert_eq!(core.stats().guard_refused(), 1);
     // Training goes on, and the state stays finite.
@@ -935,7 +949,11 @@ fn a_1e30_scaled_push_is_refused_by_default_and_adams_state_stays_finite_and_unc
         honest_push(&mut core, 0);
     }
     let snap = core.snapshot();
-    assert!(snap.weights.iter().chain(snap.slots.iter().flatten()).all(|x| x.is_finite()));
+    assert!(snap
+        .weights
+        .iter()
+        .chain(snap.slots.iter().flatten())
+        .all(|x| x.is_finite()));
     assert!(core.stats().max_push_norm < guard.bound);
 
     // With the bound and the relative check off, the finite-state check still refuses it: v = g² overflows.
@@ -953,7 +971,11 @@ fn a_1e30_scaled_push_is_refused_by_default_and_adams_state_stays_finite_and_unc
     rejected(&push(&core, 0, clock, &f), &mut core, |e| {
         matches!(e, ShardError::NonFiniteState)
     });
-    assert_eq!(core.clocks().clock_of(0), Some(clock + 1), "a refused round still advances the clock");
+    assert_eq!(
+        core.clocks().clock_of(0),
+        Some(clock + 1),
+        "a refused round still advances the clock"
+    );
     assert_eq!(core.stats().rejected.get("non_finite_state"), Some(&1));
     honest_push(&mut core, 0);
     assert_eq!(core.version(), 6);
@@ -995,7 +1017,11 @@ fn a_step_that_would_make_state_non_finite_is_refused_with_state_untouched() {
                 Ok(_) => {
                     let after = core.snapshot();
                     assert!(
-                        after.weights.iter().chain(after.slots.iter().flatten()).all(|x| x.is_finite()),
+                        after
+                            .weights
+                            .iter()
+                            .chain(after.slots.iter().flatten())
+                            .all(|x| x.is_finite()),
                         "{kind:?} applied a step that left the state non-finite"
                     );
                 }
@@ -1007,7 +1033,8 @@ fn a_step_that_would_make_state_non_finite_is_refused_with_state_untouched() {
                         (bits(&before.weights), before.opt_steps, before.version),
                         "{kind:?}"
                     );
-                    let slot_bits = |s: &ShardSnapshot| s.slots.iter().map(|x| bits(x)).collect::<Vec<_>>();
+                    let slot_bits =
+                        |s: &ShardSnapshot| s.slots.iter().map(|x| bits(x)).collect::<Vec<_>>();
                     assert_eq!(slot_bits(&after), slot_bits(&before), "{kind:?}");
                     assert_eq!(core.clocks().clock_of(0), Some(clock + 1));
                     refused = Some(before.opt_steps);
@@ -1015,8 +1042,13 @@ fn a_step_that_would_make_state_non_finite_is_refused_with_state_untouched() {
                 }
             }
         }
-        let refused = refused.unwrap_or_else(|| panic!("{kind:?}: the overflowing update was never refused"));
-        assert_eq!(core.stats().rejected.get("non_finite_state"), Some(&1), "{kind:?}");
+        let refused =
+            refused.unwrap_or_else(|| panic!("{kind:?}: the overflowing update was never refused"));
+        assert_eq!(
+            core.stats().rejected.get("non_finite_state"),
+            Some(&1),
+            "{kind:?}"
+        );
         eprintln!("{kind:?}: refused at optimizer step {}", refused + 1);
         // Honest training continues.
         honest_push(&mut core, 0);
