@@ -91,8 +91,9 @@ pub struct LocalCluster {
     pub delays: Vec<(u32, Duration)>,
     /// Straggler emulation per worker rank.
     pub straggle: Vec<(u32, Straggle)>,
-    /// Spike-guard factor of the shards (0 = off).
-    pub spike_factor: f32,
+    /// Relative factor of the shards' gradient-norm guard, overriding `guard.factor` (0 = off; `None`: the
+    /// configured one).
+    pub spike_factor: Option<f32>,
     /// Evaluate every `train.eval_every` steps on rank 0 (the final accuracy is always measured).
     pub eval_during_training: bool,
     /// A user model to train instead of the built-in one `[model]` describes.
@@ -114,7 +115,7 @@ impl LocalCluster {
             faults: Vec::new(),
             delays: Vec::new(),
             straggle: Vec::new(),
-            spike_factor: 0.0,
+            spike_factor: None,
             eval_during_training: true,
             model: None,
         }

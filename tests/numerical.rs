@@ -1,4 +1,4 @@
-//! Numerical guard across real processes: one worker gets a NaN gradient at step 5 and a 1000x gradient at step 9
+//! Numerical guard across real processes: one worker gets a NaN gradient at step 5 and a 1000x gradient at step 30
 //! (`--inject`), the shards run with `--spike-factor 10`, and worker-side clipping is off so the spike reaches the
 //! wire. The worker must refuse to push the NaN (and report it), the shards must reject the spike (reason
 //! `norm_spike` in metrics and report), and the run must reach the undisturbed accuracy within one point.
@@ -60,7 +60,8 @@ fn nan_and_spiked_gradients_are_refused_and_the_run_still_converges() {
             "--inject",
             "nan@5",
             "--inject",
-            "scale@9:1000",
+            // After the worker's own window is warm (16 norms): the guard judges a worker only then.
+            "scale@30:1000",
         ],
     );
     // Scrape shard 0 while the workers run (bounded); keep the last answer.

@@ -41,6 +41,10 @@ fn config(rollback: bool, local_steps: u32) -> Config {
     cfg.train.local_steps = local_steps;
     cfg.optimizer.outer.momentum = 0.5;
     cfg.checkpoint.every_updates = 0;
+    // The injected push is far beyond the gradient-norm guard's bound, which would refuse it: off, so that the spike
+    // reaches the weights and the rollback is what is tested.
+    cfg.guard.factor = 0.0;
+    cfg.guard.max_norm = Some(f32::INFINITY);
     cfg.rollback = RollbackConfig {
         enabled: rollback,
         factor: 10.0,

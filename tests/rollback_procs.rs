@@ -17,7 +17,8 @@ fn binaries_roll_back_an_injected_spike_together_and_report_it() {
         workers: 1,
         ..Spec::default()
     });
-    // This test's own cluster.toml: momentum SGD on the shards (Adam's normalisation would absorb a scaled push).
+    // This test's own cluster.toml: momentum SGD on the shards (Adam's normalisation would absorb a scaled push), and
+    // the gradient-norm guard off (it would refuse the injected push before any spike).
     let servers: Vec<String> = c.servers.iter().map(|a| format!("\"{a}\"")).collect();
     let config = format!(
         "[cluster]\nservers = [{}]\nworkers = 1\nstaleness = 0\nworker_timeout_ms = 3000\n\
@@ -26,7 +27,8 @@ fn binaries_roll_back_an_injected_spike_together_and_report_it() {
          [train]\nepochs = 10\nbatch = 32\neval_every = 0\n\
          [optimizer]\nkind = \"momentum\"\nlr = 0.05\nmomentum = 0.9\n\
          [checkpoint]\nevery_updates = 0\n\
-         [rollback]\nenabled = true\nfactor = 10.0\nrounds = 2\nwindow = 16\nevery = 10\nkeep = 3\n",
+         [rollback]\nenabled = true\nfactor = 10.0\nrounds = 2\nwindow = 16\nevery = 10\nkeep = 3\n\
+         [guard]\nfactor = 0\nmax_norm = inf\n",
         servers.join(", ")
     );
     std::fs::write(c.path("cluster.toml"), config).unwrap();

@@ -26,6 +26,10 @@
 //! # State slots
 //! SGD has none; momentum and Nesterov one (the buffer `b`); Adam and AdamW two (`m`, `v`); Adagrad one (the sum
 //! `s`). [`Optimizer::slots`] exposes them for checkpoints and [`Optimizer::restore`] puts them back.
+//!
+//! # Finite state
+//! [`Optimizer::try_step`] applies an update only if every new weight and slot value is finite, and otherwise
+//! changes nothing (check, then commit); the shards step with it, so one push cannot leave NaN or ∞ in the state.
 
 use std::f64::consts::PI;
 
@@ -52,6 +56,9 @@ pub enum OptimError {
         /// Values offered.
         found: usize,
     },
+    /// The update would leave a weight or a state slot NaN or ±∞; nothing was changed.
+    #[error("the update would leave the weights or the optimizer state non-finite")]
+    NonFiniteState,
 }
 
 /// The optimizer of one shard's range: its hyper-parameters, its step count and its state slots.
@@ -113,6 +120,34 @@ impl Optimizer {
     /// When `weights` or `grad` is not exactly [`Optimizer::len`] long (a caller bug: frames are length-checked
     /// before they reach the optimizer).
     pub fn step(&mut self, weights: &mut [f32], grad: &[f32], lr_scale: f32) {
+        self.run(weights, grad, lr_scale, Pass::Apply);
+        self.steps = self.steps.saturating_add(1);
+    }
+
+    /// [`Optimizer::step`], unless it would leave a weight or a state slot NaN or ±∞: then it refuses with
+    /// [`OptimError::NonFiniteState`] and changes nothing (weights, slots, step count). Check then commit: a first
+    /// pass computes every element's new values and only tests them, the second is [`Optimizer::step`]'s own pass;
+    /// both run the same arithmetic in the same order, so what the first pass saw finite is what the second writes.
+    /// No copy of the state is made. Allocation-free.
+    ///
+    /// # Panics
+    /// As [`Optimizer::step`].
+    pub fn try_step(
+        &mut self,
+        weights: &mut [f32],
+        grad: &[f32],
+        lr_scale: f32,
+    ) -> Result<(), OptimError> {
+        if !self.run(weights, grad, lr_scale, Pass::Check) {
+            return Err(OptimError::NonFiniteState);
+        }
+        self.step(weights, grad, lr_scale);
+        Ok(())
+    }
+
+    /// One pass of update `steps() + 1` over the range: [`Pass::Apply`] writes it (and returns true), [`Pass::Check`]
+    /// writes nothing and returns whether every new weight and slot value would be finite.
+    fn run(&mut self, weights: &mut [f32], grad: &[f32], lr_scale: f32, pass: Pass) -> bool {
         assert_eq!(weights.len(), self.len, "weights length != optimizer range");
         assert_eq!(grad.len(), self.len, "gradient length != optimizer range");
         let t = self.steps.saturating_add(1);
@@ -120,25 +155,46 @@ impl Optimizer {
         let c = &self.cfg;
         let wd = c.weight_decay;
         let simd = self.simd;
+        let check = pass == Pass::Check;
         match c.kind {
-            OptimizerKind::Sgd => dispatch(simd, || sgd(weights, grad, lr, wd)),
+            OptimizerKind::Sgd if check => dispatch(simd, || sgd_finite(weights, grad, lr, wd)),
+            OptimizerKind::Sgd => {
+                dispatch(simd, || sgd(weights, grad, lr, wd));
+                true
+            }
             OptimizerKind::Momentum | OptimizerKind::Nesterov => {
                 let nesterov = c.kind == OptimizerKind::Nesterov;
                 let (mu, buf) = (c.momentum, &mut self.slots[0]);
-                dispatch(simd, || momentum(weights, grad, buf, lr, mu, wd, nesterov))
+                if check {
+                    dispatch(simd, || {
+                        momentum_finite(weights, grad, buf, lr, mu, wd, nesterov)
+                    })
+                } else {
+                    dispatch(simd, || momentum(weights, grad, buf, lr, mu, wd, nesterov));
+                    true
+                }
             }
             OptimizerKind::Adam | OptimizerKind::Adamw => {
                 let k = AdamConsts::new(c, lr, t);
                 let (m, v) = self.slots.split_at_mut(1);
                 let (m, v) = (&mut m[0], &mut v[0]);
-                dispatch(simd, || adam(weights, grad, m, v, &k))
+                if check {
+                    dispatch(simd, || adam_finite(weights, grad, m, v, &k))
+                } else {
+                    dispatch(simd, || adam(weights, grad, m, v, &k));
+                    true
+                }
             }
             OptimizerKind::Adagrad => {
                 let (eps, s) = (c.eps, &mut self.slots[0]);
-                dispatch(simd, || adagrad(weights, grad, s, lr, wd, eps))
+                if check {
+                    dispatch(simd, || adagrad_finite(weights, grad, s, lr, wd, eps))
+                } else {
+                    dispatch(simd, || adagrad(weights, grad, s, lr, wd, eps));
+                    true
+                }
             }
         }
-        self.steps = t;
     }
 
     /// Updates applied so far.
@@ -181,6 +237,15 @@ impl Optimizer {
     pub fn bytes_per_param(&self) -> usize {
         slot_count(self.cfg.kind) * std::mem::size_of::<f32>()
     }
+}
+
+/// What a pass over the range does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Compute the new values and only test that they are finite.
+    Check,
+    /// Write the new values.
+    Apply,
 }
 
 /// The learning-rate schedule as a pure function of the base lr and the 1-based update number (see the module doc).
@@ -280,17 +345,16 @@ fn simd_available() -> bool {
 /// Runs `f` compiled for AVX2 when `simd` (checked at construction) or as built otherwise. AVX2 here only widens the
 /// vectors: no FMA is enabled, so both paths round identically.
 #[inline(always)]
-fn dispatch<F: FnOnce()>(simd: bool, f: F) {
+fn dispatch<R, F: FnOnce() -> R>(simd: bool, f: F) -> R {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx2")]
-        fn with_avx2<F: FnOnce()>(f: F) {
+        fn with_avx2<R, F: FnOnce() -> R>(f: F) -> R {
             f()
         }
         if simd {
             // SAFETY: `simd` is true only when `is_x86_feature_detected!("avx2")` said so for this CPU.
-            unsafe { with_avx2(f) };
-            return;
+            return unsafe { with_avx2(f) };
         }
     }
     let _ = simd;
@@ -317,12 +381,50 @@ macro_rules! zip_lanes {
     (@rpat $a:ident) => { $a };
 }
 
+/// Non-zero exactly when `x` is NaN or ±∞ (all exponent bits set): the exponent field plus one carries into the top
+/// bit only then. An OR of these over a slice is an integer reduction, which vectorizes where a float or `bool`
+/// reduction may not.
+#[inline(always)]
+fn non_finite_bit(x: f32) -> u32 {
+    ((x.to_bits() & 0x7f80_0000) + 0x0080_0000) & 0x8000_0000
+}
+
+/// Every kernel below is one per-element function (the update rule of one parameter) walked twice: to write, and
+/// to test finiteness without writing (`*_finite`: an OR of [`non_finite_bit`] over the new values). Sharing the
+/// function keeps both passes' arithmetic identical.
+#[inline(always)]
+fn sgd_elem(w: f32, g: f32, lr: f32, wd: f32) -> f32 {
+    w - lr * (g + wd * w)
+}
+
 #[inline(always)]
 fn sgd(w: &mut [f32], g: &[f32], lr: f32, wd: f32) {
     let g = &g[..w.len()];
     zip_lanes!(mut (w) ref (g) {
-        *w -= lr * (g + wd * *w);
+        *w = sgd_elem(*w, g, lr, wd);
     });
+}
+
+#[inline(always)]
+fn sgd_finite(w: &[f32], g: &[f32], lr: f32, wd: f32) -> bool {
+    let g = &g[..w.len()];
+    let mut bad = 0;
+    for (&w, &g) in w.iter().zip(g) {
+        bad |= non_finite_bit(sgd_elem(w, g, lr, wd));
+    }
+    bad == 0
+}
+
+/// One parameter's momentum (or Nesterov) update: the new `(w, b)`.
+#[inline(always)]
+fn momentum_elem(w: f32, g: f32, b: f32, lr: f32, mu: f32, wd: f32, nesterov: bool) -> (f32, f32) {
+    let gd = g + wd * w;
+    let b = mu * b + gd;
+    if nesterov {
+        (w - lr * (gd + mu * b), b)
+    } else {
+        (w - lr * b, b)
+    }
 }
 
 #[inline(always)]
@@ -330,16 +432,42 @@ fn momentum(w: &mut [f32], g: &[f32], b: &mut [f32], lr: f32, mu: f32, wd: f32, 
     let (g, b) = (&g[..w.len()], &mut b[..w.len()]);
     if nesterov {
         zip_lanes!(mut (w, b) ref (g) {
-            let gd = g + wd * *w;
-            *b = mu * *b + gd;
-            *w -= lr * (gd + mu * *b);
+            (*w, *b) = momentum_elem(*w, g, *b, lr, mu, wd, true);
         });
     } else {
         zip_lanes!(mut (w, b) ref (g) {
-            *b = mu * *b + (g + wd * *w);
-            *w -= lr * *b;
+            (*w, *b) = momentum_elem(*w, g, *b, lr, mu, wd, false);
         });
     }
+}
+
+#[inline(always)]
+fn momentum_finite(
+    w: &[f32],
+    g: &[f32],
+    b: &[f32],
+    lr: f32,
+    mu: f32,
+    wd: f32,
+    nesterov: bool,
+) -> bool {
+    let (g, b) = (&g[..w.len()], &b[..w.len()]);
+    let mut bad = 0;
+    for ((&w, &g), &b) in w.iter().zip(g).zip(b) {
+        let (w, b) = momentum_elem(w, g, b, lr, mu, wd, nesterov);
+        bad |= non_finite_bit(w) | non_finite_bit(b);
+    }
+    bad == 0
+}
+
+/// One parameter's Adam/AdamW update: the new `(w, m, v)`.
+#[inline(always)]
+fn adam_elem(w: f32, g: f32, m: f32, v: f32, k: &AdamConsts) -> (f32, f32, f32) {
+    let gd = g + k.l2 * w;
+    let m = k.b1 * m + k.one_minus_b1 * gd;
+    let v = k.b2 * v + k.one_minus_b2 * (gd * gd);
+    let denom = v.sqrt() * k.inv_sqrt_bc2 + k.eps;
+    (w * k.decay - k.step_size * m / denom, m, v)
 }
 
 #[inline(always)]
@@ -347,20 +475,45 @@ fn adam(w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &AdamConsts) 
     let (g, m, v) = (&g[..w.len()], &mut m[..w.len()], &mut v[..w.len()]);
     let k = *k;
     zip_lanes!(mut (w, m, v) ref (g) {
-        let gd = g + k.l2 * *w;
-        *m = k.b1 * *m + k.one_minus_b1 * gd;
-        *v = k.b2 * *v + k.one_minus_b2 * (gd * gd);
-        let denom = v.sqrt() * k.inv_sqrt_bc2 + k.eps;
-        *w = *w * k.decay - k.step_size * *m / denom;
+        (*w, *m, *v) = adam_elem(*w, g, *m, *v, &k);
     });
+}
+
+#[inline(always)]
+fn adam_finite(w: &[f32], g: &[f32], m: &[f32], v: &[f32], k: &AdamConsts) -> bool {
+    let (g, m, v) = (&g[..w.len()], &m[..w.len()], &v[..w.len()]);
+    let k = *k;
+    let mut bad = 0;
+    for (((&w, &g), &m), &v) in w.iter().zip(g).zip(m).zip(v) {
+        let (w, m, v) = adam_elem(w, g, m, v, &k);
+        bad |= non_finite_bit(w) | non_finite_bit(m) | non_finite_bit(v);
+    }
+    bad == 0
+}
+
+/// One parameter's Adagrad update: the new `(w, s)`.
+#[inline(always)]
+fn adagrad_elem(w: f32, g: f32, s: f32, lr: f32, wd: f32, eps: f32) -> (f32, f32) {
+    let gd = g + wd * w;
+    let s = s + gd * gd;
+    (w - lr * gd / (s.sqrt() + eps), s)
 }
 
 #[inline(always)]
 fn adagrad(w: &mut [f32], g: &[f32], s: &mut [f32], lr: f32, wd: f32, eps: f32) {
     let (g, s) = (&g[..w.len()], &mut s[..w.len()]);
     zip_lanes!(mut (w, s) ref (g) {
-        let gd = g + wd * *w;
-        *s += gd * gd;
-        *w -= lr * gd / (s.sqrt() + eps);
+        (*w, *s) = adagrad_elem(*w, g, *s, lr, wd, eps);
     });
+}
+
+#[inline(always)]
+fn adagrad_finite(w: &[f32], g: &[f32], s: &[f32], lr: f32, wd: f32, eps: f32) -> bool {
+    let (g, s) = (&g[..w.len()], &s[..w.len()]);
+    let mut bad = 0;
+    for ((&w, &g), &s) in w.iter().zip(g).zip(s) {
+        let (w, s) = adagrad_elem(w, g, s, lr, wd, eps);
+        bad |= non_finite_bit(w) | non_finite_bit(s);
+    }
+    bad == 0
 }

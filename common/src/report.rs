@@ -71,6 +71,13 @@ pub struct RunReport {
     /// Extension: pushes (and skip markers) the shards refused or a rejoin dropped, as the workers learned them.
     #[serde(default)]
     pub pushes_refused: u64,
+    /// Extension: updates the shards' numerical guard refused (norm bound, norm spike, non-finite state), summed over
+    /// shards; part of `updates_rejected`.
+    #[serde(default)]
+    pub guard_refused: u64,
+    /// Extension: the largest gradient norm the shards' guard admitted (the most of any shard).
+    #[serde(default)]
+    pub max_push_norm: f64,
     /// Extension: pull replies the workers dropped because they answered a superseded request.
     #[serde(default)]
     pub stale_replies_dropped: u64,
@@ -198,6 +205,8 @@ impl RunReport {
     pub fn add_shard(&mut self, s: &ShardCounters) {
         self.updates_applied += s.updates_applied;
         self.updates_rejected += s.updates_rejected;
+        self.guard_refused += s.guard_refused;
+        self.max_push_norm = self.max_push_norm.max(f64::from(s.max_push_norm));
         self.max_clock_lead_observed = self.max_clock_lead_observed.max(s.max_clock_lead);
     }
 
@@ -334,12 +343,16 @@ pub struct WorkerCounters {
 
 /// What one shard counted, as a run report sums it ([`RunReport::add_shard`]); its traffic and staleness are added
 /// separately, since a cluster's report counts the workers' traffic and merges the shards' histograms.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ShardCounters {
     /// Updates applied.
     pub updates_applied: u64,
     /// Updates rejected.
     pub updates_rejected: u64,
+    /// Of those, updates the numerical guard refused (norm bound, norm spike, non-finite state).
+    pub guard_refused: u64,
+    /// Largest gradient norm the guard admitted.
+    pub max_push_norm: f32,
     /// Largest clock lead seen when answering a pull.
     pub max_clock_lead: u64,
 }
@@ -443,11 +456,15 @@ mod tests {
         r.add_shard(&ShardCounters {
             updates_applied: 9,
             updates_rejected: 1,
+            guard_refused: 1,
+            max_push_norm: 2.5,
             max_clock_lead: 4,
         });
         r.add_shard(&ShardCounters {
             updates_applied: 3,
             updates_rejected: 0,
+            guard_refused: 0,
+            max_push_norm: 1.0,
             max_clock_lead: 1,
         });
         assert_eq!(r.steps, 12);
@@ -474,6 +491,7 @@ mod tests {
         assert_eq!((r.loss_scale_overflows, r.loss_scale_growths), (2, 4));
         assert_eq!(r.final_loss_scale, Some(256.0));
         assert_eq!((r.updates_applied, r.updates_rejected), (12, 1));
+        assert_eq!((r.guard_refused, r.max_push_norm), (1, 2.5));
         r.set_curves(vec![(1, 0.1, 2.0), (2, 0.2, 4.0)], vec![], vec![]);
         assert_eq!(r.final_train_loss, 3.0);
         assert_eq!(r.loss_curve.len(), 2);

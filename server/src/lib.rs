@@ -13,6 +13,7 @@ mod connection;
 mod error;
 mod median;
 pub mod node;
+pub mod norm_guard;
 pub use tether_common::optim;
 pub mod protocol;
 pub mod public;

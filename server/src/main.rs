@@ -43,9 +43,10 @@ struct Cli {
     /// Write this shard's JSON run report here on shutdown.
     #[arg(long)]
     report: Option<PathBuf>,
-    /// Reject gradients whose norm exceeds this multiple of the running median (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    spike_factor: f32,
+    /// Refuse gradients whose norm exceeds this multiple of the workers' running medians (0 = off; default:
+    /// guard.factor of the config).
+    #[arg(long)]
+    spike_factor: Option<f32>,
     /// Exit (with a final checkpoint) once this many distinct configured ranks have finished and left (0 = run until
     /// SIGTERM).
     #[arg(long, default_value_t = 0)]

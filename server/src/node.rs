@@ -24,6 +24,7 @@ use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHA
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
+use crate::norm_guard::GuardSettings;
 use crate::remote::RemoteStore;
 use crate::shard::{Membership, ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
@@ -41,8 +42,8 @@ pub struct ShardOptions {
     pub tls: Option<TlsFiles>,
     /// Metrics to record into.
     pub metrics: Option<ServerMetrics>,
-    /// Spike-guard factor (0 = off).
-    pub spike_factor: f32,
+    /// Relative factor of the gradient-norm guard, overriding `guard.factor` (0 = off; `None`: the configured one).
+    pub spike_factor: Option<f32>,
     /// The parameter layout, when it is not the one `[model]` describes (a user model embedded as a library).
     pub layout: Option<Layout>,
     /// The checkpoint key, overriding `checkpoint.key_file` and the bundle's `checkpoint.key` (in-process clusters
@@ -128,7 +129,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         optimizer: update_rule::shard_optimizer(cfg),
         staleness: cfg.cluster.staleness,
         worker_timeout_ms: cfg.cluster.worker_timeout_ms,
-        spike_factor: opts.spike_factor,
+        spike_factor: 0.0,
     };
     let mut core = ShardCore::new(&layout, &spec);
     let tls = match opts.tls {
@@ -136,6 +137,21 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,
     }
     .with_revoked(&cfg.cluster.revoked_serials());
+    let mut guard = GuardSettings::derive(
+        cfg,
+        core.range().end.saturating_sub(core.range().start) as usize,
+    );
+    if let Some(factor) = opts.spike_factor {
+        guard.factor = factor;
+    }
+    info!(
+        shard = opts.shard,
+        bound = guard.bound,
+        floor = guard.floor,
+        factor = guard.factor,
+        "gradient-norm guard"
+    );
+    core.set_guard(guard);
     let store = CheckpointStore::new(
         cfg.checkpoint.dir.join(format!("shard-{}", opts.shard)),
         cfg.checkpoint.keep,

@@ -18,8 +18,8 @@ use tether_common::protocol::{ErrorCode, PublicRef};
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
-use crate::median::RunningMedian;
-use crate::optim::Optimizer;
+use crate::norm_guard::{GuardSettings, NormGuard};
+use crate::optim::{OptimError, Optimizer};
 use crate::public::{Answer, PublicCopy};
 use crate::rollback::{Alarm, RollbackPoint, RollbackRecord, RollbackState};
 
@@ -103,7 +103,7 @@ pub enum ShardError {
     /// The worker has not joined (or was evicted and has not rejoined).
     #[error("worker {0} is not a live member of this shard")]
     NotMember(u32),
-    /// The gradient norm is far beyond the recent median (numerical guard).
+    /// The gradient norm is far beyond the workers' recent medians (numerical guard, relative limit).
     #[error("gradient norm {norm:.3e} exceeds {limit:.3e} (spike guard)")]
     NormSpike {
         /// Norm of the rejected gradient.
@@ -111,6 +111,17 @@ pub enum ShardError {
         /// The limit it broke.
         limit: f32,
     },
+    /// The gradient norm is above what an honest push can have (numerical guard, absolute bound).
+    #[error("gradient norm {norm:.3e} exceeds the bound {bound:.3e}")]
+    NormBound {
+        /// Norm of the rejected gradient.
+        norm: f32,
+        /// The bound.
+        bound: f32,
+    },
+    /// Applying the push would leave a weight or an optimizer state value NaN or ±∞; nothing was changed.
+    #[error("the update would leave the shard's state non-finite")]
+    NonFiniteState,
     /// Too many pulls are parked already.
     #[error("too many parked pulls")]
     Overloaded,
@@ -178,7 +189,10 @@ impl ShardError {
             ShardError::WrongShard { .. } => ErrorCode::WrongShard,
             ShardError::BadRange { .. } => ErrorCode::BadRange,
             ShardError::Codec(_) => ErrorCode::BadFrame,
-            ShardError::NonFinite(_) | ShardError::NormSpike { .. } => ErrorCode::NonFinite,
+            ShardError::NonFinite(_)
+            | ShardError::NormSpike { .. }
+            | ShardError::NormBound { .. }
+            | ShardError::NonFiniteState => ErrorCode::NonFinite,
             ShardError::ClockFromFuture { .. } | ShardError::VersionFromFuture { .. } => {
                 ErrorCode::ClockFromFuture
             }
@@ -204,11 +218,16 @@ pub const REJECT_REASONS: [&str; 13] = [
     "version_from_future",
     "not_member",
     "norm_spike",
+    "norm_bound",
+    "non_finite_state",
     "overloaded",
     "rolled_back",
     "superseded",
     "unknown_rank",
 ];
+
+/// The labels of the numerical guard's refusals (norm bound, norm spike, non-finite state).
+pub const GUARD_REASONS: [&str; 3] = ["norm_bound", "norm_spike", "non_finite_state"];
 
 /// Why a push was rejected, as a metric label.
 pub fn reject_reason(e: &ShardError) -> &'static str {
@@ -222,6 +241,8 @@ pub fn reject_reason(e: &ShardError) -> &'static str {
         ShardError::VersionFromFuture { .. } => "version_from_future",
         ShardError::NotMember(_) => "not_member",
         ShardError::NormSpike { .. } => "norm_spike",
+        ShardError::NormBound { .. } => "norm_bound",
+        ShardError::NonFiniteState => "non_finite_state",
         ShardError::Overloaded => "overloaded",
         ShardError::RolledBack { .. } => "rolled_back",
         ShardError::Superseded(_) => "superseded",
@@ -298,6 +319,8 @@ pub struct ShardStats {
     pub rollbacks: Vec<RollbackRecord>,
     /// Alarms with no snapshot of the target round to restore.
     pub rollbacks_missed: u64,
+    /// Largest gradient norm the guard admitted.
+    pub max_push_norm: f32,
 }
 
 impl ShardStats {
@@ -306,11 +329,21 @@ impl ShardStats {
         self.rejected.values().sum()
     }
 
+    /// Updates the numerical guard refused ([`GUARD_REASONS`]).
+    pub fn guard_refused(&self) -> u64 {
+        GUARD_REASONS
+            .iter()
+            .filter_map(|r| self.rejected.get(r))
+            .sum()
+    }
+
     /// The counters a run report sums over shards.
     pub fn counters(&self) -> tether_common::report::ShardCounters {
         tether_common::report::ShardCounters {
             updates_applied: self.updates_applied,
             updates_rejected: self.rejected_total(),
+            guard_refused: self.guard_refused(),
+            max_push_norm: self.max_push_norm,
             max_clock_lead: self.max_lead,
         }
     }
@@ -327,37 +360,6 @@ impl ShardStats {
     }
 }
 
-/// Gradient-norm spike guard: rejects a gradient whose norm exceeds `factor` × the running (upper) median of the
-/// last [`Self::WINDOW`] norms, once [`Self::WARMUP`] of them were seen.
-#[derive(Debug, Clone)]
-struct SpikeGuard {
-    factor: f32,
-    recent: RunningMedian,
-}
-
-impl SpikeGuard {
-    const WINDOW: usize = 64;
-    const WARMUP: usize = 16;
-
-    fn new(factor: f32) -> Self {
-        Self {
-            factor,
-            recent: RunningMedian::new(Self::WINDOW),
-        }
-    }
-
-    fn limit(&mut self) -> Option<f32> {
-        if self.factor <= 0.0 || self.recent.len() < Self::WARMUP {
-            return None;
-        }
-        self.recent.upper().map(|m| m * self.factor)
-    }
-
-    fn record(&mut self, norm: f32) {
-        self.recent.push(norm);
-    }
-}
-
 /// One shard's state: weights, optimizer, version, clock table.
 pub struct ShardCore {
     shard: u32,
@@ -370,7 +372,7 @@ pub struct ShardCore {
     clocks: ClockTable,
     decoder: Decoder,
     scratch: Vec<f32>,
-    guard: SpikeGuard,
+    guard: NormGuard,
     stats: ShardStats,
     /// Restored from a checkpoint: versions of the lost lineage may come back in resent pushes.
     restored: bool,
@@ -422,7 +424,8 @@ pub struct ShardSpec {
     pub staleness: Staleness,
     /// Eviction timeout.
     pub worker_timeout_ms: u64,
-    /// Spike-guard factor (0 = off).
+    /// Relative factor of the gradient-norm guard (0 = off); the rest of the guard (bound, floor) comes from
+    /// [`ShardCore::set_guard`].
     pub spike_factor: f32,
 }
 
@@ -442,7 +445,7 @@ impl ShardCore {
             clocks: ClockTable::new(spec.staleness, spec.worker_timeout_ms),
             decoder: Decoder::new(r.len()),
             scratch: vec![0.0; r.len()],
-            guard: SpikeGuard::new(spec.spike_factor),
+            guard: NormGuard::new(GuardSettings::relative(spec.spike_factor)),
             stats: ShardStats::default(),
             restored: false,
             public: None,
@@ -588,6 +591,22 @@ impl ShardCore {
         self.pull_codec = codec;
         self.lineage = lineage;
         self.public = None;
+    }
+
+    /// Replaces the gradient-norm guard (forgetting the norms seen): see [`crate::norm_guard`] and
+    /// [`GuardSettings::derive`].
+    pub fn set_guard(&mut self, settings: GuardSettings) {
+        self.guard = NormGuard::new(settings);
+    }
+
+    /// The gradient-norm guard's settings.
+    pub fn guard(&self) -> GuardSettings {
+        self.guard.settings()
+    }
+
+    /// The guard's relative limit now (`None` while it is off or no worker is warm).
+    pub fn guard_limit(&mut self) -> Option<f32> {
+        self.guard.limit()
     }
 
     /// Multiplies every push's step by `scale` (local-step rounds: 1/workers, so that a round of pushes adds up to
@@ -764,7 +783,8 @@ impl ShardCore {
     }
 
     /// Validates, decodes and applies one push. On error the weights, optimizer state and version are untouched;
-    /// only for a well-addressed push whose values are refused by the numerical guard (non-finite, norm spike), or
+    /// only for a well-addressed push whose values are refused by the numerical guard (non-finite, norm bound or
+    /// spike, a step that would leave the state non-finite), or
     /// that was read before a loss-spike rollback, does the worker's clock still advance, so a worker is never stuck
     /// behind its own refused round. With rollback on, the rounds this push completes are then settled, which may
     /// roll the shard back (the returned version is the update's own).
@@ -777,6 +797,7 @@ impl ShardCore {
             Err(
                 e @ (ShardError::NonFinite(_)
                 | ShardError::NormSpike { .. }
+                | ShardError::NormBound { .. }
                 | ShardError::RolledBack { .. }),
             ) => {
                 // The clock was validated (and its successor checked) before decoding, so this advance cannot fail.
@@ -846,12 +867,8 @@ impl ShardCore {
             return Err(ShardError::NonFinite(i));
         }
         let norm = sq.sqrt() as f32;
-        if let Some(limit) = self.guard.limit() {
-            if norm > limit {
-                return Err(ShardError::NormSpike { norm, limit });
-            }
-        }
-        self.guard.record(norm);
+        self.guard.judge(push.worker, norm)?;
+        self.stats.max_push_norm = self.stats.max_push_norm.max(norm);
         Ok(())
     }
 
@@ -869,7 +886,11 @@ impl ShardCore {
                 .rollback
                 .as_ref()
                 .map_or(1.0, |rb| rb.lr_factor(push.clock));
-        self.optimizer.step(&mut self.weights, &self.scratch, scale);
+        // A refused step changed nothing but the clock, which advances as for any push refused for its values.
+        self.optimizer
+            .try_step(&mut self.weights, &self.scratch, scale)
+            // `try_step` refuses for nothing else (lengths are fixed at construction and checked at restore).
+            .map_err(|_: OptimError| ShardError::NonFiniteState)?;
         self.version += 1;
         self.stats.updates_applied += 1;
         self.stats.staleness.record(staleness);
@@ -977,6 +998,11 @@ mod tests {
                 norm: 1.0,
                 limit: 0.5,
             },
+            ShardError::NormBound {
+                norm: 1.0,
+                bound: 0.5,
+            },
+            ShardError::NonFiniteState,
             ShardError::Overloaded,
             ShardError::RolledBack { since: 2, found: 1 },
             ShardError::Superseded(0),

@@ -406,3 +406,62 @@ fn step_with_a_gradient_of_the_wrong_length_panics() {
     let mut w = [0.0f32; 4];
     opt.step(&mut w, &[0.0; 3], 1.0);
 }
+
+#[test]
+fn try_step_applies_exactly_what_step_applies_on_both_kernel_paths() {
+    for kind in ALL {
+        for portable in [false, true] {
+            let c = cfg(kind, 0.1);
+            let (mut a, mut b) = (Optimizer::new(&c, LEN), Optimizer::new(&c, LEN));
+            if portable {
+                a = a.with_portable_kernels();
+                b = b.with_portable_kernels();
+            }
+            let (mut wa, mut wb) = (init_weights(LEN), init_weights(LEN));
+            for t in 0..6 {
+                let g = grad_at(LEN, t);
+                a.step(&mut wa, &g, 0.5);
+                b.try_step(&mut wb, &g, 0.5).unwrap();
+            }
+            assert_eq!(bits(&wa), bits(&wb), "{kind:?} portable={portable}");
+            assert_eq!(a.steps(), b.steps());
+            for (sa, sb) in a.slots().iter().zip(b.slots()) {
+                assert_eq!(bits(sa), bits(sb), "{kind:?} portable={portable}");
+            }
+        }
+    }
+}
+
+#[test]
+fn try_step_refuses_an_update_that_overflows_and_changes_nothing() {
+    for kind in ALL {
+        for portable in [false, true] {
+            let mut c = cfg(kind, 0.0);
+            // lr 2 makes SGD's w − lr·g overflow for g = f32::MAX in one step, as momentum's and Adam's do.
+            c.lr = 2.0;
+            let mut opt = Optimizer::new(&c, LEN);
+            if portable {
+                opt = opt.with_portable_kernels();
+            }
+            let mut w = init_weights(LEN);
+            opt.step(&mut w, &grad_at(LEN, 0), 1.0);
+            let (w0, slots0, steps0) = (bits(&w), opt.slots().to_vec(), opt.steps());
+            let mut g = grad_at(LEN, 1);
+            // The last element: the scalar remainder of the vector loop must be checked too.
+            g[LEN - 1] = f32::MAX;
+            assert_eq!(
+                opt.try_step(&mut w, &g, 1.0),
+                Err(OptimError::NonFiniteState),
+                "{kind:?} portable={portable}"
+            );
+            assert_eq!(bits(&w), w0, "{kind:?}");
+            assert_eq!(opt.steps(), steps0, "{kind:?}");
+            for (s, s0) in opt.slots().iter().zip(&slots0) {
+                assert_eq!(bits(s), bits(s0), "{kind:?}");
+            }
+            // A finite update afterwards goes through.
+            opt.try_step(&mut w, &grad_at(LEN, 2), 1.0).unwrap();
+            assert_eq!(opt.steps(), steps0 + 1);
+        }
+    }
+}

@@ -1,14 +1,15 @@
 //! `ShardCore` under hostile and adversarial pushes (every rejection leaves weights, optimizer state and version
-//! bit-identical), the gradient-norm spike guard, checkpoint round trips through `snapshot`/`restore` (including a
+//! bit-identical), the gradient-norm guard (bound, per-worker windows, floor) and the finite-state check, checkpoint round trips through `snapshot`/`restore` (including a
 //! corrupted newest checkpoint), and BSP interleavings against a sequential run.
 
 use std::fs;
 
 use tether_common::codec::{CodecConfig, Encoder, Rounding, Scheme, HEADER_LEN};
-use tether_common::config::{OptimizerConfig, OptimizerKind, Schedule, Staleness};
+use tether_common::config::{Config, OptimizerConfig, OptimizerKind, Schedule, Staleness};
 use tether_common::layout::{mlp_layout, Layout};
 use tether_common::pki::CheckpointKey;
 use tether_server::checkpoint::{CheckpointStore, ShardSnapshot, WEIGHTS_FILE};
+use tether_server::norm_guard::GuardSettings;
 use tether_server::shard::{Push, ShardCore, ShardError, ShardSpec};
 
 const SHARDS: u32 = 2;
@@ -140,7 +141,13 @@ fn rejected(p: &Push<'_>, core: &mut ShardCore, check: impl Fn(&ShardError) -> b
     assert!(check(&e), "unexpected error {e:?}");
     assert_eq!(state(core), before, "state changed on {e:?}");
     assert_eq!(core.stats().updates_applied, applied_before);
-    if !matches!(e, ShardError::NonFinite(_) | ShardError::NormSpike { .. }) {
+    if !matches!(
+        e,
+        ShardError::NonFinite(_)
+            | ShardError::NormSpike { .. }
+            | ShardError::NormBound { .. }
+            | ShardError::NonFiniteState
+    ) {
         assert_eq!(
             core.clocks().clock_of(p.worker),
             clock_before,
@@ -763,6 +770,14 @@ fn every_shard_error_has_one_wire_code_everywhere() {
             },
             ErrorCode::NonFinite,
         ),
+        (
+            ShardError::NormBound {
+                norm: 1e30,
+                bound: 40.0,
+            },
+            ErrorCode::NonFinite,
+        ),
+        (ShardError::NonFiniteState, ErrorCode::NonFinite),
         (ShardError::Overloaded, ErrorCode::Overloaded),
     ];
     for (e, code) in all {
@@ -793,4 +808,260 @@ fn every_shard_error_has_one_wire_code_everywhere() {
     assert_eq!(gone.code(), Some(ErrorCode::Shutdown));
     let local = tether_server::Error::Address("nowhere".into());
     assert_eq!(local.code(), None);
+}
+
+/// The guard `tether-server` derives from the default configuration (a gradient push every step, clip 5) for `core`,
+/// with the relative factor `factor`.
+fn default_guard(core: &ShardCore, factor: f32) -> GuardSettings {
+    let cfg = Config::with_servers(vec!["127.0.0.1:1".into(); SHARDS as usize]);
+    let r = core.range();
+    let mut g = GuardSettings::derive(&cfg, (r.end - r.start) as usize);
+    g.factor = factor;
+    g
+}
+
+/// An Adam core (asynchronous, so that a flood is not held back by the SSP gate) with `guard`, workers `0..workers`
+/// joined.
+fn guarded_core(guard: GuardSettings, workers: u32) -> ShardCore {
+    let mut core = ShardCore::new(
+        &layout(),
+        &spec(1, OptimizerKind::Adam, Staleness::Unbounded, 0.0),
+    );
+    core.set_guard(guard);
+    for w in 0..workers {
+        core.join(w, 0);
+    }
+    core
+}
+
+/// Pushes `worker`'s honest q4 gradient at its current clock; panics unless applied.
+fn honest_push(core: &mut ShardCore, worker: u32) {
+    let clock = core.clocks().clock_of(worker).unwrap();
+    let f = q4(core, worker, clock);
+    if let Err(e) = core.apply(&push(core, worker, clock, &f), 0) {
+        panic!("honest push of worker {worker} at clock {clock} refused: {e}");
+    }
+}
+
+/// Pushes `values` as worker `worker`'s next round; returns the outcome.
+fn push_values(core: &mut ShardCore, worker: u32, values: &[f32]) -> Result<(), ShardError> {
+    let clock = core.clocks().clock_of(worker).unwrap();
+    let f = encode(Scheme::None, values, 1);
+    core.apply(&push(core, worker, clock, &f), 0).map(|_| ())
+}
+
+#[test]
+fn a_zero_norm_flood_cannot_make_honest_pushes_refused() {
+    // The attack as measured: spike factor 3, a flood of zero-norm pushes, then honest pushes. Both with the guard
+    // the default configuration gives and with its floor at 0 (the per-worker windows alone must hold).
+    let probe = adam_core(0.0);
+    for guard in [
+        default_guard(&probe, 3.0),
+        GuardSettings {
+            floor: 0.0,
+            ..default_guard(&probe, 3.0)
+        },
+    ] {
+        for honest_first in [true, false] {
+            let mut core = guarded_core(guard, 2);
+            let zeros = vec![0.0; core.weights().len()];
+            if honest_first {
+                for _ in 0..20 {
+                    honest_push(&mut core, 0);
+                }
+            }
+            for _ in 0..64 {
+                push_values(&mut core, 1, &zeros).unwrap();
+            }
+            for _ in 0..40 {
+                honest_push(&mut core, 0);
+            }
+            assert_eq!(core.stats().guard_refused(), 0, "{guard:?}");
+            let limit = core.guard_limit().unwrap();
+            assert!(limit >= guard.floor && limit > 0.0, "{limit}");
+        }
+    }
+}
+
+#[test]
+fn one_workers_flood_does_not_move_the_limit_others_are_judged_by() {
+    let probe = adam_core(0.0);
+    let guard = GuardSettings {
+        floor: 0.0,
+        ..default_guard(&probe, 3.0)
+    };
+    let mut core = guarded_core(guard, 3);
+    for _ in 0..20 {
+        honest_push(&mut core, 0);
+        honest_push(&mut core, 1);
+    }
+    // The honest workers' norms are alike (within a few percent): whatever worker 2 pushes, the limit must stay
+    // within a quarter of where they put it.
+    let before = core.guard_limit().unwrap();
+    let (lo, hi) = (0.75 * before, 1.25 * before);
+    let n = core.weights().len();
+    // Zero norms, then norms just under the bound, 64 of each (once worker 2 is warm, the relative limit refuses the
+    // large ones; they still enter its own window).
+    let zeros = vec![0.0; n];
+    let high = vec![0.99 * guard.bound / (n as f32).sqrt(); n];
+    for flood in [&zeros, &high] {
+        for _ in 0..64 {
+            let _ = push_values(&mut core, 2, flood);
+            let limit = core.guard_limit().unwrap();
+            assert!(
+                (lo..=hi).contains(&limit),
+                "limit {limit} outside [{lo}, {hi}]"
+            );
+        }
+        for _ in 0..10 {
+            honest_push(&mut core, 0);
+            honest_push(&mut core, 1);
+        }
+    }
+    // Each honest worker's spike is still caught, at a limit the flood did not move.
+    let spike = gradient(n, 0, 99, 1e-2 * 10.0);
+    let e = push_values(&mut core, 0, &spike).unwrap_err();
+    assert!(
+        matches!(e, ShardError::NormSpike { limit, .. } if (lo..=hi).contains(&limit)),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn a_1e30_scaled_push_is_refused_by_default_and_adams_state_stays_finite_and_unchanged() {
+    let probe = adam_core(0.0);
+    let guard = default_guard(&probe, 10.0);
+    assert_eq!(
+        guard.bound,
+        8.0 * 5.0,
+        "the default bound: margin 8 × clip 5"
+    );
+    let mut core = guarded_core(guard, 1);
+    for _ in 0..5 {
+        honest_push(&mut core, 0);
+    }
+    let n = core.weights().len();
+    let clock = core.clocks().clock_of(0).unwrap();
+    let hostile: Vec<f32> = gradient(n, 0, clock, 1e-2)
+        .iter()
+        .map(|g| g * 1e30)
+        .collect();
+    assert!(hostile.iter().all(|g| g.is_finite()));
+    let f = encode(Scheme::None, &hostile, 1);
+    rejected(
+        &push(&core, 0, clock, &f),
+        &mut core,
+        |e| matches!(e, ShardError::NormBound { bound, .. } if *bound == 40.0),
+    );
+    assert_eq!(core.stats().rejected.get("norm_bound"), Some(&1));
+    assert_eq!(core.stats().guard_refused(), 1);
+    // Training goes on, and the state stays finite.
+    for _ in 0..5 {
+        honest_push(&mut core, 0);
+    }
+    let snap = core.snapshot();
+    assert!(snap
+        .weights
+        .iter()
+        .chain(snap.slots.iter().flatten())
+        .all(|x| x.is_finite()));
+    assert!(core.stats().max_push_norm < guard.bound);
+
+    // With the bound and the relative check off, the finite-state check still refuses it: v = g² overflows.
+    let off = GuardSettings {
+        factor: 0.0,
+        bound: f32::INFINITY,
+        ..guard
+    };
+    let mut core = guarded_core(off, 1);
+    for _ in 0..5 {
+        honest_push(&mut core, 0);
+    }
+    let clock = core.clocks().clock_of(0).unwrap();
+    let f = encode(Scheme::None, &hostile, 1);
+    rejected(&push(&core, 0, clock, &f), &mut core, |e| {
+        matches!(e, ShardError::NonFiniteState)
+    });
+    assert_eq!(
+        core.clocks().clock_of(0),
+        Some(clock + 1),
+        "a refused round still advances the clock"
+    );
+    assert_eq!(core.stats().rejected.get("non_finite_state"), Some(&1));
+    honest_push(&mut core, 0);
+    assert_eq!(core.version(), 6);
+}
+
+#[test]
+fn a_step_that_would_make_state_non_finite_is_refused_with_state_untouched() {
+    // Every optimizer kind, the guard off: a finite gradient large enough that the update overflows.
+    for kind in [
+        OptimizerKind::Sgd,
+        OptimizerKind::Momentum,
+        OptimizerKind::Nesterov,
+        OptimizerKind::Adam,
+        OptimizerKind::Adamw,
+        OptimizerKind::Adagrad,
+    ] {
+        let mut core = ShardCore::new(&layout(), &spec(1, kind, Staleness::Bounded(2), 0.0));
+        core.set_guard(GuardSettings {
+            factor: 0.0,
+            bound: f32::INFINITY,
+            ..GuardSettings::relative(0.0)
+        });
+        core.join(0, 0);
+        for _ in 0..4 {
+            honest_push(&mut core, 0);
+        }
+        // One value at f32::MAX, pushed until the update overflows: at once for Adam and Adagrad (g² = ∞), at the
+        // second push for momentum and Nesterov (b = μ·b + g), after some hundreds for SGD (w − lr·g walks to −∞).
+        let n = core.weights().len();
+        let mut refused = None;
+        for _ in 0..2_000 {
+            let clock = core.clocks().clock_of(0).unwrap();
+            let mut g = gradient(n, 0, clock, 1e-2);
+            g[7] = f32::MAX;
+            let f = encode(Scheme::None, &g, 1);
+            let p = push(&core, 0, clock, &f);
+            let before = core.snapshot();
+            match core.apply(&p, 0) {
+                Ok(_) => {
+                    let after = core.snapshot();
+                    assert!(
+                        after
+                            .weights
+                            .iter()
+                            .chain(after.slots.iter().flatten())
+                            .all(|x| x.is_finite()),
+                        "{kind:?} applied a step that left the state non-finite"
+                    );
+                }
+                Err(e) => {
+                    assert_eq!(e, ShardError::NonFiniteState, "{kind:?}");
+                    let after = core.snapshot();
+                    assert_eq!(
+                        (bits(&after.weights), after.opt_steps, after.version),
+                        (bits(&before.weights), before.opt_steps, before.version),
+                        "{kind:?}"
+                    );
+                    let slot_bits =
+                        |s: &ShardSnapshot| s.slots.iter().map(|x| bits(x)).collect::<Vec<_>>();
+                    assert_eq!(slot_bits(&after), slot_bits(&before), "{kind:?}");
+                    assert_eq!(core.clocks().clock_of(0), Some(clock + 1));
+                    refused = Some(before.opt_steps);
+                    break;
+                }
+            }
+        }
+        let refused =
+            refused.unwrap_or_else(|| panic!("{kind:?}: the overflowing update was never refused"));
+        assert_eq!(
+            core.stats().rejected.get("non_finite_state"),
+            Some(&1),
+            "{kind:?}"
+        );
+        eprintln!("{kind:?}: refused at optimizer step {}", refused + 1);
+        // Honest training continues.
+        honest_push(&mut core, 0);
+    }
 }

@@ -13,6 +13,7 @@ mod checkpoint;
 mod cluster;
 mod compression;
 mod data;
+mod guard;
 mod model;
 mod optimizer;
 mod rollback;
@@ -26,6 +27,7 @@ pub use checkpoint::CheckpointConfig;
 pub use cluster::{ClusterConfig, Staleness};
 pub use compression::{CompressionConfig, PullKind};
 pub use data::{default_data_dir, DataConfig, DatasetKind, DATA_DIR_ENV};
+pub use guard::{GuardConfig, MAX_GUARD_WINDOW};
 pub use model::{ModelConfig, ModelKind};
 pub use optimizer::{OptimizerConfig, OptimizerKind, OuterOptimizerConfig, Schedule};
 pub use rollback::RollbackConfig;
@@ -87,6 +89,9 @@ pub struct Config {
     /// `[rollback]`: loss-spike rollback (off by default).
     #[serde(default)]
     pub rollback: RollbackConfig,
+    /// `[guard]`: the shards' gradient-norm guard (on by default).
+    #[serde(default)]
+    pub guard: GuardConfig,
 }
 
 impl Config {
@@ -160,6 +165,7 @@ impl Config {
             compression: CompressionConfig::default(),
             checkpoint: CheckpointConfig::default(),
             rollback: RollbackConfig::default(),
+            guard: GuardConfig::default(),
         }
     }
 }

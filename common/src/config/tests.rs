@@ -136,7 +136,7 @@ fn missing_keys_and_sections_take_the_default_impls() {
     assert_eq!(Config::parse(MINIMAL, Path::new("")).unwrap(), expected);
     let empty_sections = format!(
         "{MINIMAL}[model]\n[data]\n[train]\n[optimizer]\n[optimizer.outer]\n[compression]\n[checkpoint]\n\
-         [rollback]\n"
+         [rollback]\n[guard]\n"
     );
     assert_eq!(
         Config::parse(&empty_sections, Path::new("")).unwrap(),
@@ -256,6 +256,7 @@ fn unknown_keys_are_errors_naming_the_key_in_every_section() {
         ("compression", "\n[compression]"),
         ("checkpoint", "\n[checkpoint]"),
         ("rollback", "\n[rollback]"),
+        ("guard", "\n[guard]"),
     ] {
         let text = format!("{MINIMAL}{extra}\nno_such_key_here = 1\n");
         let e = Config::parse(&text, Path::new("/")).unwrap_err();
@@ -315,4 +316,44 @@ fn a_model_too_large_to_count_or_to_hold_is_refused_naming_the_key() {
         Path::new("/"),
     )
     .unwrap();
+}
+
+#[test]
+fn the_guard_is_on_by_default_and_its_keys_are_range_checked() {
+    let g = Config::parse(MINIMAL, Path::new("/")).unwrap().guard;
+    assert_eq!(
+        (g.factor, g.window, g.warmup, g.margin, g.max_norm, g.floor),
+        (10.0, 64, 16, 8.0, None, None)
+    );
+    let cfg = Config::parse(
+        &format!("{MINIMAL}[guard]\nfactor = 0\nmax_norm = inf\nfloor = 0.5\n"),
+        Path::new("/"),
+    )
+    .unwrap();
+    assert_eq!(
+        (cfg.guard.factor, cfg.guard.max_norm, cfg.guard.floor),
+        (0.0, Some(f32::INFINITY), Some(0.5))
+    );
+    for (line, key) in [
+        ("factor = 1.0", "guard.factor"),
+        ("factor = -2.0", "guard.factor"),
+        ("factor = inf", "guard.factor"),
+        ("window = 0", "guard.window"),
+        ("window = 4097", "guard.window"),
+        ("warmup = 0", "guard.warmup"),
+        ("warmup = 65", "guard.warmup"),
+        ("margin = 0.5", "guard.margin"),
+        ("margin = nan", "guard.margin"),
+        ("max_norm = 0.0", "guard.max_norm"),
+        ("max_norm = nan", "guard.max_norm"),
+        ("max_norm = -1.0", "guard.max_norm"),
+        ("floor = -1.0", "guard.floor"),
+        ("floor = inf", "guard.floor"),
+    ] {
+        let e = Config::parse(&format!("{MINIMAL}[guard]\n{line}\n"), Path::new("/")).unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Invalid { key: k, .. } if *k == key),
+            "{line}: {e}"
+        );
+    }
 }

@@ -73,6 +73,7 @@ impl Config {
             return bad("checkpoint.keep", "must be at least 1");
         }
         self.rollback.validate(self.cluster.staleness)?;
+        self.guard.validate()?;
         if self.model.kind == ModelKind::Mlp && self.model.hidden.contains(&0) {
             return bad("model.hidden", "layer widths must be positive");
         }
