@@ -208,7 +208,7 @@ impl ShardError {
 
 /// Every label [`reject_reason`] returns (the metric's series are created at start, at 0, so that rates and alerts
 /// see them before the first rejection).
-pub const REJECT_REASONS: [&str; 13] = [
+pub const REJECT_REASONS: [&str; 15] = [
     "wrong_shard",
     "bad_range",
     "bad_frame",
