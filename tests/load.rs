@@ -1,7 +1,8 @@
 //! Load against one real `tether-server` process: 256 concurrent mutual-TLS QUIC connections (the shared client
 //! certificate claiming ranks 0..255 of a 256-worker asynchronous cluster, logistic regression on digits: 650
-//! parameters), each pushing small q4 frames as fast as it can. Every push must be applied with no error, and the server's peak
-//! memory (VmHWM) must stay bounded: the bounded shard mailbox pushes back on the streams instead of queueing.
+//! parameters), each pushing small q4 frames as fast as it can. Every push must be applied with no error, and the
+//! server's peak memory (VmHWM) must stay bounded: the bounded shard mailbox pushes back on the streams instead of
+//! queueing.
 
 mod support;
 
