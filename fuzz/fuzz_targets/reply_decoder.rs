@@ -308,7 +308,7 @@ impl World {
             (0, _) | (_, None) => inp.u64(),
             (_, Some(h)) => h.lineage,
         };
-        let base = match (shape >> 2 & 3, held) {
+        let base = match ((shape >> 2) & 3, held) {
             (0, _) | (_, None) => u64::from(inp.u8()),
             (_, Some(h)) => h.seq,
         };
@@ -361,7 +361,10 @@ impl World {
                         let mut frame = Vec::new();
                         match inp.u8() % 8 {
                             // Raw bytes as a frame.
-                            0 => frame.extend_from_slice(inp.bytes(usize::from(inp.u8()))),
+                            0 => {
+                                let n = usize::from(inp.u8());
+                                frame.extend_from_slice(inp.bytes(n));
+                            }
                             // A frame of another length than its chunk.
                             1 => {
                                 let values: Vec<f32> =
@@ -471,16 +474,20 @@ impl World {
                 };
                 let at = usize::from(inp.u8()) * body.len() / 256;
                 match inp.u8() % 4 {
-                    0 => body.truncate(at),
-                    1 => body.extend_from_slice(inp.bytes(usize::from(inp.u8()))),
+                    0 => body.resize(at, 0),
+                    1 => {
+                        let n = usize::from(inp.u8());
+                        body.extend_from_slice(inp.bytes(n));
+                    }
                     2 => {
                         if let Some(b) = body.get_mut(at) {
                             *b ^= inp.u8() | 1;
                         }
                     }
                     _ => {
+                        let n = usize::from(inp.u8()) * 4;
                         body.clear();
-                        body.extend_from_slice(inp.bytes(usize::from(inp.u8()) * 4));
+                        body.extend_from_slice(inp.bytes(n));
                     }
                 }
                 self.feed(shard, kind, &body, None, op & 64 != 0);

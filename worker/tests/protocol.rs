@@ -612,7 +612,11 @@ fn a_full_reply_with_a_non_finite_value_is_refused_in_either_precision() {
             let e = s
                 .handle_reply(0, FrameKind::Params, &body, Some(&mut params))
                 .unwrap_err();
-            assert_eq!(e.code(), ErrorCode::NonFinite, "{bad} in {precision:?}: {e}");
+            assert_eq!(
+                e.code(),
+                ErrorCode::NonFinite,
+                "{bad} in {precision:?}: {e}"
+            );
             assert_eq!(params, vec![9.0f32; 20], "{bad} in {precision:?}");
             let (_, e) = drain(&mut s);
             assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
@@ -692,6 +696,14 @@ fn deltas_that_overflow_the_copy_held_are_refused_and_the_copy_is_kept() {
         .unwrap_err();
     assert_eq!(e.code(), ErrorCode::NonFinite, "{e}");
     assert_eq!(params, before, "the model keeps the last good copy");
-    assert_eq!(&s.public_values()[..10], &held[..], "the copy is not touched");
-    assert_eq!(s.public(0), None, "but no longer trusted: the next pull asks for all of it");
+    assert_eq!(
+        &s.public_values()[..10],
+        &held[..],
+        "the copy is not touched"
+    );
+    assert_eq!(
+        s.public(0),
+        None,
+        "but no longer trusted: the next pull asks for all of it"
+    );
 }

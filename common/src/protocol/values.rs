@@ -49,9 +49,9 @@ pub fn decode_values(bytes: &[u8], precision: Precision, out: &mut [f32]) {
 pub fn check_finite_values(bytes: &[u8], precision: Precision) -> Result<(), ProtocolError> {
     let first = match precision {
         // The exponent field all ones is an infinity or a NaN: bits 23..31 of an f32, bits 7..15 of a bf16.
-        Precision::F32 => bytes
-            .chunks_exact(4)
-            .position(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000),
+        Precision::F32 => bytes.chunks_exact(4).position(|b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
+        }),
         Precision::Bf16 => bytes
             .chunks_exact(2)
             .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
@@ -92,7 +92,15 @@ mod tests {
 
     #[test]
     fn non_finite_values_are_refused_in_either_precision_and_finite_extremes_pass() {
-        let finite = [0.0f32, -0.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, 1.0e-45, -3.5];
+        let finite = [
+            0.0f32,
+            -0.0,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1.0e-45,
+            -3.5,
+        ];
         for precision in [Precision::F32, Precision::Bf16] {
             let mut bytes = Vec::new();
             // bf16 rounds f32::MAX up to infinity: keep to values it represents.
@@ -115,6 +123,9 @@ mod tests {
             }
         }
         // A trailing partial value is not a value: callers check lengths first.
-        assert_eq!(check_finite_values(&[0xff, 0xff, 0xff], Precision::F32), Ok(()));
+        assert_eq!(
+            check_finite_values(&[0xff, 0xff, 0xff], Precision::F32),
+            Ok(())
+        );
     }
 }
