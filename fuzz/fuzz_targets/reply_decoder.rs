@@ -281,7 +281,13 @@ impl World {
         };
         let finite_only = shape & 2 != 0;
         let values: Vec<f32> = (0..len)
-            .map(|_| if finite_only { inp.finite() } else { inp.value() })
+            .map(|_| {
+                if finite_only {
+                    inp.finite()
+                } else {
+                    inp.value()
+                }
+            })
             .collect();
         let mut bytes = Vec::new();
         encode_values(&values, precision, &mut bytes);
@@ -327,14 +333,22 @@ impl World {
             0 => {
                 // Not modified: a used one leaves the copy held as it is.
                 let public = self.s.public_values();
-                expect = public.get(start as usize..end as usize).map(<[f32]>::to_vec);
+                expect = public
+                    .get(start as usize..end as usize)
+                    .map(<[f32]>::to_vec);
             }
             1 => {
                 delta.kind = DeltaKind::Full;
                 delta.seq = base.wrapping_add(u64::from(inp.u8()));
                 let finite_only = shape & 16 != 0;
                 let values: Vec<f32> = (0..len)
-                    .map(|_| if finite_only { inp.finite() } else { inp.value() })
+                    .map(|_| {
+                        if finite_only {
+                            inp.finite()
+                        } else {
+                            inp.value()
+                        }
+                    })
                     .collect();
                 encode_values(&values, Precision::F32, &mut payload);
                 delta.frames.push(payload.len() as u32);
@@ -367,8 +381,7 @@ impl World {
                             }
                             // A frame of another length than its chunk.
                             1 => {
-                                let values: Vec<f32> =
-                                    (0..n + 1).map(|_| inp.finite()).collect();
+                                let values: Vec<f32> = (0..n + 1).map(|_| inp.finite()).collect();
                                 let _ = encoders[0].encode(&values, 0, &mut frame);
                             }
                             pick => {
@@ -420,12 +433,24 @@ impl World {
             && public[public_before.len()..].iter().all(|v| *v == 0.0);
         match result {
             Err(_) => {
-                assert_eq!(bits(&self.params), bits(&before), "a refused reply wrote the model");
+                assert_eq!(
+                    bits(&self.params),
+                    bits(&before),
+                    "a refused reply wrote the model"
+                );
                 assert!(same_public, "a refused reply changed the public copy");
-                assert_eq!(self.s.public(shard), None, "a refused reply left the copy trusted");
+                assert_eq!(
+                    self.s.public(shard),
+                    None,
+                    "a refused reply left the copy trusted"
+                );
             }
             Ok(false) => {
-                assert_eq!(bits(&self.params), bits(&before), "a dropped reply wrote the model");
+                assert_eq!(
+                    bits(&self.params),
+                    bits(&before),
+                    "a dropped reply wrote the model"
+                );
                 assert!(same_public, "a dropped reply changed the public copy");
                 assert_eq!(self.s.public(shard), held_before);
             }
