@@ -6,10 +6,12 @@
 //! byte for byte and taken once, a long step kept live by heartbeats) are scenarios over the real shard protocols in
 //! the root package's tests/protocol_scenarios.rs.
 
+use tether_common::codec::{CodecConfig, Encoder, Rounding, Scheme};
 use tether_common::config::Staleness;
 use tether_common::protocol::{
-    access_push, encode_params, encode_values, Control, ErrorCode, FrameKind, Outcome, ParamReply,
-    Precision, ProtocolError, PublicRef, PullMode, ReplyHeader, Welcome,
+    access_push, encode_delta_preamble, encode_params, encode_values, Control, DeltaHeader,
+    DeltaKind, ErrorCode, FrameKind, Outcome, ParamReply, Precision, ProtocolError, PublicRef,
+    PullMode, ReplyHeader, Welcome,
 };
 use tether_worker::protocol::{
     Event, PullReply, Settled, Transmit, WorkerProtocol, MAX_GAP_ROUNDS,
@@ -629,4 +631,179 @@ fn a_round_refused_as_too_far_ahead_stays_pending_and_is_resent_at_the_next_tick
     s.outcome(0, 0, Outcome::Applied);
     s.outcome(1, 0, Outcome::Applied);
     assert!(s.settled());
+}
+
+// Hostile shard replies (the findings of fuzz/fuzz_targets/reply_decoder.rs): each is refused with a typed error
+// before anything is written, the copy held is forgotten and the link reset.
+
+/// A worker in delta mode, connected to both shards at clock 0 and waiting for the pull of clock 0; the request ids.
+fn delta_pulling() -> (WorkerProtocol, Vec<(usize, u64, u64)>) {
+    let mut s = WorkerProtocol::new(
+        3,
+        0xabc,
+        RANGES.to_vec(),
+        Staleness::Bounded(2),
+        PullMode::Delta { have: None },
+        HB,
+    );
+    for k in 0..2 {
+        s.hello(k);
+        s.connected(k, &welcome(k, 0), 0).unwrap();
+    }
+    drain(&mut s);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    (s, requests(&t))
+}
+
+/// A delta reply body from shard 0 to `request` at clock 0 (lineage 7): `kind` from cut `base` to `seq`, with
+/// `frames` as its payload, in chunks of the whole range.
+fn delta_reply(
+    request: u64,
+    kind: DeltaKind,
+    base: u64,
+    seq: u64,
+    frames: &[Vec<u8>],
+) -> rkyv::util::AlignedVec {
+    let delta = DeltaHeader {
+        header: ReplyHeader {
+            shard: 0,
+            request,
+            clock: 0,
+            version: 1,
+            min_clock: 0,
+            epoch: 0,
+            range_start: RANGES[0].0,
+            range_end: RANGES[0].1,
+        },
+        lineage: 7,
+        base,
+        seq,
+        kind,
+        chunk: 10,
+        frames: frames.iter().map(|f| f.len() as u32).collect(),
+    };
+    let mut body = rkyv::util::AlignedVec::new();
+    body.extend_from_slice(&encode_delta_preamble(&delta).unwrap());
+    for f in frames {
+        body.extend_from_slice(f);
+    }
+    body
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    encode_values(values, Precision::F32, &mut bytes);
+    bytes
+}
+
+#[test]
+fn a_full_reply_with_a_non_finite_value_is_refused_in_either_precision() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut s = connected(0);
+            s.start_pull(0);
+            let (t, _) = drain(&mut s);
+            let r = requests(&t);
+            let mut values = vec![1.5f32; 10];
+            values[7] = bad;
+            let mut params = vec![9.0f32; 20];
+            let body = full_reply(0, r[0].1, &values, precision);
+            let e = s
+                .handle_reply(0, FrameKind::Params, &body, Some(&mut params))
+                .unwrap_err();
+            assert_eq!(
+                e.code(),
+                ErrorCode::NonFinite,
+                "{bad} in {precision:?}: {e}"
+            );
+            assert_eq!(params, vec![9.0f32; 20], "{bad} in {precision:?}");
+            let (_, e) = drain(&mut s);
+            assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
+            assert!(s.pulling());
+        }
+    }
+}
+
+#[test]
+fn a_reply_naming_another_shard_is_refused() {
+    let mut s = connected(0);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    let mut body = full_reply(0, r[0].1, &[1.0; 10], Precision::F32);
+    // Shard 1's number on shard 0's range and request: well formed, but not from the shard on this link.
+    let mut reply = tether_common::protocol::decode_params(&body).unwrap();
+    reply.header.shard = 1;
+    body = encode_params(&reply).unwrap();
+    let mut params = vec![9.0f32; 20];
+    assert_eq!(
+        s.handle_reply(0, FrameKind::Params, &body, Some(&mut params)),
+        Err(ProtocolError::WrongShard {
+            expected: 0,
+            got: 1
+        })
+    );
+    assert_eq!(params, vec![9.0f32; 20]);
+}
+
+#[test]
+fn a_whole_public_copy_with_a_nan_is_refused_and_nothing_is_held() {
+    let (mut s, r) = delta_pulling();
+    let mut values = vec![0.5f32; 10];
+    values[3] = f32::NAN;
+    let body = delta_reply(r[0].1, DeltaKind::Full, 4, 4, &[f32_bytes(&values)]);
+    let mut params = vec![9.0f32; 20];
+    let e = s
+        .handle_reply(0, FrameKind::Delta, &body, Some(&mut params))
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::NonFinite, "{e}");
+    assert_eq!(params, vec![9.0f32; 20]);
+    assert_eq!(s.public(0), None);
+    assert!(s.public_values().iter().all(|v| *v == 0.0));
+}
+
+#[test]
+fn deltas_that_overflow_the_copy_held_are_refused_and_the_copy_is_kept() {
+    let (mut s, r) = delta_pulling();
+    let mut params = vec![9.0f32; 20];
+    // The worker holds cut 4 of shard 0: finite, near the top of f32.
+    let held = vec![3.0e38f32; 10];
+    let body = delta_reply(r[0].1, DeltaKind::Full, 4, 4, &[f32_bytes(&held)]);
+    assert_eq!(
+        s.handle_reply(0, FrameKind::Delta, &body, Some(&mut params)),
+        Ok(true)
+    );
+    assert_eq!(s.public(0), Some(PublicRef { lineage: 7, seq: 4 }));
+    // A new pull asks from cut 4; the shard answers with finite deltas whose sum with the copy overflows.
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    assert_eq!(haves(&t)[0], (0, Some(PublicRef { lineage: 7, seq: 4 })));
+    let r = requests(&t);
+    let mut enc = Encoder::new(CodecConfig {
+        scheme: Scheme::None,
+        bucket: 16,
+        rounding: Rounding::Deterministic,
+        zstd: false,
+    })
+    .unwrap();
+    let mut frame = Vec::new();
+    enc.encode(&[1.0e38; 10], 0, &mut frame).unwrap();
+    let body = delta_reply(r[0].1, DeltaKind::Deltas, 4, 5, &[frame]);
+    let before = params.clone();
+    let e = s
+        .handle_reply(0, FrameKind::Delta, &body, Some(&mut params))
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::NonFinite, "{e}");
+    assert_eq!(params, before, "the model keeps the last good copy");
+    assert_eq!(
+        &s.public_values()[..10],
+        &held[..],
+        "the copy is not touched"
+    );
+    assert_eq!(
+        s.public(0),
+        None,
+        "but no longer trusted: the next pull asks for all of it"
+    );
 }

@@ -32,7 +32,7 @@ pub use framing::{
     HEADER_LEN,
 };
 pub use reply::{ArchivedReplyHeader, ReplyHeader};
-pub use values::{decode_values, encode_values};
+pub use values::{check_finite_values, decode_values, encode_values};
 
 /// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`]. Version 4
 /// added the rollback `epoch` to pull replies and the `RolledBack` refusal; version 5 opens full and delta replies

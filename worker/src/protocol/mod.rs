@@ -589,7 +589,7 @@ impl WorkerProtocol {
     ) -> Result<bool, ProtocolError> {
         let range = self.links[shard].range;
         let read = match kind {
-            FrameKind::Params => reply::read_full(body, range)?,
+            FrameKind::Params => reply::read_full(body, shard, range)?,
             FrameKind::Delta if params.is_none() => {
                 access_delta(body, range.0, range.1)?;
                 self.stray_reply();
@@ -597,7 +597,7 @@ impl WorkerProtocol {
             }
             FrameKind::Delta => {
                 let held = self.links[shard].public;
-                reply::read_delta(body, range, held, &mut self.replica)?
+                reply::read_delta(body, shard, range, held, &mut self.replica)?
             }
             other => {
                 return Err(ProtocolError::UnexpectedMessage(format!(

@@ -4,12 +4,16 @@
 //! cut. The [`Replica`] holds those public copies and stages every rebuild, so a reply that does not decode changes
 //! nothing. Pure: bytes in, values out; whether a reply is used at all is the protocol's decision
 //! ([`super::WorkerProtocol::handle_reply`]).
+//!
+//! The shard is not trusted: a reply must name the shard whose link it came on and cover exactly its range, and
+//! the values it leaves (a full reply's, or a rebuilt public copy) must be finite, or it is refused with a typed
+//! [`ProtocolError`] before anything is written (fuzzed by `fuzz/fuzz_targets/reply_decoder.rs`).
 
 use rkyv::util::AlignedVec;
 use tether_common::codec::Decoder;
 use tether_common::protocol::{
-    access_delta, access_params, decode_values, DeltaKind, DeltaView, ProtocolError, PublicRef,
-    ReplyHeader,
+    access_delta, access_params, check_finite_values, decode_values, DeltaKind, DeltaView,
+    ErrorCode, ProtocolError, PublicRef, ReplyHeader,
 };
 
 /// A pull reply as the protocol judges it: its header and, for a delta reply, the public cut it leaves the worker
@@ -96,10 +100,27 @@ impl Read<'_> {
     }
 }
 
-/// Validates a full reply body in place against the shard range `range`.
-pub(super) fn read_full(body: &AlignedVec, range: (u64, u64)) -> Result<Read<'_>, ProtocolError> {
+/// Refuses a reply whose header names another shard than the one whose link it came on.
+fn check_shard(header: &ReplyHeader, shard: usize) -> Result<(), ProtocolError> {
+    if usize::try_from(header.shard).ok() != Some(shard) {
+        return Err(ProtocolError::WrongShard {
+            expected: u32::try_from(shard).unwrap_or(u32::MAX),
+            got: header.shard,
+        });
+    }
+    Ok(())
+}
+
+/// Validates a full reply body in place against `shard` and its range `range`; every value must be finite.
+pub(super) fn read_full(
+    body: &AlignedVec,
+    shard: usize,
+    range: (u64, u64),
+) -> Result<Read<'_>, ProtocolError> {
     let reply = access_params(body)?;
     reply.check_shape(range.0, range.1)?;
+    check_shard(&reply.header.get(), shard)?;
+    check_finite_values(reply.values(), reply.precision())?;
     Ok(Read::Full {
         reply: PullReply {
             header: reply.header.get(),
@@ -110,16 +131,18 @@ pub(super) fn read_full(body: &AlignedVec, range: (u64, u64)) -> Result<Read<'_>
     })
 }
 
-/// Validates a delta reply body in place against the shard range `range` and rebuilds the copy it produces into
-/// the replica's stage (deltas must start from `held`, the copy this worker holds).
+/// Validates a delta reply body in place against `shard` and its range `range` and rebuilds the copy it produces
+/// into the replica's stage (deltas must start from `held`, the copy this worker holds).
 pub(super) fn read_delta<'a>(
     body: &'a AlignedVec,
+    shard: usize,
     range: (u64, u64),
     held: Option<PublicRef>,
     replica: &mut Replica,
 ) -> Result<Read<'a>, ProtocolError> {
     let view = access_delta(body, range.0, range.1)?;
     let h = view.header;
+    check_shard(&h.header.get(), shard)?;
     let newest = PublicRef {
         lineage: h.lineage.to_native(),
         seq: h.seq.to_native(),
@@ -153,8 +176,10 @@ pub struct DeltaDecoder {
 
 /// Builds a shard's new public copy from a validated delta reply into `out` (same length as the shard range):
 /// `held` (the copy the worker holds, `held_ref` naming it) plus the reply's deltas, or the reply's whole copy.
-/// Deltas must start from `held_ref`. Pure and deterministic: every worker that applies the same reply to the same
-/// copy gets the same bits, which are the shard's own. On an error `out` is garbage and `held` is untouched.
+/// Deltas must start from `held_ref`, and the copy built must be finite (a whole copy with a NaN, or deltas that
+/// overflow the copy held, are refused with [`ErrorCode::NonFinite`]). Pure and deterministic: every worker that
+/// applies the same reply to the same copy gets the same bits, which are the shard's own. On an error `out` is
+/// garbage and `held` is untouched.
 pub fn rebuild_public(
     view: &DeltaView<'_>,
     held_ref: Option<PublicRef>,
@@ -204,6 +229,13 @@ pub fn rebuild_public(
                 }
             }
         }
+    }
+    // The codec refuses non-finite deltas, but finite ones can still overflow the copy they are added to.
+    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
+        return Err(ProtocolError::Rejected {
+            code: ErrorCode::NonFinite,
+            message: format!("the rebuilt public copy is not finite at {i}"),
+        });
     }
     Ok(())
 }
