@@ -402,7 +402,7 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
             Ok(_) => None,
         };
         // A member flooding pulls: at absurd clocks, then many at once.
-        let (conn, mut control, _) = handshake(&ep, &t).await;
+        let (conn, mut control, welcome) = handshake(&ep, &t).await;
         let mut sent = 0u64;
         for request in 0..2 {
             let clock = [u64::MAX, u64::MAX / 2][request as usize];
@@ -422,11 +422,12 @@ fn absurd_clocks_and_a_pull_flood_get_typed_errors_while_workers_train() {
         }
         let started = Instant::now();
         while started.elapsed() < Duration::from_secs(3) && sent < 20_000 {
-            // Pulls at clock 3: allowed for rank 2 (at clock 0, s = 2), but the gate holds them while rank 2 itself
-            // keeps m at 0; two park, every other one is refused.
+            // Pulls at its clock + 3: allowed for rank 2 (s = 2), but the gate holds them while rank 2 itself keeps m
+            // at or below its clock (it joined at m, or above it when the honest workers were faster); two park,
+            // every other one is refused.
             let msg = Control::PullRequest {
                 request: sent,
-                clock: 3,
+                clock: welcome.clock + 3,
                 mode: tether::common::protocol::PullMode::Full(
                     tether::common::protocol::Precision::F32,
                 ),
