@@ -346,21 +346,7 @@ impl HostilePeer {
                     tokio::time::timeout(WAIT, attempt).await.ok()?.ok()
                 });
             }
-            let (mut sessions, mut refused) = (Vec::new(), 0);
-            let deadline = tokio::time::Instant::now() + limit;
-            loop {
-                match tokio::time::timeout_at(deadline, tasks.join_next()).await {
-                    Ok(Some(Ok(Some(s)))) => sessions.push(s),
-                    Ok(Some(_)) => refused += 1,
-                    Ok(None) => break,
-                    Err(_) => {
-                        refused += tasks.len();
-                        tasks.abort_all();
-                        break;
-                    }
-                }
-            }
-            (sessions, refused)
+            established(tasks, limit).await
         });
         Held {
             sessions,
@@ -386,21 +372,7 @@ impl HostilePeer {
                     tokio::time::timeout(WAIT, attempt).await.ok()?.ok()
                 });
             }
-            let (mut bare, mut refused) = (Vec::new(), 0);
-            let deadline = tokio::time::Instant::now() + limit;
-            loop {
-                match tokio::time::timeout_at(deadline, tasks.join_next()).await {
-                    Ok(Some(Ok(Some(c)))) => bare.push(c),
-                    Ok(Some(_)) => refused += 1,
-                    Ok(None) => break,
-                    Err(_) => {
-                        refused += tasks.len();
-                        tasks.abort_all();
-                        break;
-                    }
-                }
-            }
-            (bare, refused)
+            established(tasks, limit).await
         });
         Held {
             sessions: Vec::new(),
@@ -596,4 +568,27 @@ pub fn forge_nan_checkpoint(root: &Path) -> PathBuf {
     )
     .unwrap();
     dst
+}
+
+/// Waits (until `limit`) for the connection attempts in `tasks`: the ones established, and how many were refused,
+/// failed or still pending at the deadline (those are aborted).
+async fn established<T: 'static>(
+    mut tasks: tokio::task::JoinSet<Option<T>>,
+    limit: Duration,
+) -> (Vec<T>, usize) {
+    let (mut done, mut refused) = (Vec::new(), 0);
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+            Ok(Some(Ok(Some(c)))) => done.push(c),
+            Ok(Some(_)) => refused += 1,
+            Ok(None) => break,
+            Err(_) => {
+                refused += tasks.len();
+                tasks.abort_all();
+                break;
+            }
+        }
+    }
+    (done, refused)
 }
