@@ -106,8 +106,9 @@ enum Ends {
     ByItself,
 }
 
-/// Waits for the honest workers (bounded by [`RUN_LIMIT`]), failing at once if the shard exits while they still
-/// train; then ends the shard and reads every report.
+/// Waits for the honest workers (bounded by [`RUN_LIMIT`]), failing at once if a shard the test stops itself exits
+/// while they still run (one that exits by itself may do so once the last honest worker left, before its process has
+/// ended: the workers must then still succeed with every round applied); then ends the shard and reads every report.
 fn finish(
     c: &Cluster,
     server: &mut Proc,
@@ -121,7 +122,7 @@ fn finish(
             break;
         }
         assert!(
-            server.alive(),
+            ends == Ends::ByItself || server.alive(),
             "the shard exited while {running} honest workers were still training; shard log tail:\n{}",
             server.log_tail(2000)
         );
