@@ -395,10 +395,10 @@ impl Sim {
         self.note(format!("shard {k} restarted"));
     }
 
-    /// Crashes worker `w`: its connections break, and it restarts from nothing 0.1 to 4.1 s later.
-    pub fn crash_worker(&mut self, w: usize) {
+    /// Marks worker `w` crashed and breaks its connections; false when it was already down or done.
+    fn break_worker(&mut self, w: usize) -> bool {
         if matches!(self.workers[w].phase, Phase::Crashed | Phase::Done) {
-            return;
+            return false;
         }
         self.workers[w].phase = Phase::Crashed;
         self.workers[w].incarnation += 1;
@@ -409,6 +409,14 @@ impl Sim {
             .collect();
         for c in conns {
             self.break_conn(c, false);
+        }
+        true
+    }
+
+    /// Crashes worker `w`: its connections break, and it restarts from nothing 0.1 to 4.1 s later.
+    pub fn crash_worker(&mut self, w: usize) {
+        if !self.break_worker(w) {
+            return;
         }
         self.note(format!("worker {w} crashed"));
         let t = self.now + 100 + self.rng.below(4 * TIMEOUT_MS);
@@ -417,18 +425,8 @@ impl Sim {
 
     /// Crashes worker `w` like [`crash_worker`](Self::crash_worker), but it restarts exactly `down_ms` later.
     pub fn crash_worker_for(&mut self, w: usize, down_ms: u64) {
-        if matches!(self.workers[w].phase, Phase::Crashed | Phase::Done) {
+        if !self.break_worker(w) {
             return;
-        }
-        self.workers[w].phase = Phase::Crashed;
-        self.workers[w].incarnation += 1;
-        let conns: Vec<ConnId> = self.workers[w]
-            .conns
-            .iter_mut()
-            .filter_map(|c| c.take())
-            .collect();
-        for c in conns {
-            self.break_conn(c, false);
         }
         self.note(format!("worker {w} crashed for {down_ms} ms"));
         let t = self.now + down_ms;
