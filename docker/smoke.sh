@@ -139,7 +139,9 @@ progress_lines() { compose logs --no-color "$1" 2>&1 | grep -c 'progress' || tru
 has_progress() { [ "$(progress_lines worker-0)" -ge 1 ]; }
 wait_for 120 "training progress in worker-0's log" has_progress
 # /metrics listens on the container's loopback only: read it from inside server-0's network namespace.
-scrape='exec 3<>/dev/tcp/127.0.0.1/9100 && printf "GET /metrics HTTP/1.0\r\n\r\n" >&3 && cat <&3'
+# The image has bash and no coreutils: read the answer with bash's own `read`, not cat.
+scrape='exec 3<>/dev/tcp/127.0.0.1/9100 && printf "GET /metrics HTTP/1.0\r\n\r\n" >&3 &&
+  while IFS= read -r -u 3 l || [ -n "$l" ]; do printf "%s\n" "$l"; done'
 updates=$(compose exec -T server-0 bash -c "$scrape" | sed -n 's/^tether_updates_applied_total \([0-9]*\).*/\1/p')
 echo "smoke: first progress: $(compose logs --no-color worker-0 2>&1 | grep progress | head -n 1 | sed 's/.*progress *//')"
 echo "smoke: server-0 metrics: tether_updates_applied_total=${updates:-?}"

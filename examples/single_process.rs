@@ -51,7 +51,7 @@ fn run() -> Result<()> {
         println!("note: {n}");
     }
     let (features, classes) = model_io(&cfg)?;
-    let mut m = model::build(&cfg.model, features, classes);
+    let mut m = model::build(&cfg.model, features, classes)?;
     let mut params = m.layout().init_all(cfg.model.seed);
     let mut grad = vec![0.0; params.len()];
     let opt_cfg = OptimizerConfig {

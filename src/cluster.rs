@@ -294,7 +294,11 @@ impl LocalCluster {
                 None => {
                     let (f, c) = tether_common::layout::model_io(&eval_cfg)
                         .unwrap_or((test_eval.features, test_eval.classes));
-                    model::build(&eval_cfg.model, f, c)
+                    match model::build(&eval_cfg.model, f, c) {
+                        Ok(m) => m,
+                        // A model file's model: its workers (Python) would have failed first; nothing to evaluate.
+                        Err(_) => return (f32::NAN, f32::NAN),
+                    }
                 }
             };
             let acc = model::accuracy(m.as_mut(), &params, &test_eval.x, &test_eval.y, 1000);

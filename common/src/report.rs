@@ -148,7 +148,14 @@ impl RunReport {
             .iter()
             .map(|d| d.to_string())
             .collect();
-        let model = if cfg.model.kind == crate::config::ModelKind::Gpt {
+        let model = if cfg.model.kind == crate::config::ModelKind::File {
+            let file = cfg
+                .model
+                .file
+                .as_deref()
+                .unwrap_or(std::path::Path::new("?"));
+            format!("file {}", file.display())
+        } else if cfg.model.kind == crate::config::ModelKind::Gpt {
             let m = &cfg.model;
             format!(
                 "gpt {}L {}H {}d ctx{} (bytes)",

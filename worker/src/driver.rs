@@ -15,12 +15,13 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
+use tether_common::config::Config;
 use tether_common::net::{
     client_handshake, connect_shard, recv_bulk_any, ControlChannel, ControlReceiver, ControlSender,
     NetError, RefusedBy, TlsPaths,
 };
 use tether_common::protocol::{
-    Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, PullMode, Welcome,
+    Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, Precision, PullMode, Welcome,
 };
 
 use crate::error::WorkerError;
@@ -152,6 +153,54 @@ pub struct DriverConfig {
     pub reconnect_deadline: Duration,
     /// The files of this worker's TLS identity, named when a shard refuses the handshake.
     pub tls_paths: TlsPaths,
+}
+
+impl DriverConfig {
+    /// The driver of `rank` under `cfg`: staleness, pull mode and heartbeat from the configuration.
+    #[allow(clippy::too_many_arguments)]
+    pub fn for_config(
+        cfg: &Config,
+        rank: u32,
+        endpoint: quinn::Endpoint,
+        servers: Vec<String>,
+        server_names: Vec<String>,
+        ranges: Vec<(u64, u64)>,
+        layout_hash: u64,
+        reconnect_deadline: Duration,
+        tls_paths: TlsPaths,
+    ) -> DriverConfig {
+        let limits = ranges
+            .iter()
+            .map(|r| FrameLimits::for_codec(&cfg.compression.codec(), (r.1 - r.0) as usize))
+            .collect();
+        DriverConfig {
+            rank,
+            endpoint,
+            servers,
+            server_names,
+            ranges,
+            limits,
+            layout_hash,
+            staleness: cfg.cluster.staleness,
+            mode: if cfg.compression.delta_pulls() {
+                PullMode::Delta { have: None }
+            } else if cfg.compression.pull_bf16 {
+                PullMode::Full(Precision::Bf16)
+            } else {
+                PullMode::Full(Precision::F32)
+            },
+            // At least three heartbeats per eviction timeout, whatever `heartbeat_ms` says, so that one late
+            // heartbeat is never silence.
+            heartbeat: Duration::from_millis(
+                cfg.cluster
+                    .heartbeat_ms
+                    .min(cfg.cluster.worker_timeout_ms / 3)
+                    .max(10),
+            ),
+            reconnect_deadline,
+            tls_paths,
+        }
+    }
 }
 
 impl Driver {
@@ -289,7 +338,7 @@ impl Driver {
     }
 
     /// Moves the protocol's transmits to the links and acts on its events. Returns the clock of a completed pull.
-    fn flush(&mut self) -> Result<Option<u64>, WorkerError> {
+    pub(crate) fn flush(&mut self) -> Result<Option<u64>, WorkerError> {
         let mut done = None;
         loop {
             let mut progressed = false;

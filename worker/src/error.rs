@@ -5,7 +5,7 @@
 use tether_common::codec::CodecError;
 use tether_common::config::ConfigError;
 use tether_common::net::NetError;
-use tether_common::protocol::ProtocolError;
+use tether_common::protocol::{ErrorCode, ProtocolError};
 
 use crate::data::DataError;
 use crate::model::CandleError;
@@ -79,4 +79,47 @@ pub enum WorkerError {
     /// The worker actor stopped.
     #[error("worker actor is gone")]
     ActorGone,
+    /// A remote worker's runtime could not be started.
+    #[error("cannot start the worker's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// A call on a remote worker after `close`.
+    #[error("the worker is closed")]
+    Closed,
+    /// A call on a remote worker whose session ended earlier with an error (reported then).
+    #[error("the worker's session ended earlier: {0}")]
+    Ended(String),
+    /// A buffer or update of the wrong length for the layout.
+    #[error("expected {expected} values (the layout's length), got {got}")]
+    UpdateLength {
+        /// The layout's length.
+        expected: usize,
+        /// The length given.
+        got: usize,
+    },
+}
+
+impl WorkerError {
+    /// The shard and wire code when a shard refused this worker (closed the connection with an error code, or
+    /// answered its bytes with one), with the shard's message; `None` for other failures.
+    pub fn refusal(&self) -> Option<(usize, ErrorCode, String)> {
+        match self {
+            WorkerError::Net { shard, source } => {
+                if let NetError::Connection(quinn::ConnectionError::ApplicationClosed(close)) =
+                    source
+                {
+                    let code = ErrorCode::from_code(close.error_code.into_inner())?;
+                    return Some((
+                        *shard,
+                        code,
+                        String::from_utf8_lossy(&close.reason).into_owned(),
+                    ));
+                }
+                source.code().map(|c| (*shard, c, source.to_string()))
+            }
+            WorkerError::Protocol { shard, source } => {
+                Some((*shard, source.code(), source.to_string()))
+            }
+            _ => None,
+        }
+    }
 }

@@ -11,9 +11,11 @@ mod driver;
 mod error;
 pub mod model;
 pub mod protocol;
+pub mod remote;
 mod run;
 pub mod step;
 
 pub use error::WorkerError;
 pub use model::{Model, ModelFactory};
+pub use remote::{Pulled, RemoteOptions, RemoteReport, RemoteWorker, UpdateKind};
 pub use run::{prepare_worker, PreparedWorker, Progress, Straggle, WorkerOptions, WorkerReport};

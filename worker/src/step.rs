@@ -1,5 +1,6 @@
 //! `StepEngine`: one worker's training step as plain computation — gradient from the model, a finiteness check,
-//! clipping by global norm, then per-shard error feedback and encoding into codec frames. No I/O, no clocks: the
+//! clipping by global norm, then per-shard error feedback and encoding into codec frames (the encode half is
+//! [`PushEncoder`], which also serves gradients computed outside Rust). No I/O, no clocks: the
 //! seed of stochastic rounding is derived from (worker, step, shard), so a run is reproducible. Steady state is
 //! allocation-free: gradient, residuals and frame buffers are owned and reused.
 
@@ -35,18 +36,115 @@ pub struct StepOutcome {
     pub finite: bool,
 }
 
-/// The compute-and-encode half of a worker.
-pub struct StepEngine {
-    model: Box<dyn Model>,
+/// The encode half of a worker, for gradients computed anywhere (the built-in models through [`StepEngine`], a
+/// PyTorch module through the Python package): clipping by global norm, per-shard error feedback and encoding into
+/// codec frames, and the residual policy for pushes the shards did not apply. Allocation-free in steady state.
+pub struct PushEncoder {
     rank: u32,
-    grad: Vec<f32>,
     shards: Vec<Range<usize>>,
     feedback: Option<Vec<ErrorFeedback>>,
     encoder: Encoder,
     clip_norm: f32,
-    faults: Vec<GradientFault>,
-    /// Decodes undelivered frames for [`StepEngine::credit_undelivered`] (sized on first use).
+    /// Decodes undelivered frames for [`PushEncoder::credit_undelivered`] (sized on first use).
     decoder: Option<(Decoder, Vec<f32>)>,
+}
+
+impl PushEncoder {
+    /// An encoder for `rank`'s updates of a model split into `shards` ranges; `clip_norm` 0 disables clipping.
+    pub fn new(
+        rank: u32,
+        shards: Vec<Range<usize>>,
+        codec: CodecConfig,
+        error_feedback: bool,
+        clip_norm: f32,
+    ) -> Result<Self, CodecError> {
+        let feedback =
+            error_feedback.then(|| shards.iter().map(|r| ErrorFeedback::new(r.len())).collect());
+        Ok(Self {
+            rank,
+            shards,
+            feedback,
+            encoder: Encoder::new(codec)?,
+            clip_norm,
+            decoder: None,
+        })
+    }
+
+    /// Checks that `loss` and `grad` are finite and clips `grad` in place to the configured global norm; returns
+    /// the norm before clipping and whether the gradient may be pushed.
+    pub fn clip(&self, loss: f32, grad: &mut [f32]) -> (f32, bool) {
+        let norm = sum_of_squares(grad).sqrt() as f32;
+        let finite = loss.is_finite() && norm.is_finite();
+        if finite && self.clip_norm > 0.0 && norm > self.clip_norm {
+            let k = self.clip_norm / norm;
+            grad.iter_mut().for_each(|g| *g *= k);
+        }
+        (norm, finite)
+    }
+
+    /// Encodes `update`'s part for shard `k` (with error feedback when enabled) into `out`; `step` seeds the
+    /// stochastic rounding.
+    pub fn encode_shard(
+        &mut self,
+        k: usize,
+        step: u64,
+        update: &[f32],
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
+        let r = self.shards[k].clone();
+        let seed = seed_for(self.rank, step, k as u32);
+        match self.feedback.as_mut() {
+            Some(fb) => fb[k].encode(&mut self.encoder, &update[r], seed, out),
+            None => self.encoder.encode(&update[r], seed, out),
+        }
+    }
+
+    /// The residual policy for a push that shard `k` did not apply although its gradient was good (the round was
+    /// jumped over by a rejoin, or refused for a reason other than its values): the frame's decoded values go back
+    /// into shard k's residual, so the next push carries them. Without error feedback the update is dropped. A push
+    /// refused for its values (non-finite, norm spike) is not credited: that gradient is discarded.
+    pub fn credit_undelivered(&mut self, k: usize, frame: &[u8]) -> Result<(), CodecError> {
+        let Some(fb) = self.feedback.as_mut() else {
+            return Ok(());
+        };
+        let len = self.shards[k].len();
+        let max = self.shards.iter().map(|r| r.len()).max().unwrap_or(0);
+        let (decoder, out) = self
+            .decoder
+            .get_or_insert_with(|| (Decoder::new(max), vec![0.0; max]));
+        decoder.decode(frame, &mut out[..len])?;
+        fb[k].credit(&out[..len])
+    }
+
+    /// Clears the error-feedback residuals of the listed shards (they rolled back: what they held was built on a
+    /// discarded trajectory).
+    pub fn reset(&mut self, shards: &[usize]) {
+        if let Some(fb) = self.feedback.as_mut() {
+            for &k in shards {
+                if let Some(f) = fb.get_mut(k) {
+                    f.reset();
+                }
+            }
+        }
+    }
+
+    /// The error-feedback residual of shard `k` (empty without error feedback).
+    pub fn residual(&self, k: usize) -> &[f32] {
+        self.feedback.as_ref().map_or(&[], |fb| fb[k].residual())
+    }
+
+    /// Number of shards.
+    pub fn shards(&self) -> usize {
+        self.shards.len()
+    }
+}
+
+/// The compute-and-encode half of a worker.
+pub struct StepEngine {
+    model: Box<dyn Model>,
+    grad: Vec<f32>,
+    coder: PushEncoder,
+    faults: Vec<GradientFault>,
     /// The inner optimizer of local-step rounds (its state persists across rounds, as in DiLoCo).
     inner: Option<Optimizer>,
 }
@@ -62,18 +160,11 @@ impl StepEngine {
         clip_norm: f32,
     ) -> Result<Self, CodecError> {
         let len = model.layout().len();
-        let feedback =
-            error_feedback.then(|| shards.iter().map(|r| ErrorFeedback::new(r.len())).collect());
         Ok(Self {
             model,
-            rank,
             grad: vec![0.0; len],
-            shards,
-            feedback,
-            encoder: Encoder::new(codec)?,
-            clip_norm,
+            coder: PushEncoder::new(rank, shards, codec, error_feedback, clip_norm)?,
             faults: Vec::new(),
-            decoder: None,
             inner: None,
         })
     }
@@ -115,13 +206,7 @@ impl StepEngine {
     /// error-feedback residuals are cleared, and the inner optimizer of local-step rounds starts afresh (zero
     /// moments, update count 0, so Adam's bias correction holds and its warm-up runs again).
     pub fn reset_trajectory(&mut self, shards: &[usize]) {
-        if let Some(fb) = self.feedback.as_mut() {
-            for &k in shards {
-                if let Some(f) = fb.get_mut(k) {
-                    f.reset();
-                }
-            }
-        }
+        self.coder.reset(shards);
         if let Some(opt) = self.inner.as_mut() {
             let zeros = opt.slots().iter().map(|s| vec![0.0; s.len()]).collect();
             // The same slot count and lengths as the optimizer's own: restore cannot refuse them.
@@ -157,12 +242,7 @@ impl StepEngine {
                 _ => {}
             }
         }
-        let norm = sum_of_squares(&self.grad).sqrt() as f32;
-        let finite = loss.is_finite() && norm.is_finite();
-        if finite && self.clip_norm > 0.0 && norm > self.clip_norm {
-            let k = self.clip_norm / norm;
-            self.grad.iter_mut().for_each(|g| *g *= k);
-        }
+        let (norm, finite) = self.coder.clip(loss, &mut self.grad);
         StepOutcome {
             loss,
             grad_norm: norm,
@@ -177,38 +257,21 @@ impl StepEngine {
         step: u64,
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
-        let r = self.shards[k].clone();
-        let seed = seed_for(self.rank, step, k as u32);
-        match self.feedback.as_mut() {
-            Some(fb) => fb[k].encode(&mut self.encoder, &self.grad[r], seed, out),
-            None => self.encoder.encode(&self.grad[r], seed, out),
-        }
+        self.coder.encode_shard(k, step, &self.grad, out)
     }
 
-    /// The residual policy for a push that shard `k` did not apply although its gradient was good (the round was
-    /// jumped over by a rejoin, or refused for a reason other than its values): the frame's decoded values go back
-    /// into shard k's residual, so the next push carries them. Without error feedback the update is dropped. A push
-    /// refused for its values (non-finite, norm spike) is not credited: that gradient is discarded.
+    /// [`PushEncoder::credit_undelivered`] for this engine's pushes.
     pub fn credit_undelivered(&mut self, k: usize, frame: &[u8]) -> Result<(), CodecError> {
-        let Some(fb) = self.feedback.as_mut() else {
-            return Ok(());
-        };
-        let len = self.shards[k].len();
-        let max = self.shards.iter().map(|r| r.len()).max().unwrap_or(0);
-        let (decoder, out) = self
-            .decoder
-            .get_or_insert_with(|| (Decoder::new(max), vec![0.0; max]));
-        decoder.decode(frame, &mut out[..len])?;
-        fb[k].credit(&out[..len])
+        self.coder.credit_undelivered(k, frame)
     }
 
     /// The error-feedback residual of shard `k` (empty without error feedback).
     pub fn residual(&self, k: usize) -> &[f32] {
-        self.feedback.as_ref().map_or(&[], |fb| fb[k].residual())
+        self.coder.residual(k)
     }
 
     /// Number of shards.
     pub fn shards(&self) -> usize {
-        self.shards.len()
+        self.coder.shards()
     }
 }

@@ -186,9 +186,17 @@ fn layout_names_shapes_and_init() {
         kind: ModelKind::Logreg,
         ..ModelConfig::default()
     };
-    let b = build(&cfg, 64, 10);
+    let b = build(&cfg, 64, 10).unwrap();
     assert_eq!((b.features(), b.classes(), b.layout().len()), (64, 10, 650));
-    let b = build(&ModelConfig::default(), 64, 10);
+    let b = build(&ModelConfig::default(), 64, 10).unwrap();
+    let file = ModelConfig {
+        kind: ModelKind::File,
+        ..ModelConfig::default()
+    };
+    assert!(
+        build(&file, 64, 10).is_err(),
+        "a model file's model is not built by tether-worker"
+    );
     assert_eq!(
         b.layout().tensors().len(),
         2 * (ModelConfig::default().hidden.len() + 1)

@@ -60,6 +60,14 @@ pub enum ConfigError {
         /// Why it is rejected.
         reason: String,
     },
+    /// The model file (`model.file`) cannot be read, written or is not a valid model file.
+    #[error("model file {path}: {reason}")]
+    ModelFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// The whole `cluster.toml`.

@@ -15,6 +15,9 @@ pub enum ModelKind {
     Logreg,
     /// Decoder-only byte-level transformer (candle; `[model] layers heads dim context`), trained on a text dataset.
     Gpt,
+    /// A model defined outside Rust (a PyTorch module through the Python package): layout and initial weights come
+    /// from the model file `model.file`; its workers compute the gradients.
+    File,
 }
 
 /// `[model]`: what is trained.
@@ -40,6 +43,9 @@ pub struct ModelConfig {
     pub dim: usize,
     /// GPT: context length in bytes (default 64).
     pub context: usize,
+    /// `kind = "file"`: the model file (safetensors of f32 tensors, written by `tether.write_model_file` or
+    /// `tether.torch.export_model`) holding the layout and the initial weights (required for that kind).
+    pub file: Option<std::path::PathBuf>,
 }
 
 impl Default for ModelConfig {
@@ -54,6 +60,7 @@ impl Default for ModelConfig {
             heads: 4,
             dim: 128,
             context: 64,
+            file: None,
         }
     }
 }

@@ -98,6 +98,12 @@ impl Config {
                 );
             }
         }
+        if self.model.kind == ModelKind::File && self.model.file.is_none() {
+            return bad(
+                "model.file",
+                "required for model.kind = \"file\" (the model file with layout and initial weights)",
+            );
+        }
         if !(self.train.loss_scale >= 1.0 && self.train.loss_scale <= 1.0e30) {
             return bad("train.loss_scale", "must be in [1, 1e30]");
         }

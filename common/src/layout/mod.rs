@@ -5,13 +5,16 @@
 //! workers both use so that they agree on the space.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::splitmix::splitmix64;
 
+pub mod file;
 pub mod model;
 
+pub use file::{decode_model_file, encode_model_file, read_model_file, write_model_file};
 pub use model::{
     gpt_layout, mlp_layout, mlp_params, model_dims, model_io, model_layout, model_params, GptShape,
     MAX_MODEL_PARAMS,
@@ -37,6 +40,12 @@ pub enum Init {
     Const {
         /// The value.
         value: f32,
+    },
+    /// Values given by a model file ([`file`]): the layout holds them; `digest` fingerprints them (FNV-1a of the
+    /// tensor's little-endian bytes), so layouts with other initial values hash differently.
+    Given {
+        /// FNV-1a of the values' little-endian bytes.
+        digest: u64,
     },
 }
 
@@ -68,11 +77,24 @@ impl TensorSpec {
 }
 
 /// Named tensors laid end to end in one flat f32 index space.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct Layout {
     tensors: Vec<TensorSpec>,
     offsets: Vec<usize>,
     total: usize,
+    /// The initial values of the whole layout, for a layout read from a model file (every tensor [`Init::Given`]).
+    given: Option<Arc<[f32]>>,
+}
+
+impl std::fmt::Debug for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The given values may be millions of numbers: their count only.
+        f.debug_struct("Layout")
+            .field("tensors", &self.tensors)
+            .field("total", &self.total)
+            .field("given", &self.given.as_ref().map(|v| v.len()))
+            .finish()
+    }
 }
 
 impl Layout {
@@ -88,7 +110,36 @@ impl Layout {
             tensors,
             offsets,
             total,
+            given: None,
         }
+    }
+
+    /// A layout whose initial values are given (a model file): `tensors` are (name, shape) in layout order and
+    /// `values` the whole flat vector. Each tensor becomes [`Init::Given`] with its values' digest. `None` when
+    /// the values do not cover the tensors exactly.
+    pub fn with_values(tensors: Vec<(String, Vec<usize>)>, values: Vec<f32>) -> Option<Self> {
+        let mut specs = Vec::with_capacity(tensors.len());
+        let mut at = 0usize;
+        for (name, shape) in tensors {
+            let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            let end = at.checked_add(n)?;
+            let mut h = Fnv1a::new();
+            for v in values.get(at..end)? {
+                h.write(&v.to_le_bytes());
+            }
+            specs.push(TensorSpec {
+                name,
+                shape,
+                init: Init::Given { digest: h.finish() },
+            });
+            at = end;
+        }
+        if at != values.len() {
+            return None;
+        }
+        let mut layout = Self::new(specs);
+        layout.given = Some(values.into());
+        Some(layout)
     }
 
     /// Total number of parameters.
@@ -145,6 +196,10 @@ impl Layout {
                     h.write(&[3]);
                     h.write(&value.to_le_bytes());
                 }
+                Init::Given { digest } => {
+                    h.write(&[4]);
+                    h.write(&digest.to_le_bytes());
+                }
             }
         }
         h.finish()
@@ -196,6 +251,11 @@ impl Layout {
                     }
                 }
                 Init::Const { value } => dst.fill(value),
+                // Only `with_values` makes Given tensors, and it stores values covering every tensor.
+                Init::Given { .. } => match self.given.as_deref() {
+                    Some(v) => dst.copy_from_slice(&v[lo..hi]),
+                    None => dst.fill(0.0),
+                },
             }
         }
     }

@@ -19,6 +19,13 @@ pub fn model_io(cfg: &Config) -> Result<(usize, usize), ConfigError> {
     if cfg.model.kind == ModelKind::Gpt {
         return Ok((cfg.model.context, BYTE_VOCAB));
     }
+    if cfg.model.kind == ModelKind::File {
+        return Err(ConfigError::Invalid {
+            key: "model.kind",
+            reason: "a model file's inputs are its owner's (the Python module's); Tether does not read them"
+                .into(),
+        });
+    }
     let (f, c) = match cfg.data.dataset {
         DatasetKind::FashionMnist | DatasetKind::Idx => (Some(784), Some(10)),
         DatasetKind::Digits => (Some(64), Some(10)),
@@ -56,8 +63,16 @@ pub fn model_dims(cfg: &Config) -> Result<Vec<usize>, ConfigError> {
 }
 
 /// The parameter layout of the configured model (servers and workers must agree on it). Refuses a model of more
-/// than [`MAX_MODEL_PARAMS`] parameters ([`model_params`]).
+/// than [`MAX_MODEL_PARAMS`] parameters ([`model_params`]). For `kind = "file"` it reads the model file, whose
+/// layout holds the initial weights.
 pub fn model_layout(cfg: &Config) -> Result<Layout, ConfigError> {
+    if cfg.model.kind == ModelKind::File {
+        let path = cfg.model.file.as_deref().ok_or(ConfigError::Invalid {
+            key: "model.file",
+            reason: "required for model.kind = \"file\"".into(),
+        })?;
+        return super::read_model_file(path);
+    }
     model_params(cfg)?;
     if cfg.model.kind == ModelKind::Gpt {
         return Ok(gpt_layout(&GptShape::from_model(&cfg.model)));

@@ -1074,6 +1074,11 @@ pub fn model_factory(
         ModelKind::Mlp => cfg.hidden.clone(),
         ModelKind::Logreg => Vec::new(),
         // The GPT is a candle model; candle's CUDA backend needs nvcc at build time (docs/transformer.md).
+        ModelKind::File => {
+            return Err(BackendError::Unsupported(
+                "a model file's model is computed by its owner (the Python package), not tether-worker".into(),
+            ))
+        }
         ModelKind::Gpt => {
             return Err(BackendError::Unsupported(
                 "the GPT runs on the CPU backend (--device cpu); the CUDA backend trains the MLP and logreg".into(),

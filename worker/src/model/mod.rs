@@ -103,9 +103,14 @@ pub fn mean_loss(model: &mut dyn Model, params: &[f32], x: &[f32], y: &[u32], ch
 /// The built-in model named by the `[model]` config section, for `features` inputs and `classes` outputs.
 ///
 /// The initial parameters are `model.layout().init_all(cfg.seed)`.
-/// For the GPT, `features` is the context and `classes` the vocabulary, computing in f32.
-pub fn build(cfg: &ModelConfig, features: usize, classes: usize) -> Box<dyn Model> {
-    match cfg.kind {
+/// For the GPT, `features` is the context and `classes` the vocabulary, computing in f32. A model file's model
+/// (`kind = "file"`) is computed by its owner, not here: a configuration error.
+pub fn build(
+    cfg: &ModelConfig,
+    features: usize,
+    classes: usize,
+) -> Result<Box<dyn Model>, CandleError> {
+    Ok(match cfg.kind {
         ModelKind::Mlp => Box::new(Mlp::new(features, &cfg.hidden, classes)),
         ModelKind::Logreg => Box::new(LogReg::new(features, classes)),
         ModelKind::Gpt => {
@@ -122,7 +127,16 @@ pub fn build(cfg: &ModelConfig, features: usize, classes: usize) -> Box<dyn Mode
                 gpt_model(shape, ComputePrecision::F32).expect("the GPT matches its own layout"),
             )
         }
-    }
+        ModelKind::File => {
+            return Err(tether_common::config::ConfigError::Invalid {
+                key: "model.kind",
+                reason: "a model file's model is computed by its owner (the Python package's workers), not by \
+                         tether-worker"
+                    .into(),
+            }
+            .into())
+        }
+    })
 }
 
 /// The model a worker of `cfg` trains: [`build`], with the GPT in `train.precision` and, below f32, dynamic loss
@@ -141,7 +155,7 @@ pub fn build_for(cfg: &Config) -> Result<Box<dyn Model>, CandleError> {
             .into());
         }
         let (features, classes) = model_io(cfg)?;
-        return Ok(build(&cfg.model, features, classes));
+        return build(&cfg.model, features, classes);
     }
     let model = gpt_model(GptShape::from_model(&cfg.model), precision)?;
     Ok(match precision {

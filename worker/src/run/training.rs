@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 
 use tether_common::config::{Config, OptimizerConfig, Schedule};
 use tether_common::net::{client_endpoint, TransportTuning};
-use tether_common::protocol::{ErrorCode, FrameLimits, Outcome, Precision, PullMode};
+use tether_common::protocol::{ErrorCode, Outcome};
 
 use super::actor::{
     Compute, Credit, Evaluate, Evaluated, LocalRound, PrecisionQuery, RolledBack, WorkerActor,
@@ -96,37 +96,17 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     let addr = WorkerActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
     let endpoint =
         client_endpoint(&opts.tls, &TransportTuning::default()).map_err(WorkerError::Endpoint)?;
-    let limits = ranges
-        .iter()
-        .map(|r| FrameLimits::for_codec(&cfg.compression.codec(), (r.1 - r.0) as usize))
-        .collect();
-    let driver = Driver::new(DriverConfig {
-        rank: opts.rank,
+    let driver = Driver::new(DriverConfig::for_config(
+        cfg,
+        opts.rank,
         endpoint,
-        servers: opts.servers.clone(),
-        server_names: opts.server_names.clone(),
+        opts.servers.clone(),
+        opts.server_names.clone(),
         ranges,
-        limits,
-        layout_hash: layout.hash(),
-        staleness: cfg.cluster.staleness,
-        mode: if cfg.compression.delta_pulls() {
-            PullMode::Delta { have: None }
-        } else if cfg.compression.pull_bf16 {
-            PullMode::Full(Precision::Bf16)
-        } else {
-            PullMode::Full(Precision::F32)
-        },
-        // At least three heartbeats per eviction timeout, whatever `heartbeat_ms` says, so that one late heartbeat
-        // is never silence.
-        heartbeat: Duration::from_millis(
-            cfg.cluster
-                .heartbeat_ms
-                .min(cfg.cluster.worker_timeout_ms / 3)
-                .max(10),
-        ),
-        reconnect_deadline: opts.reconnect_deadline,
-        tls_paths: opts.tls.paths.clone(),
-    });
+        layout.hash(),
+        opts.reconnect_deadline,
+        opts.tls.paths.clone(),
+    ));
     let report = WorkerReport {
         rank: opts.rank,
         ..WorkerReport::default()
