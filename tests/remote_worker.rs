@@ -113,7 +113,7 @@ fn remote_workers_train_a_model_file_to_the_built_in_floor() {
                             y.push(train.y[i]);
                         }
                         let loss = model.loss_and_grad(&params, &x, &y, &mut grad);
-                        assert!(w.push(&grad, Some(loss), UpdateKind::Gradient).unwrap());
+                        assert!(w.push(&grad, Some(loss), UpdateKind::Gradient, 1).unwrap());
                     }
                     w.pull(&mut params).unwrap();
                     let report = w.close(Duration::from_secs(20)).unwrap();
@@ -190,7 +190,7 @@ fn a_worker_with_another_model_file_is_refused_with_the_layout_code() {
         &c.path("certs"),
     );
     assert!(matches!(
-        ok.push(&[0.0; 3], None, UpdateKind::Gradient),
+        ok.push(&[0.0; 3], None, UpdateKind::Gradient, 1),
         Err(WorkerError::UpdateLength { got: 3, .. })
     ));
     ok.close(Duration::from_secs(5)).unwrap();

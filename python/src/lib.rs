@@ -221,8 +221,10 @@ impl Worker {
 
     /// Rounds pushed or skipped so far.
     #[getter]
-    fn clock(&self) -> u64 {
-        self.inner.report().clock
+    fn clock(&self, py: Python<'_>) -> u64 {
+        // The session may be busy in another thread's pull: wait for it without holding the GIL.
+        let inner = &self.inner;
+        py.detach(|| inner.report().clock)
     }
 
     /// `train.local_steps` (H of local-step rounds; 0 = per-step updates).
@@ -303,15 +305,17 @@ impl Worker {
         Ok(arr)
     }
 
-    /// Pushes one round's update: kind "gradient" (clipped) or "delta" (a local-step round's θ_start − θ_end).
+    /// Pushes one round's update: kind "gradient" (clipped) or "delta" (a local-step round's θ_start − θ_end);
+    /// `steps`: training steps the update covers (H of a round), for the per-step fp32 reference of the report.
     /// Returns False when the update was not finite (a skip marker was sent instead).
-    #[pyo3(signature = (update, loss=None, kind="gradient"))]
+    #[pyo3(signature = (update, loss=None, kind="gradient", steps=1))]
     fn push(
         &self,
         py: Python<'_>,
         update: PyReadonlyArray1<'_, f32>,
         loss: Option<f32>,
         kind: &str,
+        steps: u64,
     ) -> PyResult<bool> {
         let kind = match kind {
             "gradient" => UpdateKind::Gradient,
@@ -326,7 +330,7 @@ impl Worker {
             ProtocolStateError::new_err(format!("push: the update is not contiguous: {e}"))
         })?;
         let inner = &self.inner;
-        py.detach(|| inner.push(values, loss, kind))
+        py.detach(|| inner.push(values, loss, kind, steps))
             .map_err(|e| to_py(py, e))
     }
 

@@ -156,6 +156,17 @@ pub struct DriverConfig {
 }
 
 impl DriverConfig {
+    /// The heartbeat period under `cfg`: at least three heartbeats per eviction timeout, whatever `heartbeat_ms`
+    /// says, so that one late heartbeat is never silence.
+    pub fn heartbeat_period(cfg: &Config) -> Duration {
+        Duration::from_millis(
+            cfg.cluster
+                .heartbeat_ms
+                .min(cfg.cluster.worker_timeout_ms / 3)
+                .max(10),
+        )
+    }
+
     /// The driver of `rank` under `cfg`: staleness, pull mode and heartbeat from the configuration.
     #[allow(clippy::too_many_arguments)]
     pub fn for_config(
@@ -189,14 +200,7 @@ impl DriverConfig {
             } else {
                 PullMode::Full(Precision::F32)
             },
-            // At least three heartbeats per eviction timeout, whatever `heartbeat_ms` says, so that one late
-            // heartbeat is never silence.
-            heartbeat: Duration::from_millis(
-                cfg.cluster
-                    .heartbeat_ms
-                    .min(cfg.cluster.worker_timeout_ms / 3)
-                    .max(10),
-            ),
+            heartbeat: Self::heartbeat_period(cfg),
             reconnect_deadline,
             tls_paths,
         }
@@ -335,6 +339,16 @@ impl Driver {
             }
         }
         Ok(())
+    }
+
+    /// Hands the protocol its due timers (heartbeats, resends) and sends what they produce; for callers that drive
+    /// the driver in short calls instead of waiting in it.
+    pub(crate) fn service_timers(&mut self) -> Result<(), WorkerError> {
+        let now = self.now_ms();
+        if self.protocol.poll_timeout().is_some_and(|t| t <= now) {
+            self.protocol.handle_timeout(now);
+        }
+        self.flush().map(|_| ())
     }
 
     /// Moves the protocol's transmits to the links and acts on its events. Returns the clock of a completed pull.

@@ -4,13 +4,14 @@
 //! straight into the caller's buffer, [`RemoteWorker::push`] clips, applies error feedback, encodes, frames and
 //! queues an update, [`RemoteWorker::settle`] and [`RemoteWorker::close`] finish the session with a goodbye.
 //!
-//! Between calls a keep-alive task holds the driver and answers the protocol (heartbeats, outcomes, reconnects),
-//! so a caller may compute for as long as it likes without being evicted. A call takes the driver from it (one
-//! lock, handed over in FIFO order) and drives it on the caller's thread, so the caller's buffer is written
-//! without a copy and without unsafe code. Nothing here touches process-wide state: the runtime is private and
-//! stops with the worker.
+//! A call drives the driver on the caller's thread (one lock), so the caller's buffer is written without a copy and
+//! without unsafe code; each call also services the protocol's due timers. When no call has come for half a
+//! heartbeat period, a keep-alive task takes the session and answers the protocol (heartbeats, outcomes,
+//! reconnects), so a caller may compute for as long as it likes without being evicted; the next call takes the
+//! session back (the lock is handed over in FIFO order). A caller that calls often never waits for that hand-over.
+//! Nothing here touches process-wide state: the runtime is private and stops with the worker.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -136,9 +137,9 @@ pub struct RemoteReport {
     pub wire_bytes_pushed: u64,
     /// Bytes of every pull reply received.
     pub wire_bytes_pulled: u64,
-    /// The per-step fp32 reference: 4 bytes per parameter per push.
+    /// The per-step fp32 reference: 4 bytes per parameter per training step an update covers.
     pub fp32_bytes_pushed: u64,
-    /// The per-step fp32 reference: 4 bytes per parameter per pull.
+    /// The per-step fp32 reference: 4 bytes per parameter per pull, and per extra step a local-step round covers.
     pub fp32_bytes_pulled: u64,
     /// Seconds spent in pulls (waiting for the SSP bound and the replies).
     pub pull_wait_seconds: f64,
@@ -164,6 +165,52 @@ struct Shared {
     waiting: AtomicUsize,
     wake: Notify,
     stopping: AtomicBool,
+    /// When a call last released the session (ms since `epoch`).
+    released_ms: AtomicU64,
+    epoch: Instant,
+    /// How long the session stays with the caller after a call before the keep-alive task takes it.
+    idle: Duration,
+}
+
+impl Shared {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// How long ago a call released the session.
+    fn since_release(&self) -> Duration {
+        Duration::from_millis(
+            self.now_ms()
+                .saturating_sub(self.released_ms.load(Ordering::SeqCst)),
+        )
+    }
+}
+
+/// The session held by a call; records the release time when dropped.
+struct Held<'a> {
+    guard: tokio::sync::MutexGuard<'a, Session>,
+    shared: &'a Shared,
+}
+
+impl std::ops::Deref for Held<'_> {
+    type Target = Session;
+    fn deref(&self) -> &Session {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Held<'_> {
+    fn deref_mut(&mut self) -> &mut Session {
+        &mut self.guard
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .released_ms
+            .store(self.shared.now_ms(), Ordering::SeqCst);
+    }
 }
 
 /// A worker session driven by blocking calls from the host program (see the module docs).
@@ -208,6 +255,7 @@ impl RemoteWorker {
             cfg.compression.error_feedback,
             cfg.train.clip_norm,
         )?;
+        let idle = DriverConfig::heartbeat_period(cfg) / 2;
         let driver = {
             // Binding the endpoint's UDP socket needs the runtime's reactor.
             let _enter = runtime.enter();
@@ -241,6 +289,9 @@ impl RemoteWorker {
             waiting: AtomicUsize::new(0),
             wake: Notify::new(),
             stopping: AtomicBool::new(false),
+            released_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            idle,
         });
         runtime.spawn(keep_alive(shared.clone()));
         Ok(Self {
@@ -289,13 +340,15 @@ impl RemoteWorker {
 
     /// Pushes one round's update to every shard (clipped when it is a gradient, with error feedback, encoded,
     /// framed and queued; outcomes settle in the background) and advances the clock. `loss` is the round's loss
-    /// for the shards' spike detector (`None`: none known). A non-finite update is not pushed: the round ends with
-    /// a skip marker and this returns `false`.
+    /// for the shards' spike detector (`None`: none known). `steps` is how many training steps the update covers
+    /// (H for a local-step round), for the per-step fp32 reference of the report. A non-finite update is not
+    /// pushed: the round ends with a skip marker and this returns `false`.
     pub fn push(
         &self,
         update: &[f32],
         loss: Option<f32>,
         kind: UpdateKind,
+        steps: u64,
     ) -> Result<bool, WorkerError> {
         self.check_len(update.len())?;
         let rt = self.runtime()?;
@@ -319,9 +372,14 @@ impl RemoteWorker {
                 wire += out.len() as u64;
             }
             s.driver.protocol.push(&mut s.frames, loss).map(|()| {
+                // The per-step reference pushes and pulls the whole model in f32 at every step; this round's
+                // pull was counted by `pull`.
+                let fp32 = 4 * self.layout.len() as u64;
+                let steps = steps.max(1);
                 s.report.pushes += 1;
                 s.report.wire_bytes_pushed += wire;
-                s.report.fp32_bytes_pushed += 4 * self.layout.len() as u64;
+                s.report.fp32_bytes_pushed += fp32 * steps;
+                s.report.fp32_bytes_pulled += fp32 * (steps - 1);
             })
         } else {
             warn!(
@@ -377,10 +435,7 @@ impl RemoteWorker {
         if let Some(r) = &self.closed {
             return r.clone();
         }
-        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
-        self.shared.wake.notify_one();
-        let s = self.shared.session.blocking_lock();
-        self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        let s = self.hold();
         snapshot(&s)
     }
 
@@ -392,10 +447,7 @@ impl RemoteWorker {
         }
         let rt = self.runtime()?;
         let report = {
-            self.shared.waiting.fetch_add(1, Ordering::SeqCst);
-            self.shared.wake.notify_one();
-            let mut s = self.shared.session.blocking_lock();
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            let mut s = self.hold();
             let s = &mut *s;
             if s.failed.is_none() && s.failure.is_none() {
                 match rt.block_on(s.driver.settle(limit)) {
@@ -437,18 +489,39 @@ impl RemoteWorker {
     }
 
     /// Takes the session from the keep-alive task (blocking), or returns the error that ended it.
-    fn session(&self) -> Result<tokio::sync::MutexGuard<'_, Session>, WorkerError> {
-        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
-        self.shared.wake.notify_one();
-        let mut s = self.shared.session.blocking_lock();
-        self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+    fn session(&self) -> Result<Held<'_>, WorkerError> {
+        let mut s = self.hold();
         if let Some(e) = s.failed.take() {
             return Err(e);
         }
         if let Some(why) = &s.failure {
             return Err(WorkerError::Ended(why.clone()));
         }
+        if let Some(rt) = self.runtime.as_ref() {
+            let _enter = rt.enter();
+            if let Err(e) = s.driver.service_timers() {
+                return Err(s.fail(e));
+            }
+        }
         Ok(s)
+    }
+
+    /// Takes the session: at once when it is free, else from the keep-alive task (which steps aside).
+    fn hold(&self) -> Held<'_> {
+        let guard = match self.shared.session.try_lock() {
+            Ok(g) => g,
+            Err(_) => {
+                self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+                self.shared.wake.notify_one();
+                let g = self.shared.session.blocking_lock();
+                self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                g
+            }
+        };
+        Held {
+            guard,
+            shared: &self.shared,
+        }
     }
 }
 
@@ -497,22 +570,36 @@ fn credit_refused(s: &mut Session) {
     }
 }
 
-/// Holds the session between calls and keeps the protocol alive (heartbeats, outcomes, reconnects); steps aside
-/// whenever a caller waits for it.
+/// Holds the session between calls and keeps the protocol alive (heartbeats, outcomes, reconnects) once no call has
+/// come for `idle`; steps aside whenever a caller waits for it.
 async fn keep_alive(shared: Arc<Shared>) {
     loop {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let since = shared.since_release();
+        if since < shared.idle || shared.waiting.load(Ordering::SeqCst) > 0 {
+            // The caller calls often: leave the session with it (its calls service the timers).
+            let nap = shared
+                .idle
+                .saturating_sub(since)
+                .max(Duration::from_millis(1));
+            tokio::select! {
+                _ = tokio::time::sleep(nap) => {}
+                _ = shared.wake.notified() => tokio::task::yield_now().await,
+            }
+            continue;
+        }
         let mut s = shared.session.lock().await;
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
-        if shared.waiting.load(Ordering::SeqCst) > 0 || s.failed.is_some() || s.failure.is_some() {
+        if shared.since_release() < shared.idle || shared.waiting.load(Ordering::SeqCst) > 0 {
+            continue;
+        }
+        if s.failed.is_some() || s.failure.is_some() {
             drop(s);
-            if shared.waiting.load(Ordering::SeqCst) > 0 {
-                // The waiting caller is (or is about to be) queued on the lock: let it in first.
-                tokio::task::yield_now().await;
-            } else {
-                shared.wake.notified().await;
-            }
+            shared.wake.notified().await;
             continue;
         }
         let s = &mut *s;

@@ -1,0 +1,417 @@
+"""Local shards for development, tests and examples: :class:`LocalCluster` starts ``tether-server`` processes on
+loopback for a configuration given as a dict, with certificates from ``tether-server keygen``.
+
+This module owns process management only (ports, ``cluster.toml``, certificates, shard processes and their logs);
+the shards themselves are the Rust binary, and workers are :class:`tether.Worker` objects the caller creates with
+:attr:`LocalCluster.config_path`. It never binds or connects to anything but 127.0.0.1.
+
+The binary is looked up in ``bin_dir``, else ``$TETHER_BIN_DIR``, else ``<repo>/target/release`` (when this file
+lies in a checkout), else ``PATH``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+__all__ = ["LocalCluster", "ClusterStartError", "find_binary", "free_udp_port", "toml_dumps"]
+
+
+class ClusterStartError(RuntimeError):
+    """A shard or keygen could not be started (missing binary, a shard that exited or did not listen in time)."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A small TOML writer: tables of scalars, strings, booleans, lists and inline tables (all `cluster.toml` needs).
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _toml_string(s: str) -> str:
+    out = ['"']
+    for ch in s:
+        code = ord(ch)
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def _toml_key(k: str) -> str:
+    if k and all(c.isalnum() or c in "_-" for c in k) and k.isascii():
+        return k
+    return _toml_string(k)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        r = repr(v)
+        return r if any(c in r for c in ".eE") else r + ".0"
+    if isinstance(v, (str, os.PathLike)):
+        return _toml_string(os.fspath(v))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{ " + ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
+
+
+def toml_dumps(config: Mapping[str, Mapping[str, Any]]) -> str:
+    """TOML text of ``config``: each top-level key is a table (``[section]``) of values; nested dicts inside a
+    section are written as inline tables (``schedule = { kind = "constant" }``, ``outer = { ... }``), which TOML
+    treats exactly as sub-tables. Values: bool, int, float, str, path, list/tuple, dict. ``None`` values are left
+    out (the key's default applies)."""
+    lines: List[str] = []
+    for section, table in config.items():
+        if not isinstance(table, Mapping):
+            raise TypeError(f"section {section!r} must be a dict, not {type(table).__name__}")
+        lines.append(f"[{_toml_key(str(section))}]")
+        for k, v in table.items():
+            if v is None:
+                continue
+            lines.append(f"{_toml_key(str(k))} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Binaries and ports
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def find_binary(name: str = "tether-server", bin_dir: Optional[os.PathLike] = None) -> Path:
+    """The path of binary ``name``: in ``bin_dir``, else ``$TETHER_BIN_DIR``, else ``<repo>/target/release``, else
+    on ``PATH``. Raises :class:`ClusterStartError` naming the places looked at."""
+    tried: List[str] = []
+    candidates: List[Path] = []
+    if bin_dir is not None:
+        candidates.append(Path(bin_dir) / name)
+    elif os.environ.get("TETHER_BIN_DIR"):
+        candidates.append(Path(os.environ["TETHER_BIN_DIR"]) / name)
+    else:
+        here = Path(__file__).resolve()
+        if len(here.parents) > 2:
+            repo = here.parents[2]
+            if (repo / "Cargo.toml").exists():
+                candidates.append(repo / "target" / "release" / name)
+    for c in candidates:
+        tried.append(str(c))
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    if bin_dir is None:
+        found = shutil.which(name)
+        if found:
+            return Path(found)
+        tried.append(f"{name} on PATH")
+    raise ClusterStartError(
+        f"{name} not found (looked at: {', '.join(tried)}); build it with "
+        "`cargo build --release -p tether-server` or set TETHER_BIN_DIR"
+    )
+
+
+def free_udp_port() -> int:
+    """A UDP port on 127.0.0.1 that was free a moment ago (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# LocalCluster
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class LocalCluster:
+    """``shards`` ``tether-server`` processes on 127.0.0.1 for ``workers`` workers, configured by ``config``.
+
+    ``config`` maps ``cluster.toml`` sections to dicts (``{"model": {"kind": "file", "file": path}, ...}``); an
+    unbounded staleness is the string ``"inf"``. ``cluster.servers``, ``cluster.workers`` and ``cluster.tls_dir``
+    are set here (free UDP ports, ``workers``, ``workdir/certs``); everything else is passed as given. The file is
+    written to ``workdir/cluster.toml``; certificates (``tether-server keygen``) to ``workdir/certs``: ``server-K/``
+    per shard and ``worker-R/`` per rank, which :class:`tether.Worker` finds through ``cluster.tls_dir``. Shard K
+    logs to ``workdir/server-K.log`` and writes its run report to ``workdir/server-K.json`` when it stops.
+
+    Use it as a context manager (``with LocalCluster(...) as c:``) or call :meth:`start` and :meth:`stop`.
+    ``start_timeout_s`` bounds the wait for each shard to listen; ``stop_timeout_s`` the wait after SIGTERM before
+    SIGKILL. ``extra_args`` are added to every shard's command line (e.g. ``["--spike-factor", "0"]``).
+    """
+
+    def __init__(
+        self,
+        workdir: os.PathLike,
+        config: Mapping[str, Mapping[str, Any]],
+        shards: int = 2,
+        workers: int = 2,
+        bin_dir: Optional[os.PathLike] = None,
+        *,
+        start_timeout_s: float = 30.0,
+        stop_timeout_s: float = 15.0,
+        extra_args: Optional[List[str]] = None,
+        log_level: Optional[str] = None,
+    ) -> None:
+        if shards < 1:
+            raise ValueError("shards must be at least 1")
+        if workers < 1:
+            raise ValueError("workers must be at least 1")
+        self.workdir = Path(workdir).resolve()
+        self.shards = int(shards)
+        self.workers = int(workers)
+        self.server_bin = find_binary("tether-server", bin_dir)
+        self.start_timeout_s = float(start_timeout_s)
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.extra_args = list(extra_args or [])
+        self.log_level = log_level
+        self.certs_dir = self.workdir / "certs"
+        self._procs: Dict[int, subprocess.Popen] = {}
+        self._logs: Dict[int, Any] = {}
+        self._started = False
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cfg: Dict[str, Dict[str, Any]] = {k: dict(v) for k, v in config.items()}
+        cluster = cfg.setdefault("cluster", {})
+        self.servers = [f"127.0.0.1:{free_udp_port()}" for _ in range(self.shards)]
+        cluster["servers"] = self.servers
+        cluster["workers"] = self.workers
+        cluster["tls_dir"] = str(self.certs_dir)
+        # `cluster` first, as people read it.
+        ordered = {"cluster": cluster}
+        ordered.update((k, v) for k, v in cfg.items() if k != "cluster")
+        self.config = ordered
+        self._config_path = self.workdir / "cluster.toml"
+        self._config_path.write_text(toml_dumps(ordered))
+
+    # ---------------------------------------------------------------------------------------------------------------
+
+    @property
+    def config_path(self) -> str:
+        """Path of the written ``cluster.toml`` (give it to :class:`tether.Worker`)."""
+        return str(self._config_path)
+
+    def log_path(self, k: int) -> Path:
+        """Shard ``k``'s log file (every start of it appends to the same file)."""
+        return self.workdir / f"server-{k}.log"
+
+    def report_path(self, k: int) -> Path:
+        """Shard ``k``'s JSON run report, written when it stops."""
+        return self.workdir / f"server-{k}.json"
+
+    def log_text(self, k: int) -> str:
+        """Shard ``k``'s whole log so far ("" before it first started)."""
+        try:
+            return self.log_path(k).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def _env(self) -> Dict[str, str]:
+        env = dict(os.environ)
+        if self.log_level is not None:
+            env["RUST_LOG"] = self.log_level
+        else:
+            env.setdefault("RUST_LOG", "info")
+        return env
+
+    def keygen(self) -> None:
+        """Writes the certificates (once: skipped when ``workdir/certs`` already holds the CA)."""
+        if (self.certs_dir / "ca" / "ca.pem").exists():
+            return
+        cmd = [
+            str(self.server_bin), "keygen", "--out", str(self.certs_dir),
+            "--servers", str(self.shards), "--workers", str(self.workers),
+        ]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self._env())
+        except subprocess.TimeoutExpired as e:
+            raise ClusterStartError(f"keygen did not finish in 120 s: {' '.join(cmd)}") from e
+        if out.returncode != 0:
+            raise ClusterStartError(f"keygen failed ({out.returncode}): {out.stderr.strip()}")
+
+    def issue_worker(self, rank: int) -> Path:
+        """Signs one more worker bundle, ``certs/worker-R/`` for rank ``rank`` (``keygen issue``), e.g. to try a
+        rank outside ``cluster.workers``; returns its folder."""
+        self.keygen()
+        cmd = [
+            str(self.server_bin), "keygen", "issue", "--ca", str(self.certs_dir / "ca"),
+            "--out", str(self.certs_dir), "--worker", str(int(rank)),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self._env())
+        if out.returncode != 0:
+            raise ClusterStartError(f"keygen issue failed ({out.returncode}): {out.stderr.strip()}")
+        return self.certs_dir / f"worker-{int(rank)}"
+
+    def start(self) -> "LocalCluster":
+        """Generates certificates (first time) and starts every shard, waiting until each listens."""
+        self.keygen()
+        self._started = True
+        try:
+            for k in range(self.shards):
+                self.start_shard(k, resume=False)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_shard(self, k: int, resume: bool = True, wait: bool = True) -> None:
+        """Starts shard ``k`` (``--resume`` from its newest checkpoint unless ``resume=False``) and, with ``wait``,
+        returns once its log says it is listening. Raises :class:`ClusterStartError` when it exits first or does
+        not listen within ``start_timeout_s``."""
+        if not 0 <= k < self.shards:
+            raise ValueError(f"shard {k} out of range 0..{self.shards}")
+        p = self._procs.get(k)
+        if p is not None and p.poll() is None:
+            raise ClusterStartError(f"shard {k} is already running (pid {p.pid})")
+        self.keygen()
+        self._started = True
+        log_path = self.log_path(k)
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        log = open(log_path, "ab")
+        cmd = [
+            str(self.server_bin), "--config", self.config_path, "--shard", str(k),
+            "--report", str(self.report_path(k)),
+        ]
+        if resume:
+            cmd.append("--resume")
+        cmd.extend(self.extra_args)
+        try:
+            proc = subprocess.Popen(
+                cmd, cwd=str(self.workdir), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self._env(),
+            )
+        except OSError as e:
+            log.close()
+            raise ClusterStartError(f"cannot start {cmd[0]}: {e}") from e
+        old = self._logs.pop(k, None)
+        if old is not None:
+            old.close()
+        self._procs[k] = proc
+        self._logs[k] = log
+        if wait:
+            self.wait_listening(k, offset)
+
+    def wait_listening(self, k: int, offset: int = 0) -> None:
+        """Waits (at most ``start_timeout_s``) until shard ``k``'s log, past byte ``offset``, says "listening on"."""
+        proc = self._procs[k]
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            with open(self.log_path(k), "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+            if "listening on" in text:
+                return
+            if proc.poll() is not None:
+                raise ClusterStartError(
+                    f"shard {k} exited with {proc.returncode} before listening; log tail:\n{text[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise ClusterStartError(
+                    f"shard {k} did not listen within {self.start_timeout_s:.0f} s; log tail:\n{text[-3000:]}"
+                )
+            time.sleep(0.02)
+
+    def shard_alive(self, k: int) -> bool:
+        """Whether shard ``k``'s process is running."""
+        p = self._procs.get(k)
+        return p is not None and p.poll() is None
+
+    def kill_shard(self, k: int) -> None:
+        """SIGKILLs shard ``k`` (a crash: no final checkpoint) and reaps it."""
+        p = self._procs.get(k)
+        if p is None:
+            return
+        if p.poll() is None:
+            p.kill()
+        try:
+            p.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop_shard(self, k: int) -> Optional[int]:
+        """Stops shard ``k`` gracefully: SIGTERM (final checkpoint and report), SIGKILL after ``stop_timeout_s``.
+        Returns its exit code (None when it was never started)."""
+        p = self._procs.get(k)
+        if p is None:
+            return None
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                try:
+                    p.wait(timeout=self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+        log = self._logs.pop(k, None)
+        if log is not None:
+            log.close()
+        return p.returncode
+
+    def stop(self) -> Dict[int, Optional[int]]:
+        """Stops every shard (SIGTERM to all, then bounded waits, then SIGKILL). Idempotent; returns exit codes."""
+        for p in self._procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        return {k: self.stop_shard(k) for k in list(self._procs)}
+
+    def wait_exit(self, timeout_s: float) -> Dict[int, Optional[int]]:
+        """Waits (at most ``timeout_s`` in all) for every shard to exit by itself (``--exit-after-workers``);
+        returns exit codes, None for those still running."""
+        deadline = time.monotonic() + timeout_s
+        codes: Dict[int, Optional[int]] = {}
+        for k, p in self._procs.items():
+            try:
+                codes[k] = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[k] = None
+        return codes
+
+    def __enter__(self) -> "LocalCluster":
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # last resort: never leave shard processes behind
+        try:
+            for p in getattr(self, "_procs", {}).values():
+                if p.poll() is None:
+                    p.kill()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        alive = [k for k in range(self.shards) if self.shard_alive(k)]
+        return f"LocalCluster({self.workdir}, shards={self.shards}, workers={self.workers}, running={alive})"
