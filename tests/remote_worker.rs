@@ -73,7 +73,7 @@ fn remote_workers_train_a_model_file_to_the_built_in_floor() {
     let config_path = file_config(&c, &c.path("model.safetensors"));
     // The shards read the same file: start them on the file config.
     std::fs::copy(&config_path, c.path("cluster.toml")).unwrap();
-    let _servers = c.servers(&[]);
+    let mut servers = c.servers(&[]);
     let cfg = Config::load(&config_path).unwrap();
     let layout = read_model_file(&c.path("model.safetensors")).unwrap();
     let (train, test) = digits().unwrap();
@@ -150,6 +150,10 @@ fn remote_workers_train_a_model_file_to_the_built_in_floor() {
         assert!(report.fp32_bytes_pushed > 6 * report.wire_bytes_pushed);
         // The per-step floor of the built-in worker on digits (tests/e2e.rs).
         assert!(acc >= 0.90, "rank {rank}: accuracy {acc} below 0.90");
+    }
+    // The shards exit once both ranks said goodbye, writing their reports.
+    for s in servers.iter_mut() {
+        s.wait_success(Duration::from_secs(30));
     }
     for k in 0..2 {
         let r = c.report(&format!("server-{k}.json"));

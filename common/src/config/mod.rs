@@ -151,6 +151,11 @@ impl Config {
                 *p = base.join(&*p);
             }
         }
+        if let Some(p) = self.model.file.as_mut() {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
     }
 
     /// Steps a worker with `steps_per_epoch` steps per pass runs: `epochs` passes, capped by `train.max_steps`.

@@ -24,6 +24,29 @@ fn minimal_file_gets_defaults_and_resolves_paths() {
 }
 
 #[test]
+fn a_model_file_is_required_for_kind_file_and_resolves_against_the_config() {
+    let cfg = Config::parse(
+        "[cluster]\nservers = [\"127.0.0.1:7000\"]\n[model]\nkind = \"file\"\nfile = \"m.safetensors\"\n",
+        Path::new("/etc/tether"),
+    )
+    .unwrap();
+    assert_eq!(cfg.model.kind, ModelKind::File);
+    assert_eq!(
+        cfg.model.file.as_deref(),
+        Some(Path::new("/etc/tether/m.safetensors"))
+    );
+    let err = Config::parse(
+        "[cluster]\nservers = [\"127.0.0.1:7000\"]\n[model]\nkind = \"file\"\n",
+        Path::new("/etc/tether"),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("model.file"), "{err}");
+    // The layout comes from the file; a missing one is a typed error naming it, not a panic.
+    let err = crate::layout::model_layout(&cfg).unwrap_err();
+    assert!(err.to_string().contains("m.safetensors"), "{err}");
+}
+
+#[test]
 fn design_doc_example_parses() {
     let text = r#"
 [cluster]
