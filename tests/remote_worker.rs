@@ -79,10 +79,14 @@ fn remote_workers_train_a_model_file_to_the_built_in_floor() {
     let (train, test) = digits().unwrap();
     let steps = c.steps_per_worker();
     let batch = c.spec.batch;
+    // Both workers pull once before either pushes, so both first pulls see the shards' initial weights (a later
+    // joiner gets the current weights instead, as it should).
+    let first_pulls = std::sync::Barrier::new(2);
     let results: Vec<_> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..2u32)
             .map(|rank| {
                 let (cfg, layout, train, certs) = (&cfg, &layout, &train, c.path("certs"));
+                let first_pulls = &first_pulls;
                 scope.spawn(move || {
                     let mut w = remote(cfg, layout, rank, &certs);
                     let mut model = Mlp::new(DIMS[0], &DIMS[1..2], DIMS[2]);
@@ -103,6 +107,7 @@ fn remote_workers_train_a_model_file_to_the_built_in_floor() {
                         w.pull(&mut params).unwrap();
                         if first.is_none() {
                             first = Some(params.clone());
+                            first_pulls.wait();
                         }
                         let order = part.epoch_order(step * batch as u64 / part.len() as u64);
                         let at = (step as usize * batch) % part.len();

@@ -35,7 +35,6 @@ def main(argv=None):
     p.add_argument("--bin-dir", help="folder holding tether-server")
     a = p.parse_args(argv)
 
-    import numpy as np
     import torch
 
     import tether
