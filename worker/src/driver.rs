@@ -91,6 +91,19 @@ struct Outage {
     last_error: Option<String>,
 }
 
+/// The flat index range of each of `shards` shards of `layout`, as the wire carries them.
+pub(crate) fn shard_ranges(
+    layout: &tether_common::layout::Layout,
+    shards: usize,
+) -> Vec<(u64, u64)> {
+    (0..shards)
+        .map(|k| {
+            let r = layout.shard_range(k, shards);
+            (r.start as u64, r.end as u64)
+        })
+        .collect()
+}
+
 /// Latency samples a report keeps (the first ones; 4 MiB at most per vector).
 pub const LATENCY_SAMPLES: usize = 1 << 20;
 

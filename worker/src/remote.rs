@@ -25,7 +25,7 @@ use tether_common::net::{client_endpoint, TlsFiles, TransportTuning};
 use tether_common::numeric::sum_of_squares;
 use tether_common::protocol::{ErrorCode, Outcome};
 
-use crate::driver::{Driver, DriverConfig};
+use crate::driver::{shard_ranges, Driver, DriverConfig};
 use crate::error::WorkerError;
 use crate::step::PushEncoder;
 
@@ -242,12 +242,7 @@ impl RemoteWorker {
                 },
             ));
         }
-        let ranges: Vec<(u64, u64)> = (0..shards)
-            .map(|k| {
-                let r = layout.shard_range(k, shards);
-                (r.start as u64, r.end as u64)
-            })
-            .collect();
+        let ranges = shard_ranges(&layout, shards);
         let coder = PushEncoder::new(
             opts.rank,
             ranges.iter().map(|r| r.0 as usize..r.1 as usize).collect(),

@@ -20,7 +20,7 @@ use super::actor::{
 use super::options::WorkerOptions;
 use super::report::{Progress, WorkerReport};
 use crate::data::Partition;
-use crate::driver::{Driver, DriverConfig, LATENCY_SAMPLES};
+use crate::driver::{shard_ranges, Driver, DriverConfig, LATENCY_SAMPLES};
 use crate::error::WorkerError;
 use crate::model::{self, Model};
 use crate::step::StepEngine;
@@ -55,12 +55,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     }
     let layout = model.layout().clone();
     let shards = opts.servers.len();
-    let ranges: Vec<(u64, u64)> = (0..shards)
-        .map(|k| {
-            let r = layout.shard_range(k, shards);
-            (r.start as u64, r.end as u64)
-        })
-        .collect();
+    let ranges = shard_ranges(&layout, shards);
     let engine = StepEngine::new(
         model,
         opts.rank,
