@@ -384,3 +384,30 @@ fn mixed_precision_training_reaches_the_f32_validation_loss_within_two_percent()
         }
     }
 }
+
+#[test]
+fn evaluation_in_bounded_passes_matches_row_by_row_results() {
+    // A batch several times larger than one evaluation pass: the loss is the row-weighted mean of the passes and
+    // every prediction is the one a pass of that row alone gives.
+    let shape = tiny();
+    let mut m = gpt_model(shape, ComputePrecision::F32).unwrap();
+    let p = m.layout().init_all(3);
+    let rows = 3 * model::EVAL_VALUES / shape.context + 5;
+    let (x, y) = batch(shape.context, rows, 0);
+    let whole = m.loss(&p, &x, &y);
+    let mut sum = 0.0f64;
+    let mut one = [0u32; 1];
+    let mut preds = vec![0u32; rows];
+    m.predict(&p, &x, &mut preds);
+    for r in 0..rows {
+        let xs = &x[r * shape.context..(r + 1) * shape.context];
+        sum += f64::from(m.loss(&p, xs, &y[r..r + 1]));
+        m.predict(&p, xs, &mut one);
+        assert_eq!(one[0], preds[r], "row {r}");
+    }
+    let mean = (sum / rows as f64) as f32;
+    assert!(
+        (whole - mean).abs() < 1e-4 * mean.abs(),
+        "chunked loss {whole} vs row by row {mean}"
+    );
+}

@@ -332,6 +332,10 @@ fn store_grad(g: &Tensor, k: f32, out: &mut [f32]) -> candle_core::Result<bool> 
     Ok(finite)
 }
 
+/// Input values per forward pass in [`Model::loss`] and [`Model::predict`] (the GPT: 32 windows of 64 bytes, about
+/// 60 MB of activations at its default shape), whatever the batch the caller evaluates.
+pub const EVAL_VALUES: usize = 2048;
+
 /// A candle module as a Tether [`Model`] (CPU device).
 pub struct CandleModel<M> {
     module: M,
@@ -428,6 +432,12 @@ impl<M: CandleModule> CandleModel<M> {
         &self.module
     }
 
+    /// Rows per forward pass when evaluating: candle keeps every activation of a pass alive until its result is
+    /// dropped (the vars track gradients), so evaluation runs in passes of at most [`EVAL_VALUES`] input values.
+    fn eval_rows(&self) -> usize {
+        (EVAL_VALUES / self.features.max(1)).max(1)
+    }
+
     /// Writes the flat `params` into the vars.
     fn load(&self, params: &[f32]) -> candle_core::Result<()> {
         for (i, var) in self.vars.iter().enumerate() {
@@ -501,19 +511,32 @@ impl<M: CandleModule> Model for CandleModel<M> {
             out.len() * self.features,
             "x must hold out.len() rows"
         );
-        let r = self
-            .load(params)
-            .and_then(|()| self.module.predict(x, out.len(), out));
+        let rows = self.eval_rows();
+        let f = self.features;
+        let r = self.load(params).and_then(|()| {
+            for (xs, os) in x.chunks(rows * f).zip(out.chunks_mut(rows)) {
+                self.module.predict(xs, os.len(), os)?;
+            }
+            Ok(())
+        });
         fatal("predict", r);
     }
 
     fn loss(&mut self, params: &[f32], x: &[f32], y: &[u32]) -> f32 {
         assert_eq!(x.len(), y.len() * self.features, "x must hold y.len() rows");
+        let rows = self.eval_rows();
+        let f = self.features;
         let r = self.load(params).and_then(|()| {
-            self.module
-                .loss(x, y, y.len())?
-                .to_dtype(DType::F32)?
-                .to_scalar::<f32>()
+            let mut total = 0.0f64;
+            for (xs, ys) in x.chunks(rows * f).zip(y.chunks(rows)) {
+                let l = self
+                    .module
+                    .loss(xs, ys, ys.len())?
+                    .to_dtype(DType::F32)?
+                    .to_scalar::<f32>()?;
+                total += f64::from(l) * ys.len() as f64;
+            }
+            Ok((total / y.len().max(1) as f64) as f32)
         });
         fatal("loss", r)
     }

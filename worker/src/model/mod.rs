@@ -10,7 +10,9 @@ mod logreg;
 mod mlp;
 mod ops;
 
-pub use self::candle::{CandleError, CandleModel, CandleModule, LossScaler, PrecisionStats};
+pub use self::candle::{
+    CandleError, CandleModel, CandleModule, LossScaler, PrecisionStats, EVAL_VALUES,
+};
 pub use gpt::{gpt_model, Gpt};
 pub use logreg::LogReg;
 pub use mlp::Mlp;
