@@ -139,6 +139,7 @@ impl LocalCluster {
     ) -> Result<(RunReport, Vec<WorkerReport>, Vec<ShardPublic>), ClusterError> {
         let mut cfg = self.config.clone();
         let started = Instant::now();
+        let cpu_started = tether_common::cpu::process_cpu_seconds();
         let (train, test, note) = load_configured(&mut cfg)?;
         if let Some(n) = &note {
             info!("{n}");
@@ -228,6 +229,7 @@ impl LocalCluster {
                     .find(|(r, _)| *r == rank)
                     .map(|(_, s)| *s),
                 model: self.model.clone(),
+                colocated: workers,
             };
             let prepared =
                 prepare_worker(opts).map_err(|source| ClusterError::Worker { rank, source })?;
@@ -323,6 +325,9 @@ impl LocalCluster {
             .val_loss_curve
             .push((steps, wall, f64::from(test_loss)));
         report.finish_val_loss(cfg.data.dataset.is_text());
+        if let (Some(a), Some(b)) = (cpu_started, tether_common::cpu::process_cpu_seconds()) {
+            report.process_cpu_seconds = b - a;
+        }
         Ok((report, reports, publics))
     }
 }

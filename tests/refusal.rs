@@ -81,6 +81,7 @@ async fn failed_worker(
         step_delay: Duration::ZERO,
         straggle: None,
         model: None,
+        colocated: 1,
     };
     let started = Instant::now();
     let prepared = prepare_worker(opts).expect("worker prepares");

@@ -251,6 +251,7 @@ pub fn run_workers(
                 step_delay: Duration::ZERO,
                 straggle: None,
                 model: Some(factory.clone()),
+                colocated: workers,
             };
             let prepared = prepare_worker(opts)?;
             tasks.push(tokio::spawn(prepared.run()));

@@ -3,6 +3,7 @@
 
 pub mod codec;
 pub mod config;
+pub mod cpu;
 pub mod error_chain;
 pub mod layout;
 pub mod logging;

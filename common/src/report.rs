@@ -100,6 +100,17 @@ pub struct RunReport {
     /// Extension: seconds the workers spent computing rounds, summed over workers.
     #[serde(default)]
     pub compute_seconds: f64,
+    /// Extension: threads of each worker's compute pool (the largest, if they differ).
+    #[serde(default)]
+    pub compute_threads: u32,
+    /// Extension: CPU seconds the workers' compute threads used (forward, backward, inner optimizer, encoding,
+    /// evaluation), summed over workers.
+    #[serde(default)]
+    pub compute_cpu_seconds: f64,
+    /// Extension: CPU seconds of the whole process where one process ran the cluster (`LocalCluster`; 0 when the
+    /// roles ran as separate processes): minus `compute_cpu_seconds`, what the shards and the transport used.
+    #[serde(default)]
+    pub process_cpu_seconds: f64,
     /// Extension: mean loss on the test/validation set over time: `[step, seconds, loss]` (nats per prediction).
     #[serde(default)]
     pub val_loss_curve: Vec<(u64, f64, f64)>,
@@ -201,6 +212,8 @@ impl RunReport {
         self.reconnects += w.reconnects;
         self.pull_wait_seconds += w.pull_wait_seconds;
         self.compute_seconds += w.compute_seconds;
+        self.compute_threads = self.compute_threads.max(w.compute_threads);
+        self.compute_cpu_seconds += w.compute_cpu_seconds;
         if let Some(l) = w.loss_scale {
             self.loss_scale_overflows += l.overflows;
             self.loss_scale_growths += l.growths;
@@ -344,6 +357,10 @@ pub struct WorkerCounters {
     pub pull_wait_seconds: f64,
     /// Seconds computing rounds.
     pub compute_seconds: f64,
+    /// Threads of the worker's compute pool.
+    pub compute_threads: u32,
+    /// CPU seconds of the worker's compute threads.
+    pub compute_cpu_seconds: f64,
     /// Loss scaling, for a model computing below f32.
     pub loss_scale: Option<LossScale>,
 }

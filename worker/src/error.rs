@@ -13,6 +13,9 @@ use crate::model::CandleError;
 /// Errors that end a worker.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// The compute thread pool could not be started.
+    #[error("cannot start the compute threads: {0}")]
+    Threads(String),
     /// Configuration problem.
     #[error(transparent)]
     Config(#[from] ConfigError),

@@ -14,6 +14,7 @@ pub mod protocol;
 pub mod remote;
 mod run;
 pub mod step;
+pub mod threads;
 
 pub use error::WorkerError;
 pub use model::{Model, ModelFactory};

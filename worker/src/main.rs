@@ -170,6 +170,7 @@ fn run() -> Result<()> {
             step_delay: Duration::from_millis(cli.step_delay_ms),
             straggle: cli.straggle,
             model,
+            colocated: tether_worker::threads::colocated_workers(&cfg),
         };
         let prepared = prepare_worker(opts)?;
         let r = tokio::spawn(prepared.run())

@@ -67,6 +67,8 @@ pub struct TrainConfig {
     pub loss_scale: f32,
     /// Clean steps after which the loss scale doubles (default 200).
     pub loss_scale_window: u32,
+    /// Compute threads per worker (default 0: an equal share of the host's cores among the workers on it).
+    pub threads: u32,
 }
 
 impl Default for TrainConfig {
@@ -82,6 +84,7 @@ impl Default for TrainConfig {
             precision: ComputePrecision::F32,
             loss_scale: 65536.0,
             loss_scale_window: 200,
+            threads: 0,
         }
     }
 }

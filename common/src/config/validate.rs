@@ -3,6 +3,9 @@
 
 use super::{Config, ConfigError, ModelKind};
 
+/// Most compute threads a worker may be given (`train.threads`).
+pub const MAX_THREADS: u32 = 1024;
+
 impl Config {
     /// Checks ranges and consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -109,6 +112,9 @@ impl Config {
         }
         if self.train.loss_scale_window == 0 {
             return bad("train.loss_scale_window", "must be at least 1");
+        }
+        if self.train.threads > MAX_THREADS {
+            return bad("train.threads", "must be at most 1024 (0: a share of the cores)");
         }
         if self.model.features == Some(0) || self.model.classes.is_some_and(|c| c < 2) {
             return bad(

@@ -14,6 +14,7 @@ use tether_common::codec::CodecError;
 use crate::data::{Dataset, Partition};
 use crate::model;
 use crate::step::{StepEngine, StepOutcome};
+use crate::threads::ComputePool;
 
 /// One step: compute the gradient at `params` on this step's batch and encode it into `frames` (one per shard).
 pub(super) struct Compute {
@@ -133,6 +134,8 @@ pub(super) struct WorkerActor {
     yb: Vec<u32>,
     /// θ of the local-step round in progress.
     theta: Vec<f32>,
+    /// The threads every step, round and evaluation runs on.
+    pool: Arc<ComputePool>,
 }
 
 impl WorkerActor {
@@ -144,6 +147,7 @@ impl WorkerActor {
         partition: Partition,
         batch: usize,
         steps_per_epoch: u64,
+        pool: ComputePool,
     ) -> WorkerActor {
         let features = train.features;
         WorkerActor {
@@ -157,6 +161,7 @@ impl WorkerActor {
             xb: vec![0.0; batch * features],
             yb: vec![0; batch],
             theta: Vec::new(),
+            pool: Arc::new(pool),
         }
     }
 }
@@ -183,7 +188,23 @@ impl WorkerActor {
 
 impl Handler<Compute> for WorkerActor {
     type Result = Result<Computed, CodecError>;
-    fn handle(&mut self, mut msg: Compute, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Compute, _: &mut Context<Self>) -> Self::Result {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.compute(msg))
+    }
+}
+
+impl Handler<LocalRound> for WorkerActor {
+    type Result = Result<Computed, CodecError>;
+    fn handle(&mut self, msg: LocalRound, _: &mut Context<Self>) -> Self::Result {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.local_round(msg))
+    }
+}
+
+impl WorkerActor {
+    /// One step (on the compute pool).
+    fn compute(&mut self, mut msg: Compute) -> Result<Computed, CodecError> {
         self.load_batch(msg.step);
         let outcome = self
             .engine
@@ -200,11 +221,9 @@ impl Handler<Compute> for WorkerActor {
             frames: msg.frames,
         })
     }
-}
 
-impl Handler<LocalRound> for WorkerActor {
-    type Result = Result<Computed, CodecError>;
-    fn handle(&mut self, mut msg: LocalRound, _: &mut Context<Self>) -> Self::Result {
+    /// One local-step round (on the compute pool).
+    fn local_round(&mut self, mut msg: LocalRound) -> Result<Computed, CodecError> {
         self.theta.resize(msg.params.len(), 0.0);
         self.theta.copy_from_slice(&msg.params);
         let (mut loss, mut good) = (0.0f64, 0u64);
@@ -245,6 +264,28 @@ impl Handler<LocalRound> for WorkerActor {
 impl Handler<Evaluate> for WorkerActor {
     type Result = MessageResult<Evaluate>;
     fn handle(&mut self, msg: Evaluate, _: &mut Context<Self>) -> Self::Result {
+        let pool = Arc::clone(&self.pool);
+        MessageResult(pool.install(|| self.evaluate(msg)))
+    }
+}
+
+/// The compute threads and the CPU seconds they have used so far.
+pub(super) struct CpuQuery;
+
+impl Message for CpuQuery {
+    type Result = (usize, f64);
+}
+
+impl Handler<CpuQuery> for WorkerActor {
+    type Result = MessageResult<CpuQuery>;
+    fn handle(&mut self, _: CpuQuery, _: &mut Context<Self>) -> Self::Result {
+        MessageResult((self.pool.threads(), self.pool.cpu_seconds()))
+    }
+}
+
+impl WorkerActor {
+    /// Evaluates on the test set (on the compute pool).
+    fn evaluate(&mut self, msg: Evaluate) -> Evaluated {
         let (accuracy, loss) = match &self.test {
             Some(t) => {
                 // Chunks of 256 rows bound the activations (a GPT's are rows × context × vocabulary wide).
@@ -257,10 +298,10 @@ impl Handler<Evaluate> for WorkerActor {
             }
             None => (f32::NAN, f32::NAN),
         };
-        MessageResult(Evaluated {
+        Evaluated {
             accuracy,
             loss,
             params: msg.params,
-        })
+        }
     }
 }

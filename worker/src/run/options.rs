@@ -47,6 +47,9 @@ pub struct WorkerOptions {
     pub straggle: Option<Straggle>,
     /// A user model to train instead of the one `[model]` describes (the shards must use its layout).
     pub model: Option<ModelFactory>,
+    /// Workers sharing this host's cores, this one included: with `train.threads = 0` each computes on an equal
+    /// share of them ([`crate::threads::compute_threads`]).
+    pub colocated: u32,
 }
 
 /// Straggler emulation: with `probability`, a round is stretched to `factor` × its compute time (the worker waits

@@ -66,6 +66,10 @@ pub struct WorkerReport {
     pub pull_wait_seconds: f64,
     /// Time spent computing rounds (straggler waits included).
     pub compute_seconds: f64,
+    /// Threads of this worker's compute pool.
+    pub compute_threads: u32,
+    /// CPU seconds this worker's compute threads used (steps, rounds, evaluations).
+    pub compute_cpu_seconds: f64,
     /// Each pull's wait, µs (request to a complete answer from every shard; the first `driver::LATENCY_SAMPLES`).
     pub pull_latency_us: Vec<u32>,
     /// Each settled push's round trip, µs (sent to its outcome; the first `driver::LATENCY_SAMPLES`).
@@ -100,6 +104,8 @@ impl WorkerReport {
             reconnects: self.reconnects,
             pull_wait_seconds: self.pull_wait_seconds,
             compute_seconds: self.compute_seconds,
+            compute_threads: self.compute_threads,
+            compute_cpu_seconds: self.compute_cpu_seconds,
             loss_scale: self.precision.map(|p| LossScale {
                 overflows: p.overflows,
                 growths: p.growths,

@@ -15,7 +15,7 @@ use tether_common::net::{client_endpoint, TransportTuning};
 use tether_common::protocol::{ErrorCode, Outcome};
 
 use super::actor::{
-    Compute, Credit, Evaluate, Evaluated, LocalRound, PrecisionQuery, RolledBack, WorkerActor,
+    Compute, CpuQuery, Credit, Evaluate, Evaluated, LocalRound, PrecisionQuery, RolledBack, WorkerActor,
 };
 use super::options::WorkerOptions;
 use super::report::{Progress, WorkerReport};
@@ -24,6 +24,7 @@ use crate::driver::{shard_ranges, Driver, DriverConfig, LATENCY_SAMPLES};
 use crate::error::WorkerError;
 use crate::model::{self, Model};
 use crate::step::StepEngine;
+use crate::threads::{compute_threads, ComputePool};
 
 /// A worker whose actor is started and whose endpoint is bound, ready to [`PreparedWorker::run`].
 pub struct PreparedWorker {
@@ -79,6 +80,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     } else {
         engine
     };
+    let pool = ComputePool::new(compute_threads(cfg, opts.colocated), opts.rank)?;
     let actor = WorkerActor::new(
         engine,
         opts.train.clone(),
@@ -86,6 +88,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         partition,
         batch,
         steps_per_epoch,
+        pool,
     );
     let arbiter = Arbiter::new();
     let addr = WorkerActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
@@ -367,6 +370,12 @@ async fn train_loop(
         .while_running(addr.send(PrecisionQuery))
         .await?
         .map_err(|_| WorkerError::ActorGone)?;
+    let (threads, cpu) = d
+        .while_running(addr.send(CpuQuery))
+        .await?
+        .map_err(|_| WorkerError::ActorGone)?;
+    report.compute_threads = threads as u32;
+    report.compute_cpu_seconds = cpu;
     report.steps = step;
     report.wall_seconds = started.elapsed().as_secs_f64();
     report.final_params = params;
