@@ -81,7 +81,7 @@ mod tests {
 
     #[test]
     fn the_budget_shares_the_cores_unless_set() {
-        let mut cfg = Config::default();
+        let mut cfg = Config::with_servers(vec!["127.0.0.1:7000".into()]);
         let cores = available_parallelism().map_or(1, |n| n.get());
         assert_eq!(compute_threads(&cfg, 1), cores);
         assert_eq!(compute_threads(&cfg, cores as u32 * 4), 1);

@@ -5,9 +5,39 @@
 //! row-major pass forward and one or two backward, recomputing what it needs (row statistics, probabilities) rather
 //! than storing it. GELU and the bias add work in every storage dtype (math in f32); the norm, softmax and loss take
 //! f32, as the mixed-precision policy keeps them.
+//!
+//! Every row-wise pass runs on the current rayon pool (the worker's compute pool, [`crate::threads::ComputePool`])
+//! once a tensor holds [`PAR_MIN`] values: rows are independent, so the split changes no result bit.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Values from which a row-wise pass is split across the pool's threads (below it a split costs more than it saves).
+pub const PAR_MIN: usize = 1 << 14;
+
+/// A new `len`-value buffer filled row by row: `f(r, row)` writes row `r` (`cols` values; the last row may be
+/// shorter). On the current rayon pool when `len ≥ PAR_MIN`, in blocks of at least `PAR_MIN / 4` values.
+fn rows_into<U: Copy + Default + Send>(
+    len: usize,
+    cols: usize,
+    f: impl Fn(usize, &mut [U]) + Sync,
+) -> Vec<U> {
+    let cols = cols.max(1);
+    let mut out = vec![U::default(); len];
+    if len >= PAR_MIN {
+        out.par_chunks_mut(cols)
+            .enumerate()
+            .with_min_len((PAR_MIN / 4 / cols).max(1))
+            .for_each(|(r, o)| f(r, o));
+    } else {
+        out.chunks_mut(cols).enumerate().for_each(|(r, o)| f(r, o));
+    }
+    out
+}
+
+/// Chunk of a flat elementwise map.
+const MAP_COLS: usize = 1024;
 
 /// √(2/π).
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -118,15 +148,23 @@ fn contiguous<'a, T>(v: &'a [T], layout: &Layout, op: &str) -> candle_core::Resu
     }
 }
 
-fn map1<T: Elem>(x: &[T], f: impl Fn(f32) -> f32) -> Vec<T> {
-    x.iter().map(|&v| T::put(f(v.get()))).collect()
+fn map1<T: Elem + Default>(x: &[T], f: impl Fn(f32) -> f32 + Sync) -> Vec<T> {
+    rows_into(x.len(), MAP_COLS, |r, o| {
+        let xs = &x[r * MAP_COLS..];
+        for (d, &v) in o.iter_mut().zip(xs) {
+            *d = T::put(f(v.get()));
+        }
+    })
 }
 
-fn map2<T: Elem>(x: &[T], g: &[T], f: impl Fn(f32, f32) -> f32) -> Vec<T> {
-    x.iter()
-        .zip(g)
-        .map(|(&a, &b)| T::put(f(a.get(), b.get())))
-        .collect()
+fn map2<T: Elem + Default>(x: &[T], g: &[T], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<T> {
+    let n = x.len().min(g.len());
+    rows_into(n, MAP_COLS, |r, o| {
+        let (xs, gs) = (&x[r * MAP_COLS..], &g[r * MAP_COLS..]);
+        for ((d, &a), &b) in o.iter_mut().zip(xs).zip(gs) {
+            *d = T::put(f(a.get(), b.get()));
+        }
+    })
 }
 
 /// GELU (tanh approximation), forward.
@@ -204,12 +242,13 @@ impl CustomOp2 for BiasAdd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        fn add<T: Elem>(x: &[T], b: &[T]) -> Vec<T> {
-            let mut out = Vec::with_capacity(x.len());
-            for row in x.chunks_exact(b.len()) {
-                out.extend(row.iter().zip(b).map(|(&a, &c)| T::put(a.get() + c.get())));
-            }
-            out
+        fn add<T: Elem + Default>(x: &[T], b: &[T]) -> Vec<T> {
+            let c = b.len();
+            rows_into(x.len(), c, |r, o| {
+                for ((d, &a), &bk) in o.iter_mut().zip(&x[r * c..]).zip(b) {
+                    *d = T::put(a.get() + bk.get());
+                }
+            })
         }
         let (_, cols) = rows_cols(l1);
         if l2.shape().elem_count() != cols {
@@ -307,16 +346,14 @@ impl candle_core::CustomOp3 for LayerNorm {
                 b.len()
             )
         }
-        let mut out = Vec::with_capacity(x.len());
-        for row in x.chunks_exact(c) {
-            let (mean, rstd) = row_stats(row, self.eps);
-            out.extend(
-                row.iter()
-                    .zip(w)
-                    .zip(b)
-                    .map(|((&v, &g), &o)| (v - mean) * rstd * g + o),
-            );
-        }
+        let eps = self.eps;
+        let out = rows_into(x.len(), c, |r, o| {
+            let row = &x[r * c..(r + 1) * c];
+            let (mean, rstd) = row_stats(row, eps);
+            for (((d, &v), &g), &bk) in o.iter_mut().zip(row).zip(w).zip(b) {
+                *d = (v - mean) * rstd * g + bk;
+            }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -366,9 +403,10 @@ impl candle_core::CustomOp3 for LayerNormDx {
         );
         let (_, c) = rows_cols(l1);
         let n = c as f32;
-        let mut out = Vec::with_capacity(x.len());
-        for (row, g) in x.chunks_exact(c).zip(dy.chunks_exact(c)) {
-            let (mean, rstd) = row_stats(row, self.eps);
+        let eps = self.eps;
+        let out = rows_into(x.len(), c, |r, o| {
+            let (row, g) = (&x[r * c..(r + 1) * c], &dy[r * c..(r + 1) * c]);
+            let (mean, rstd) = row_stats(row, eps);
             let (mut m1, mut m2) = (0f32, 0f32);
             for ((&v, &gy), &wk) in row.iter().zip(g).zip(w) {
                 let dxh = gy * wk;
@@ -376,13 +414,10 @@ impl candle_core::CustomOp3 for LayerNormDx {
                 m2 += dxh * (v - mean) * rstd;
             }
             let (m1, m2) = (m1 / n, m2 / n);
-            out.extend(
-                row.iter()
-                    .zip(g)
-                    .zip(w)
-                    .map(|((&v, &gy), &wk)| rstd * (gy * wk - m1 - (v - mean) * rstd * m2)),
-            );
-        }
+            for (((d, &v), &gy), &wk) in o.iter_mut().zip(row).zip(g).zip(w) {
+                *d = rstd * (gy * wk - m1 - (v - mean) * rstd * m2);
+            }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -437,19 +472,19 @@ impl CustomOp1 for CausalSoftmax {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32s(s, l, "causal softmax")?;
         let (_, t) = rows_cols(l);
-        let mut out = vec![0f32; x.len()];
-        for (r, (row, o)) in x.chunks_exact(t).zip(out.chunks_exact_mut(t)).enumerate() {
+        let scale = self.scale;
+        let out = rows_into(x.len(), t, |r, o| {
             let i = r % t;
-            let seen = &row[..=i];
-            let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * self.scale;
+            let seen = &x[r * t..r * t + i + 1];
+            let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
             let mut sum = 0f32;
             for (d, &v) in o[..=i].iter_mut().zip(seen) {
-                *d = (v * self.scale - max).exp();
+                *d = (v * scale - max).exp();
                 sum += *d;
             }
             let inv = 1.0 / sum;
             o[..=i].iter_mut().for_each(|d| *d *= inv);
-        }
+        });
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -481,11 +516,14 @@ impl CustomOp2 for SoftmaxBackward {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (y, dy) = (f32s(s1, l1, "softmax")?, f32s(s2, l2, "softmax")?);
         let (_, t) = rows_cols(l1);
-        let mut out = Vec::with_capacity(y.len());
-        for (yr, gr) in y.chunks_exact(t).zip(dy.chunks_exact(t)) {
+        let scale = self.scale;
+        let out = rows_into(y.len(), t, |r, o| {
+            let (yr, gr) = (&y[r * t..(r + 1) * t], &dy[r * t..(r + 1) * t]);
             let dot: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
-            out.extend(yr.iter().zip(gr).map(|(&a, &b)| self.scale * a * (b - dot)));
-        }
+            for ((d, &a), &b) in o.iter_mut().zip(yr).zip(gr) {
+                *d = scale * a * (b - dot);
+            }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -529,10 +567,14 @@ impl CustomOp2 for CrossEntropy {
         if y.len() != n || y.iter().any(|&t| t as usize >= c) {
             candle_core::bail!("cross entropy: {} targets below {c} for {n} rows", y.len())
         }
-        let mut total = 0f64;
-        for (row, &t) in z.chunks_exact(c).zip(y) {
-            total += f64::from(log_sum_exp(row) - row[t as usize]);
-        }
+        let row_loss = |(row, &t): (&[f32], &u32)| f64::from(log_sum_exp(row) - row[t as usize]);
+        // Summed in row order in both cases (rayon's sum of a collected Vec would reorder the f64 additions).
+        let total: f64 = if z.len() >= PAR_MIN {
+            let losses: Vec<f64> = z.par_chunks_exact(c).zip(y).map(row_loss).collect();
+            losses.iter().sum()
+        } else {
+            z.chunks_exact(c).zip(y).map(row_loss).sum()
+        };
         Ok((
             CpuStorage::F32(vec![(total / n.max(1) as f64) as f32]),
             Shape::from(()),
@@ -572,13 +614,14 @@ impl CustomOp2 for CrossEntropyBackward {
         let (z, y) = (f32s(s1, l1, "cross entropy")?, targets(s2, l2)?);
         let (n, c) = rows_cols(l1);
         let k = self.scale / n.max(1) as f32;
-        let mut out = Vec::with_capacity(z.len());
-        for (row, &t) in z.chunks_exact(c).zip(y) {
+        let out = rows_into(z.len(), c, |r, o| {
+            let row = &z[r * c..(r + 1) * c];
             let lse = log_sum_exp(row);
-            let start = out.len();
-            out.extend(row.iter().map(|&v| (v - lse).exp() * k));
-            out[start + t as usize] -= k;
-        }
+            for (d, &v) in o.iter_mut().zip(row) {
+                *d = (v - lse).exp() * k;
+            }
+            o[y[r] as usize] -= k;
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -805,5 +848,50 @@ mod tests {
                 .unwrap();
             assert!(d < 1e-5, "gradient differs by {d}");
         }
+    }
+
+    /// Every fused kernel forward and backward on a tensor large enough to be split, as f32 bits.
+    fn kernels_bits() -> Vec<Vec<u32>> {
+        let (rows, c) = (4 * PAR_MIN / 64, 64);
+        let vals: Vec<f32> = (0..rows * c)
+            .map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 3.0)
+            .collect();
+        let x = Var::from_vec(vals, (rows / 64, 64, c), &Device::Cpu).unwrap();
+        let w = Var::from_vec((0..c).map(|i| 1.0 + i as f32 * 0.01).collect(), c, &Device::Cpu).unwrap();
+        let b = Var::from_vec((0..c).map(|i| i as f32 * -0.02).collect(), c, &Device::Cpu).unwrap();
+        let targets = Tensor::from_vec(
+            (0..rows as u32).map(|i| i * 31 % c as u32).collect::<Vec<_>>(),
+            rows,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let h = layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
+        let h = fused_gelu(&bias_add(&h.reshape((rows, c)).unwrap(), b.as_tensor()).unwrap()).unwrap();
+        let a = causal_softmax(&h.reshape((rows / 64, 64, c)).unwrap(), 0.3).unwrap();
+        let loss = cross_entropy(&a.reshape((rows, c)).unwrap(), &targets).unwrap();
+        let grads = loss.backward().unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(f32::to_bits)
+                .collect()
+        };
+        let mut out = vec![bits(&a), bits(&loss)];
+        for v in [&x, &w, &b] {
+            out.push(bits(grads.get(v.as_tensor()).unwrap()));
+        }
+        out
+    }
+
+    #[test]
+    fn splitting_the_rows_across_threads_changes_no_bit() {
+        let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+        let one = pool(1).install(kernels_bits);
+        let three = pool(3).install(kernels_bits);
+        assert!(one.len() == 5 && one[0].len() >= PAR_MIN && one[2].len() >= PAR_MIN);
+        assert_eq!(one, three);
     }
 }
