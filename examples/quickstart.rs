@@ -91,15 +91,19 @@ struct Args {
     /// Most steps per worker (0: no cap; `--epochs` passes).
     #[arg(long, default_value_t = 0)]
     max_steps: u64,
-    /// Optimizer: sgd | momentum | nesterov | adam | adamw | adagrad.
-    #[arg(long, default_value = "adam")]
-    optimizer: String,
+    /// Optimizer: sgd | momentum | nesterov | adam | adamw | adagrad (default adam, or adamw with --model gpt:
+    /// nanoGPT's recipe, betas 0.9/0.99, weight decay 0.1 on matrices only, clip 1.0, cosine to lr/10).
+    #[arg(long)]
+    optimizer: Option<String>,
     /// Learning rate (default 1e-3, or 2e-3 with --model gpt).
     #[arg(long)]
     lr: Option<f32>,
-    /// Weight decay (L2 for adam/sgd-family, decoupled for adamw).
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f32,
+    /// Weight decay (L2 for adam/sgd-family, decoupled for adamw; default 0, or 0.1 with --model gpt).
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    /// Compute threads per worker (default 0: the cores shared equally among the workers).
+    #[arg(long, default_value_t = 0)]
+    threads: u32,
     /// Learning-rate schedule: cosine (linear warmup, then cosine decay over the run) or constant.
     #[arg(long, default_value = "cosine")]
     schedule: String,
@@ -197,16 +201,24 @@ fn run() -> Result<()> {
     } else if dataset == DatasetKind::Digits || dataset.is_text() {
         cfg.data.path = PathBuf::new();
     }
-    cfg.optimizer.kind = parse_optimizer(&args.optimizer)?;
+    let optimizer = args.optimizer.as_deref().unwrap_or(if gpt { "adamw" } else { "adam" });
+    cfg.optimizer.kind = parse_optimizer(optimizer)?;
     cfg.optimizer.lr = args.lr.unwrap_or(if gpt { 2e-3 } else { 1e-3 });
-    cfg.optimizer.weight_decay = args.weight_decay;
+    cfg.optimizer.weight_decay = args.weight_decay.unwrap_or(if gpt { 0.1 } else { 0.0 });
+    cfg.train.threads = args.threads;
+    if gpt {
+        // nanoGPT's CPU recipe for the inner optimizer (docs/transformer.md#the-recipe).
+        cfg.optimizer.beta2 = 0.99;
+        cfg.optimizer.decay = tether::common::config::DecayScope::Matrices;
+        cfg.train.clip_norm = 1.0;
+    }
     cfg.optimizer.schedule = match args.schedule.as_str() {
         "constant" => Schedule::Constant,
         // total = 0: LocalCluster stretches the cosine over the whole run.
         "cosine" => Schedule::WarmupCosine {
             warmup: 100,
             total: 0,
-            min_ratio: 0.01,
+            min_ratio: if gpt { 0.1 } else { 0.01 },
         },
         o => anyhow::bail!("unknown schedule {o:?} (cosine|constant)"),
     };
@@ -292,7 +304,7 @@ fn show_progress(mut rx: mpsc::UnboundedReceiver<tether::worker::Progress>) {
         let b = ProgressBar::new(0);
         b.set_style(
             // Inner steps in local-step rounds, where one event reports a whole round.
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps {per_sec} {msg}")
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps {per_sec} eta {eta} {msg}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         b

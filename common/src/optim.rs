@@ -33,6 +33,8 @@
 
 use std::f64::consts::PI;
 
+use std::ops::Range;
+
 use crate::config::{OptimizerConfig, OptimizerKind, Schedule};
 
 /// Errors restoring optimizer state.
@@ -69,6 +71,8 @@ pub struct Optimizer {
     steps: u64,
     slots: Vec<Vec<f32>>,
     simd: bool,
+    /// Sub-ranges (relative to the range, sorted, disjoint) where weight decay is not applied.
+    exempt: Vec<Range<usize>>,
 }
 
 /// Number of state slots kept by an optimizer kind.
@@ -89,7 +93,33 @@ impl Optimizer {
             steps: 0,
             slots: vec![vec![0.0; len]; slot_count(cfg.kind)],
             simd: simd_available(),
+            exempt: Vec::new(),
         }
+    }
+
+    /// Exempts `ranges` (relative to the range; clipped to it, then sorted and merged) from weight decay: nanoGPT's
+    /// grouping, where norms and biases are not decayed ([`crate::layout::Layout::decay_exempt`]).
+    pub fn with_decay_exempt(mut self, ranges: Vec<Range<usize>>) -> Self {
+        let mut r: Vec<Range<usize>> = ranges
+            .into_iter()
+            .map(|x| x.start.min(self.len)..x.end.min(self.len))
+            .filter(|x| !x.is_empty())
+            .collect();
+        r.sort_by_key(|x| x.start);
+        let mut merged: Vec<Range<usize>> = Vec::with_capacity(r.len());
+        for x in r {
+            match merged.last_mut() {
+                Some(last) if x.start <= last.end => last.end = last.end.max(x.end),
+                _ => merged.push(x),
+            }
+        }
+        self.exempt = merged;
+        self
+    }
+
+    /// The sub-ranges exempt from weight decay.
+    pub fn decay_exempt(&self) -> &[Range<usize>] {
+        &self.exempt
     }
 
     /// Forces the portable kernels (no runtime-detected AVX2); results are identical, only speed differs.
@@ -152,8 +182,41 @@ impl Optimizer {
         assert_eq!(grad.len(), self.len, "gradient length != optimizer range");
         let t = self.steps.saturating_add(1);
         let lr = self.lr_at(t) * lr_scale;
+        let wd = self.cfg.weight_decay;
+        if self.exempt.is_empty() || wd == 0.0 {
+            return self.run_segment(0..self.len, weights, grad, lr, t, wd, pass);
+        }
+        // Alternate decayed and exempt segments, in order; each is one pass of the same kernels.
+        let mut ok = true;
+        let mut at = 0;
+        for i in 0..self.exempt.len() {
+            let e = self.exempt[i].clone();
+            if at < e.start {
+                ok &= self.run_segment(at..e.start, weights, grad, lr, t, wd, pass);
+            }
+            ok &= self.run_segment(e.clone(), weights, grad, lr, t, 0.0, pass);
+            at = e.end;
+        }
+        if at < self.len {
+            ok &= self.run_segment(at..self.len, weights, grad, lr, t, wd, pass);
+        }
+        ok
+    }
+
+    /// [`Optimizer::run`] over `seg` of the range with weight decay `wd`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_segment(
+        &mut self,
+        seg: Range<usize>,
+        weights: &mut [f32],
+        grad: &[f32],
+        lr: f32,
+        t: u64,
+        wd: f32,
+        pass: Pass,
+    ) -> bool {
+        let (weights, grad) = (&mut weights[seg.clone()], &grad[seg.clone()]);
         let c = &self.cfg;
-        let wd = c.weight_decay;
         let simd = self.simd;
         let check = pass == Pass::Check;
         match c.kind {
@@ -164,7 +227,7 @@ impl Optimizer {
             }
             OptimizerKind::Momentum | OptimizerKind::Nesterov => {
                 let nesterov = c.kind == OptimizerKind::Nesterov;
-                let (mu, buf) = (c.momentum, &mut self.slots[0]);
+                let (mu, buf) = (c.momentum, &mut self.slots[0][seg]);
                 if check {
                     dispatch(simd, || {
                         momentum_finite(weights, grad, buf, lr, mu, wd, nesterov)
@@ -175,9 +238,9 @@ impl Optimizer {
                 }
             }
             OptimizerKind::Adam | OptimizerKind::Adamw => {
-                let k = AdamConsts::new(c, lr, t);
+                let k = AdamConsts::new(c, lr, t, wd);
                 let (m, v) = self.slots.split_at_mut(1);
-                let (m, v) = (&mut m[0], &mut v[0]);
+                let (m, v) = (&mut m[0][seg.clone()], &mut v[0][seg]);
                 if check {
                     dispatch(simd, || adam_finite(weights, grad, m, v, &k))
                 } else {
@@ -186,7 +249,7 @@ impl Optimizer {
                 }
             }
             OptimizerKind::Adagrad => {
-                let (eps, s) = (c.eps, &mut self.slots[0]);
+                let (eps, s) = (c.eps, &mut self.slots[0][seg]);
                 if check {
                     dispatch(simd, || adagrad_finite(weights, grad, s, lr, wd, eps))
                 } else {
@@ -308,13 +371,13 @@ struct AdamConsts {
 }
 
 impl AdamConsts {
-    fn new(c: &OptimizerConfig, lr: f32, t: u64) -> Self {
+    fn new(c: &OptimizerConfig, lr: f32, t: u64, wd: f32) -> Self {
         let bc1 = 1.0 - powu(f64::from(c.beta1), t);
         let bc2 = 1.0 - powu(f64::from(c.beta2), t);
         let (l2, decay) = if c.kind == OptimizerKind::Adamw {
-            (0.0, 1.0 - lr * c.weight_decay)
+            (0.0, 1.0 - lr * wd)
         } else {
-            (c.weight_decay, 1.0)
+            (wd, 1.0)
         };
         Self {
             l2,

@@ -468,6 +468,8 @@ mod tests {
             reconnects: 4,
             pull_wait_seconds: 0.5,
             compute_seconds: 1.5,
+            compute_threads: steps as u32,
+            compute_cpu_seconds: 2.0,
             loss_scale: Some(LossScale {
                 overflows: 1,
                 growths: 2,
@@ -512,6 +514,9 @@ mod tests {
             (2, 4, 6, 8)
         );
         assert_eq!((r.pull_wait_seconds, r.compute_seconds), (1.0, 3.0));
+        // Threads: the widest worker's pool; CPU seconds: summed.
+        assert_eq!(r.compute_cpu_seconds, 4.0);
+        assert_eq!(r.compute_threads, 7);
         assert_eq!((r.loss_scale_overflows, r.loss_scale_growths), (2, 4));
         assert_eq!(r.final_loss_scale, Some(256.0));
         assert_eq!((r.updates_applied, r.updates_rejected), (12, 1));

@@ -439,7 +439,8 @@ impl ShardCore {
             shard: spec.shard,
             range: r.start as u64..r.end as u64,
             layout_hash: layout.hash(),
-            optimizer: Optimizer::new(&spec.optimizer, r.len()),
+            optimizer: Optimizer::new(&spec.optimizer, r.len())
+                .with_decay_exempt(layout.decay_exempt(r.clone(), spec.optimizer.decay)),
             staleness_aware: spec.optimizer.staleness_aware,
             version: 0,
             clocks: ClockTable::new(spec.staleness, spec.worker_timeout_ms),

@@ -465,3 +465,44 @@ fn try_step_refuses_an_update_that_overflows_and_changes_nothing() {
         }
     }
 }
+
+#[test]
+fn exempt_ranges_step_without_weight_decay_and_the_rest_with_it() {
+    // Exempt 3..9 and 20..37 (given unsorted and overlapping): each part must equal an optimizer of its own with
+    // (outside) or without (inside) weight decay, bit for bit, slots included; try_step agrees with step.
+    let parts = [(0..3, true), (3..9, false), (9..20, true), (20..LEN, false)];
+    for kind in ALL {
+        let mut w = init_weights(LEN);
+        let mut opt = Optimizer::new(&cfg(kind, 0.1), LEN).with_decay_exempt(vec![
+            20..40,
+            3..7,
+            5..9,
+        ]);
+        assert_eq!(opt.decay_exempt(), &[3..9, 20..LEN]);
+        let mut refs: Vec<(Vec<f32>, Optimizer)> = parts
+            .iter()
+            .map(|(r, decay)| {
+                let wd = if *decay { 0.1 } else { 0.0 };
+                (w[r.clone()].to_vec(), Optimizer::new(&cfg(kind, wd), r.len()))
+            })
+            .collect();
+        for t in 0..4 {
+            let g = grad_at(LEN, t);
+            if t % 2 == 0 {
+                opt.step(&mut w, &g, 1.0);
+            } else {
+                opt.try_step(&mut w, &g, 1.0).unwrap();
+            }
+            for ((r, _), (rw, ro)) in parts.iter().zip(refs.iter_mut()) {
+                ro.step(rw, &g[r.clone()], 1.0);
+            }
+        }
+        for ((r, decay), (rw, ro)) in parts.iter().zip(&refs) {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&w[r.clone()]), bits(rw), "{kind:?} part {r:?} decay {decay}");
+            for (s, rs) in opt.slots().iter().zip(ro.slots()) {
+                assert_eq!(bits(&s[r.clone()]), bits(rs), "{kind:?} slots of {r:?}");
+            }
+        }
+    }
+}

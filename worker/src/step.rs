@@ -171,7 +171,11 @@ impl StepEngine {
 
     /// Local-step rounds: inner steps apply `cfg` to the worker's own copy of the parameters.
     pub fn with_inner(mut self, cfg: &OptimizerConfig) -> Self {
-        self.inner = Some(Optimizer::new(cfg, self.grad.len()));
+        let exempt = self
+            .model
+            .layout()
+            .decay_exempt(0..self.grad.len(), cfg.decay);
+        self.inner = Some(Optimizer::new(cfg, self.grad.len()).with_decay_exempt(exempt));
         self
     }
 

@@ -29,7 +29,7 @@ pub use compression::{CompressionConfig, PullKind};
 pub use data::{default_data_dir, DataConfig, DatasetKind, DATA_DIR_ENV};
 pub use guard::{GuardConfig, MAX_GUARD_WINDOW};
 pub use model::{ModelConfig, ModelKind};
-pub use optimizer::{OptimizerConfig, OptimizerKind, OuterOptimizerConfig, Schedule};
+pub use optimizer::{DecayScope, OptimizerConfig, OptimizerKind, OuterOptimizerConfig, Schedule};
 pub use rollback::RollbackConfig;
 pub use train::{ComputePrecision, TrainConfig};
 

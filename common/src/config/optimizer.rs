@@ -48,6 +48,17 @@ pub enum Schedule {
     },
 }
 
+/// Which tensors weight decay applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DecayScope {
+    /// Every tensor.
+    #[default]
+    All,
+    /// Tensors of rank 2 or more (weight matrices and embeddings); biases and norms are not decayed (nanoGPT).
+    Matrices,
+}
+
 /// `[optimizer]`: the update rule the shards apply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -66,6 +77,8 @@ pub struct OptimizerConfig {
     pub eps: f32,
     /// Weight decay (L2 for sgd/momentum/nesterov/adam/adagrad, decoupled for adamw; default 0).
     pub weight_decay: f32,
+    /// Which tensors `weight_decay` applies to: `all` (default) or `matrices` (not biases and norms, as nanoGPT).
+    pub decay: DecayScope,
     /// Learning-rate schedule (default constant).
     pub schedule: Schedule,
     /// Divide the step by max(1, staleness) of the applied gradient (default false).
@@ -84,6 +97,7 @@ impl Default for OptimizerConfig {
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.0,
+            decay: DecayScope::All,
             schedule: Schedule::Constant,
             staleness_aware: false,
             outer: OuterOptimizerConfig::default(),

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::DecayScope;
 use crate::splitmix::splitmix64;
 
 pub mod file;
@@ -203,6 +204,32 @@ impl Layout {
             }
         }
         h.finish()
+    }
+
+    /// The parts of `range` (relative to its start) that weight decay skips under `scope`: with
+    /// [`DecayScope::Matrices`] every tensor of rank below 2 (biases, norm gains and biases), nanoGPT's grouping; with
+    /// [`DecayScope::All`] nothing.
+    pub fn decay_exempt(&self, range: Range<usize>, scope: DecayScope) -> Vec<Range<usize>> {
+        if scope == DecayScope::All {
+            return Vec::new();
+        }
+        let mut out: Vec<Range<usize>> = Vec::new();
+        for (i, t) in self.tensors().iter().enumerate() {
+            if t.shape.len() >= 2 {
+                continue;
+            }
+            let r = self.tensor_range(i);
+            let (a, b) = (r.start.max(range.start), r.end.min(range.end));
+            if a >= b {
+                continue;
+            }
+            let rel = a - range.start..b - range.start;
+            match out.last_mut() {
+                Some(last) if last.end == rel.start => last.end = rel.end,
+                _ => out.push(rel),
+            }
+        }
+        out
     }
 
     /// The balanced contiguous range owned by shard `shard` of `shards` (sizes differ by at most one).

@@ -314,4 +314,39 @@ mod tests {
         assert_eq!((shape.layers, shape.dim), (c.model.layers, c.model.dim));
         assert_eq!(model_layout(&c).unwrap().len(), shape.params());
     }
+
+    #[test]
+    fn matrices_scope_exempts_exactly_the_gpts_vectors_on_every_shard() {
+        use crate::config::DecayScope;
+        let g = GptShape {
+            vocab: 256,
+            context: 8,
+            layers: 2,
+            heads: 2,
+            dim: 16,
+        };
+        let l = gpt_layout(&g);
+        assert!(l.decay_exempt(0..l.len(), DecayScope::All).is_empty());
+        for shards in [1, 3] {
+            let mut exempt = vec![false; l.len()];
+            for k in 0..shards {
+                let r = l.shard_range(k, shards);
+                for e in l.decay_exempt(r.clone(), DecayScope::Matrices) {
+                    assert!(e.end <= r.len());
+                    exempt[r.start + e.start..r.start + e.end]
+                        .iter_mut()
+                        .for_each(|x| *x = true);
+                }
+            }
+            for (i, t) in l.tensors().iter().enumerate() {
+                let want = t.shape.len() < 2;
+                assert!(
+                    exempt[l.tensor_range(i)].iter().all(|&x| x == want),
+                    "{} {:?} over {shards} shards",
+                    t.name,
+                    t.shape
+                );
+            }
+        }
+    }
 }
