@@ -135,12 +135,25 @@ struct Args {
 }
 
 fn main() {
+    cap_malloc_arenas();
     if let Err(e) = run() {
         eprintln!(
             "quickstart: {}",
             tether::common::error_chain::ErrorChain(e.as_ref())
         );
         std::process::exit(1);
+    }
+}
+
+/// Caps glibc's malloc arenas at 2 for this process (a choice of this program, not of the library it embeds): the
+/// quickstart runs every worker's compute pool, the shards and the transport on a dozen threads of one process, and
+/// per-thread arenas held 75 MB more at the peak (457 against 383 MB, `--model gpt --max-steps 300`).
+fn cap_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets a malloc tunable; it is called before any other thread exists, and M_ARENA_MAX
+    // takes any positive count. Its result (0 on failure) only means the default stays.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
     }
 }
 
