@@ -220,6 +220,38 @@ fn tiny_and_huge_scales_stay_finite_and_bounded() {
 }
 
 #[test]
+fn error_feedback_in_place_gives_the_same_frames_and_residuals() {
+    // encode_in_place keeps no buffer of its own: the same frames and residual bits as encode, and the gradient
+    // buffer left holding what was encoded.
+    let mut rng = TestRng::new(9);
+    let n = 1537;
+    for (scheme, zstd) in [(Scheme::Q4, true), (Scheme::Q2, false), (Scheme::Q8, true)] {
+        let mut enc_a = Encoder::new(cfg(scheme, Rounding::Stochastic, zstd)).unwrap();
+        let mut enc_b = Encoder::new(cfg(scheme, Rounding::Stochastic, zstd)).unwrap();
+        let (mut a, mut b) = (ErrorFeedback::new(n), ErrorFeedback::new(n));
+        let (mut fa, mut fb) = (Vec::new(), Vec::new());
+        for step in 0..6u64 {
+            let g = gauss_vec(&mut rng, n);
+            let want_sum: Vec<f32> = g.iter().zip(b.residual()).map(|(x, r)| x + r).collect();
+            a.encode(&mut enc_a, &g, step, &mut fa).unwrap();
+            let mut scratch = g.clone();
+            b.encode_in_place(&mut enc_b, &mut scratch, step, &mut fb).unwrap();
+            assert_eq!(fa, fb, "{scheme:?} step {step}: frames");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(a.residual()), bits(b.residual()), "{scheme:?} step {step}");
+            assert_eq!(bits(&scratch), bits(&want_sum), "{scheme:?} step {step}: scratch");
+        }
+        // A wrong length is refused, residual untouched.
+        let before = b.residual().to_vec();
+        assert!(b
+            .encode_in_place(&mut enc_b, &mut vec![0.0; n - 1], 9, &mut fb)
+            .is_err());
+        assert_eq!(b.residual(), &before[..]);
+        assert!(fb.is_empty());
+    }
+}
+
+#[test]
 fn error_feedback_tracks_the_sum() {
     let mut rng = TestRng::new(4);
     let n = 1000;

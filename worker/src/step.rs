@@ -99,6 +99,23 @@ impl PushEncoder {
         }
     }
 
+    /// [`PushEncoder::encode_shard`] with `update` as scratch (no buffer of the shard's size is kept): on return
+    /// shard `k`'s part of `update` holds what was encoded (the update plus the residual, with error feedback).
+    pub fn encode_shard_in_place(
+        &mut self,
+        k: usize,
+        step: u64,
+        update: &mut [f32],
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
+        let r = self.shards[k].clone();
+        let seed = seed_for(self.rank, step, k as u32);
+        match self.feedback.as_mut() {
+            Some(fb) => fb[k].encode_in_place(&mut self.encoder, &mut update[r], seed, out),
+            None => self.encoder.encode(&update[r], seed, out),
+        }
+    }
+
     /// The residual policy for a push that shard `k` did not apply although its gradient was good (the round was
     /// jumped over by a rejoin, or refused for a reason other than its values): the frame's decoded values go back
     /// into shard k's residual, so the next push carries them. Without error feedback the update is dropped. A push
@@ -229,7 +246,7 @@ impl StepEngine {
         self.model.as_mut()
     }
 
-    /// The last computed (clipped) gradient.
+    /// The last computed (clipped) gradient, until [`StepEngine::encode_shard`] adds a shard's residual to its part.
     pub fn grad(&self) -> &[f32] {
         &self.grad
     }
@@ -254,14 +271,17 @@ impl StepEngine {
         }
     }
 
-    /// Encodes the computed gradient's part for shard `k` (with error feedback when enabled) into `out`.
+    /// Encodes the computed gradient's part for shard `k` (with error feedback when enabled) into `out`. The
+    /// engine's gradient buffer is the encoder's scratch: afterwards shard `k`'s part of [`StepEngine::grad`] holds
+    /// the values encoded (gradient plus residual).
     pub fn encode_shard(
         &mut self,
         k: usize,
         step: u64,
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
-        self.coder.encode_shard(k, step, &self.grad, out)
+        self.coder
+            .encode_shard_in_place(k, step, &mut self.grad, out)
     }
 
     /// [`PushEncoder::credit_undelivered`] for this engine's pushes.

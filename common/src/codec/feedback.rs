@@ -49,6 +49,41 @@ impl ErrorFeedback {
         self.residual.fill(0.0);
     }
 
+    /// [`ErrorFeedback::encode`] with `grad` as its scratch, so no buffer of the range's size is kept: on return
+    /// `grad` holds `grad + r`, the values encoded. Bit for bit the same frame and residual as `encode`. On an
+    /// encode error `r` is unchanged and `out` empty; should decoding its own frame fail (a codec bug), nothing was
+    /// delivered, so `r ← grad + r` carries the whole sum, and the error is returned with `out` empty.
+    pub fn encode_in_place(
+        &mut self,
+        enc: &mut Encoder,
+        grad: &mut [f32],
+        seed: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
+        let n = self.residual.len();
+        if grad.len() != n {
+            out.clear();
+            return Err(CodecError::LengthMismatch {
+                expected: n as u64,
+                found: grad.len() as u64,
+            });
+        }
+        for (g, &r) in grad.iter_mut().zip(&self.residual) {
+            *g += r;
+        }
+        enc.encode(grad, seed, out)?;
+        // The residual's old values are in `grad` now; it receives the decoded frame, then the difference.
+        if let Err(e) = enc.decode_last(out, &mut self.residual) {
+            out.clear();
+            self.residual.copy_from_slice(grad);
+            return Err(e);
+        }
+        for (r, &s) in self.residual.iter_mut().zip(grad.iter()) {
+            *r = s - *r;
+        }
+        Ok(())
+    }
+
     /// Encodes `grad + r` with `enc` into `out`, then sets `r ← (grad + r) − decode(out)`. On error `r` is unchanged
     /// and `out` is empty.
     pub fn encode(

@@ -612,7 +612,11 @@ impl WorkerProtocol {
         if !self.reply(shard, read.reply()) {
             return Ok(false);
         }
-        reply::apply(read, range, &mut self.replica, params);
+        if let Err(e) = reply::apply(read, range, &mut self.replica, params) {
+            // The copy of this shard is no longer known: the next pull asks for a whole one.
+            self.links[shard].public = None;
+            return Err(e);
+        }
         Ok(true)
     }
 

@@ -1,8 +1,9 @@
 //! Reading pull replies: the frame bodies a shard sends in answer to a pull, validated in place and turned into
 //! parameter values. A full reply ([`ParamReply`](tether_common::protocol::ParamReply)) carries the shard's weights
 //! in f32 or bf16; a delta reply carries what takes the worker's copy of the shard's public weights to the newest
-//! cut. The [`Replica`] holds those public copies and stages every rebuild, so a reply that does not decode changes
-//! nothing. Pure: bytes in, values out; whether a reply is used at all is the protocol's decision
+//! cut. The [`Replica`] holds those public copies; a delta reply is checked whole (decoded chunk by chunk into a
+//! scratch of one chunk, every rebuilt value tested) before it is decoded a second time into the copy, so a reply
+//! that does not decode changes nothing and no second copy of the model is kept. Pure: bytes in, values out; whether a reply is used at all is the protocol's decision
 //! ([`super::WorkerProtocol::handle_reply`]).
 //!
 //! The shard is not trusted: a reply must name the shard whose link it came on and cover exactly its range, and
@@ -26,13 +27,11 @@ pub struct PullReply {
     pub public: Option<PublicRef>,
 }
 
-/// The worker's copies of the shards' public weights (delta pulls) and the stage a reply is rebuilt in.
+/// The worker's copies of the shards' public weights (delta pulls) and the scratch a reply is checked in.
 #[derive(Debug, Default)]
 pub struct Replica {
     /// The public copies, indexed like the model (empty before the first delta reply).
     public: Vec<f32>,
-    /// A reply's values are assembled here before they are committed.
-    stage: Vec<f32>,
     decoder: DeltaDecoder,
 }
 
@@ -42,10 +41,9 @@ impl Replica {
         &self.public
     }
 
-    /// Rebuilds the public copy of `range` from a validated delta reply into the stage: the copy held (named
-    /// `held`) plus the reply's deltas, or the reply's whole copy. The copy itself is untouched until
-    /// [`commit`](Self::commit).
-    fn stage_delta(
+    /// Checks that a delta reply rebuilds the public copy of `range` (the copy held, named `held`, plus the reply's
+    /// deltas, or the reply's whole copy) into finite values, without writing the copy.
+    fn check_delta(
         &mut self,
         view: &DeltaView<'_>,
         held: Option<PublicRef>,
@@ -54,22 +52,134 @@ impl Replica {
         let (start, end) = range;
         if self.public.len() < end {
             self.public.resize(end, 0.0);
-            self.stage.resize(end, 0.0);
         }
-        rebuild_public(
-            view,
-            held,
-            &self.public[start..end],
-            &mut self.stage[start..end],
-            &mut self.decoder,
-        )
+        check_base(view, held)?;
+        let copy = &mut self.public[start..end];
+        rebuild_in_place(view, copy, &mut self.decoder, Pass::Check)
     }
 
-    /// Makes the staged copy of `range` the held one and copies it into `params`.
-    fn commit(&mut self, range: (usize, usize), params: &mut [f32]) {
+    /// Rebuilds the copy of `range` from a reply [`check_delta`](Self::check_delta) accepted (decoding it again,
+    /// into the copy) and copies it into `params`. Decoding is deterministic, so this cannot fail where the check
+    /// passed; if it does (a bug), the copy of `range` is no longer known and the error says so.
+    fn commit(
+        &mut self,
+        view: &DeltaView<'_>,
+        range: (usize, usize),
+        params: &mut [f32],
+    ) -> Result<(), ProtocolError> {
         let (start, end) = range;
-        self.public[start..end].copy_from_slice(&self.stage[start..end]);
-        params[start..end].copy_from_slice(&self.public[start..end]);
+        let copy = &mut self.public[start..end];
+        rebuild_in_place(view, copy, &mut self.decoder, Pass::Apply)?;
+        params[start..end].copy_from_slice(copy);
+        Ok(())
+    }
+}
+
+/// What [`rebuild_in_place`] does with the rebuilt values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Only test that every rebuilt value would be finite.
+    Check,
+    /// Write them into the copy.
+    Apply,
+}
+
+/// Refuses deltas that do not start from `held_ref`, the copy the worker holds.
+fn check_base(view: &DeltaView<'_>, held_ref: Option<PublicRef>) -> Result<(), ProtocolError> {
+    if view.kind() == DeltaKind::Full {
+        return Ok(());
+    }
+    let h = view.header;
+    let base = PublicRef {
+        lineage: h.lineage.to_native(),
+        seq: h.base.to_native(),
+    };
+    if held_ref != Some(base) {
+        return Err(ProtocolError::ValidationFailed(format!(
+            "a delta from {base:?} for a worker holding {held_ref:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// The public copy `copy` rebuilt by a validated delta reply, chunk by chunk: each chunk of the copy plus, cut
+/// after cut, that chunk's frame, in the same order [`rebuild_public`] adds them (so the same bits). With
+/// [`Pass::Check`] the sums are built in a one-chunk scratch and only tested for finiteness; with [`Pass::Apply`]
+/// they are written into `copy`.
+fn rebuild_in_place(
+    view: &DeltaView<'_>,
+    copy: &mut [f32],
+    dec: &mut DeltaDecoder,
+    pass: Pass,
+) -> Result<(), ProtocolError> {
+    let len = copy.len();
+    let not_finite = |i: usize| ProtocolError::Rejected {
+        code: ErrorCode::NonFinite,
+        message: format!("the rebuilt public copy is not finite at {i}"),
+    };
+    match view.kind() {
+        DeltaKind::NotModified => Ok(()),
+        DeltaKind::Full => {
+            // access_delta checked: one frame of exactly 4 bytes per value.
+            let values = view.payload.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            match pass {
+                Pass::Check => match values.enumerate().find(|(_, v)| !v.is_finite()) {
+                    Some((i, _)) => Err(not_finite(i)),
+                    None => Ok(()),
+                },
+                Pass::Apply => {
+                    copy.iter_mut().zip(values).for_each(|(d, v)| *d = v);
+                    Ok(())
+                }
+            }
+        }
+        DeltaKind::Deltas => {
+            let chunk = (view.header.chunk.to_native() as usize).min(len.max(1));
+            let per_cut = len.div_ceil(chunk).max(1);
+            if dec.out.len() < chunk || dec.decoder.is_none() {
+                dec.decoder = Some(Decoder::new(chunk));
+                dec.out = vec![0.0; chunk];
+            }
+            if pass == Pass::Check && dec.acc.len() < chunk {
+                dec.acc = vec![0.0; chunk];
+            }
+            // Frame i is cut i / per_cut's delta for chunk i % per_cut.
+            dec.frames.clear();
+            let mut offset = 0;
+            for f in view.frames() {
+                dec.frames.push((offset, f.len()));
+                offset += f.len();
+            }
+            let Some(decoder) = dec.decoder.as_mut() else {
+                return Ok(()); // unreachable: set just above
+            };
+            for j in 0..per_cut {
+                let at = j * chunk;
+                let to = (at + chunk).min(len);
+                let acc: &mut [f32] = match pass {
+                    Pass::Check => {
+                        dec.acc[..to - at].copy_from_slice(&copy[at..to]);
+                        &mut dec.acc[..to - at]
+                    }
+                    Pass::Apply => &mut copy[at..to],
+                };
+                for (i, &(o, n)) in dec.frames.iter().enumerate().skip(j).step_by(per_cut) {
+                    let frame = &view.payload[o..o + n];
+                    let d = &mut dec.out[..to - at];
+                    decoder.decode(frame, d).map_err(|e| {
+                        ProtocolError::ValidationFailed(format!("delta frame {i}: {e}"))
+                    })?;
+                    for (p, d) in acc.iter_mut().zip(d.iter()) {
+                        *p += d;
+                    }
+                }
+                // The codec refuses non-finite deltas, but finite ones can still overflow the copy they add to.
+                if let Some(i) = acc.iter().position(|v| !v.is_finite()) {
+                    return Err(not_finite(at + i));
+                }
+            }
+            Ok(())
+        }
     }
 }
 
@@ -84,10 +194,12 @@ pub(super) enum Read<'a> {
         /// Their precision.
         precision: tether_common::protocol::Precision,
     },
-    /// A delta reply, already rebuilt into the replica's stage.
+    /// A delta reply, checked against the replica's copy.
     Delta {
         /// The header and the cut it leaves the worker holding.
         reply: PullReply,
+        /// The reply, rebuilt into the copy when used.
+        view: DeltaView<'a>,
     },
 }
 
@@ -95,7 +207,7 @@ impl Read<'_> {
     /// The reply as the protocol judges it.
     pub(super) fn reply(&self) -> PullReply {
         match self {
-            Read::Full { reply, .. } | Read::Delta { reply } => *reply,
+            Read::Full { reply, .. } | Read::Delta { reply, .. } => *reply,
         }
     }
 }
@@ -131,8 +243,8 @@ pub(super) fn read_full(
     })
 }
 
-/// Validates a delta reply body in place against `shard` and its range `range` and rebuilds the copy it produces
-/// into the replica's stage (deltas must start from `held`, the copy this worker holds).
+/// Validates a delta reply body in place against `shard` and its range `range` and checks the copy it rebuilds
+/// from the replica's (deltas must start from `held`, the copy this worker holds).
 pub(super) fn read_delta<'a>(
     body: &'a AlignedVec,
     shard: usize,
@@ -147,31 +259,45 @@ pub(super) fn read_delta<'a>(
         lineage: h.lineage.to_native(),
         seq: h.seq.to_native(),
     };
-    replica.stage_delta(&view, held, (range.0 as usize, range.1 as usize))?;
+    replica.check_delta(&view, held, (range.0 as usize, range.1 as usize))?;
     Ok(Read::Delta {
         reply: PullReply {
             header: h.header.get(),
             public: Some(newest),
         },
+        view,
     })
 }
 
-/// Writes a used reply's values into `params` (the shard's `range` of it).
-pub(super) fn apply(read: Read<'_>, range: (u64, u64), replica: &mut Replica, params: &mut [f32]) {
+/// Writes a used reply's values into `params` (the shard's `range` of it); a delta reply is rebuilt into the
+/// replica's copy first (an error there is a bug, see [`Replica`]'s commit).
+pub(super) fn apply(
+    read: Read<'_>,
+    range: (u64, u64),
+    replica: &mut Replica,
+    params: &mut [f32],
+) -> Result<(), ProtocolError> {
     let range = (range.0 as usize, range.1 as usize);
     match read {
         Read::Full {
             values, precision, ..
-        } => decode_values(values, precision, &mut params[range.0..range.1]),
-        Read::Delta { .. } => replica.commit(range, params),
+        } => {
+            decode_values(values, precision, &mut params[range.0..range.1]);
+            Ok(())
+        }
+        Read::Delta { view, .. } => replica.commit(&view, range, params),
     }
 }
 
-/// Decoder state for delta replies, sized on first use.
+/// Decoder state for delta replies, sized on first use: one chunk of decoded values, one of rebuilt values (for
+/// the check), and the reply's frames.
 #[derive(Debug, Default)]
 pub struct DeltaDecoder {
     decoder: Option<Decoder>,
     out: Vec<f32>,
+    acc: Vec<f32>,
+    /// Each frame's (offset, length) in the payload.
+    frames: Vec<(usize, usize)>,
 }
 
 /// Builds a shard's new public copy from a validated delta reply into `out` (same length as the shard range):
