@@ -387,6 +387,35 @@ async fn async_reader_checks_before_allocating() {
     assert!(expect_end(&mut reader).await.is_err());
 }
 
+#[tokio::test]
+async fn frame_buffers_hold_what_frames_need_and_give_back_a_large_one() {
+    let all = [FrameKind::Params];
+    let big = FRAME_KEEP * 3 + 1000;
+    let limits = FrameLimits {
+        control: 64,
+        push: 64,
+        params: big,
+    };
+    let mut body = AlignedVec::new();
+    let frame = encode_frame(FrameKind::Params, &vec![7; big]).unwrap();
+    read_frame(&mut &frame[..], &limits, &all, &mut body)
+        .await
+        .unwrap();
+    // Exactly what the frame needs (a growing buffer would have rounded 3 MiB up to 4).
+    assert!(
+        body.capacity() < big + 4096,
+        "{} for {big}",
+        body.capacity()
+    );
+    // A small frame after it: the large buffer is given back.
+    let small = encode_frame(FrameKind::Params, &[3; 100]).unwrap();
+    read_frame(&mut &small[..], &limits, &all, &mut body)
+        .await
+        .unwrap();
+    assert_eq!(body.as_slice(), &[3; 100][..]);
+    assert!(body.capacity() <= FRAME_KEEP, "{}", body.capacity());
+}
+
 fn block_on_ready<F: std::future::Future>(fut: F) -> F::Output {
     // Readers over slices never return Pending, so one poll completes the future.
     let mut fut = std::pin::pin!(fut);

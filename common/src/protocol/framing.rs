@@ -205,6 +205,10 @@ async fn read_full<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> std:
     Ok(filled)
 }
 
+/// Capacity a frame buffer keeps whatever the frames it reads (larger buffers are freed when a frame needs less
+/// than a quarter of them).
+pub const FRAME_KEEP: usize = 1 << 20;
+
 /// Reads one frame into `body` (cleared, then sized to the checked length). Returns `None` when the stream
 /// ends cleanly before a header starts.
 pub async fn read_frame<R: AsyncRead + Unpin>(
@@ -227,6 +231,12 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     }
     let header = FrameHeader::decode(head, limits, allowed)?;
     body.clear();
+    // Exactly the frame's length (a growing AlignedVec rounds up to a power of two), and a buffer left large by an
+    // earlier frame (a worker's first, whole-model pull reply) is given back once frames are much smaller.
+    if body.capacity() > FRAME_KEEP.max(header.len.saturating_mul(4)) {
+        *body = AlignedVec::new();
+    }
+    body.reserve_exact(header.len);
     body.resize(header.len, 0);
     let got = read_full(reader, &mut body[..]).await?;
     if got < header.len {
