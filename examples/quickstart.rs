@@ -214,7 +214,10 @@ fn run() -> Result<()> {
     } else if dataset == DatasetKind::Digits || dataset.is_text() {
         cfg.data.path = PathBuf::new();
     }
-    let optimizer = args.optimizer.as_deref().unwrap_or(if gpt { "adamw" } else { "adam" });
+    let optimizer = args
+        .optimizer
+        .as_deref()
+        .unwrap_or(if gpt { "adamw" } else { "adam" });
     cfg.optimizer.kind = parse_optimizer(optimizer)?;
     cfg.optimizer.lr = args.lr.unwrap_or(if gpt { 2e-3 } else { 1e-3 });
     cfg.optimizer.weight_decay = args.weight_decay.unwrap_or(if gpt { 0.1 } else { 0.0 });

@@ -235,11 +235,20 @@ fn error_feedback_in_place_gives_the_same_frames_and_residuals() {
             let want_sum: Vec<f32> = g.iter().zip(b.residual()).map(|(x, r)| x + r).collect();
             a.encode(&mut enc_a, &g, step, &mut fa).unwrap();
             let mut scratch = g.clone();
-            b.encode_in_place(&mut enc_b, &mut scratch, step, &mut fb).unwrap();
+            b.encode_in_place(&mut enc_b, &mut scratch, step, &mut fb)
+                .unwrap();
             assert_eq!(fa, fb, "{scheme:?} step {step}: frames");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(a.residual()), bits(b.residual()), "{scheme:?} step {step}");
-            assert_eq!(bits(&scratch), bits(&want_sum), "{scheme:?} step {step}: scratch");
+            assert_eq!(
+                bits(a.residual()),
+                bits(b.residual()),
+                "{scheme:?} step {step}"
+            );
+            assert_eq!(
+                bits(&scratch),
+                bits(&want_sum),
+                "{scheme:?} step {step}: scratch"
+            );
         }
         // A wrong length is refused, residual untouched.
         let before = b.residual().to_vec();

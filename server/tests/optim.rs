@@ -473,17 +473,17 @@ fn exempt_ranges_step_without_weight_decay_and_the_rest_with_it() {
     let parts = [(0..3, true), (3..9, false), (9..20, true), (20..LEN, false)];
     for kind in ALL {
         let mut w = init_weights(LEN);
-        let mut opt = Optimizer::new(&cfg(kind, 0.1), LEN).with_decay_exempt(vec![
-            20..40,
-            3..7,
-            5..9,
-        ]);
+        let mut opt =
+            Optimizer::new(&cfg(kind, 0.1), LEN).with_decay_exempt(vec![20..40, 3..7, 5..9]);
         assert_eq!(opt.decay_exempt(), &[3..9, 20..LEN]);
         let mut refs: Vec<(Vec<f32>, Optimizer)> = parts
             .iter()
             .map(|(r, decay)| {
                 let wd = if *decay { 0.1 } else { 0.0 };
-                (w[r.clone()].to_vec(), Optimizer::new(&cfg(kind, wd), r.len()))
+                (
+                    w[r.clone()].to_vec(),
+                    Optimizer::new(&cfg(kind, wd), r.len()),
+                )
             })
             .collect();
         for t in 0..4 {
@@ -499,7 +499,11 @@ fn exempt_ranges_step_without_weight_decay_and_the_rest_with_it() {
         }
         for ((r, decay), (rw, ro)) in parts.iter().zip(&refs) {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&w[r.clone()]), bits(rw), "{kind:?} part {r:?} decay {decay}");
+            assert_eq!(
+                bits(&w[r.clone()]),
+                bits(rw),
+                "{kind:?} part {r:?} decay {decay}"
+            );
             for (s, rs) in opt.slots().iter().zip(ro.slots()) {
                 assert_eq!(bits(&s[r.clone()]), bits(rs), "{kind:?} slots of {r:?}");
             }

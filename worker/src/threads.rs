@@ -120,8 +120,14 @@ mod tests {
                 rayon::current_num_threads(),
             )
         });
-        assert_eq!(name.as_deref().map(|n| n.starts_with("tether-compute-7.")), Some(true));
-        assert_eq!(width, 2, "rayon work inside install uses the pool's threads");
+        assert_eq!(
+            name.as_deref().map(|n| n.starts_with("tether-compute-7.")),
+            Some(true)
+        );
+        assert_eq!(
+            width, 2,
+            "rayon work inside install uses the pool's threads"
+        );
         if tether_common::cpu::thread_cpu_seconds().is_some() {
             let used = pool.cpu_seconds() - before;
             assert!(used > 0.06, "a 120 ms spin on the pool counted {used} s");

@@ -114,7 +114,10 @@ impl Config {
             return bad("train.loss_scale_window", "must be at least 1");
         }
         if self.train.threads > MAX_THREADS {
-            return bad("train.threads", "must be at most 1024 (0: a share of the cores)");
+            return bad(
+                "train.threads",
+                "must be at most 1024 (0: a share of the cores)",
+            );
         }
         if self.model.features == Some(0) || self.model.classes.is_some_and(|c| c < 2) {
             return bad(

@@ -29,8 +29,7 @@ pub use delta::{
 pub use error::{ErrorCode, ProtocolError};
 pub use framing::{
     encode_frame, read_frame, split_frame, FrameHeader, FrameKind, FrameLimits, ReadFrameError,
-    FRAME_KEEP,
-    HEADER_LEN,
+    FRAME_KEEP, HEADER_LEN,
 };
 pub use reply::{ArchivedReplyHeader, ReplyHeader};
 pub use values::{check_finite_values, decode_values, encode_values};

@@ -857,16 +857,24 @@ mod tests {
             .map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 3.0)
             .collect();
         let x = Var::from_vec(vals, (rows / 64, 64, c), &Device::Cpu).unwrap();
-        let w = Var::from_vec((0..c).map(|i| 1.0 + i as f32 * 0.01).collect(), c, &Device::Cpu).unwrap();
+        let w = Var::from_vec(
+            (0..c).map(|i| 1.0 + i as f32 * 0.01).collect(),
+            c,
+            &Device::Cpu,
+        )
+        .unwrap();
         let b = Var::from_vec((0..c).map(|i| i as f32 * -0.02).collect(), c, &Device::Cpu).unwrap();
         let targets = Tensor::from_vec(
-            (0..rows as u32).map(|i| i * 31 % c as u32).collect::<Vec<_>>(),
+            (0..rows as u32)
+                .map(|i| i * 31 % c as u32)
+                .collect::<Vec<_>>(),
             rows,
             &Device::Cpu,
         )
         .unwrap();
         let h = layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
-        let h = fused_gelu(&bias_add(&h.reshape((rows, c)).unwrap(), b.as_tensor()).unwrap()).unwrap();
+        let h =
+            fused_gelu(&bias_add(&h.reshape((rows, c)).unwrap(), b.as_tensor()).unwrap()).unwrap();
         let a = causal_softmax(&h.reshape((rows / 64, 64, c)).unwrap(), 0.3).unwrap();
         let loss = cross_entropy(&a.reshape((rows, c)).unwrap(), &targets).unwrap();
         let grads = loss.backward().unwrap();
@@ -888,7 +896,12 @@ mod tests {
 
     #[test]
     fn splitting_the_rows_across_threads_changes_no_bit() {
-        let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+        let pool = |n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap()
+        };
         let one = pool(1).install(kernels_bits);
         let three = pool(3).install(kernels_bits);
         assert!(one.len() == 5 && one[0].len() >= PAR_MIN && one[2].len() >= PAR_MIN);

@@ -121,7 +121,10 @@ fn rebuild_in_place(
         DeltaKind::NotModified => Ok(()),
         DeltaKind::Full => {
             // access_delta checked: one frame of exactly 4 bytes per value.
-            let values = view.payload.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let values = view
+                .payload
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
             match pass {
                 Pass::Check => match values.enumerate().find(|(_, v)| !v.is_finite()) {
                     Some((i, _)) => Err(not_finite(i)),

@@ -15,7 +15,8 @@ use tether_common::net::{client_endpoint, TransportTuning};
 use tether_common::protocol::{ErrorCode, Outcome};
 
 use super::actor::{
-    Compute, CpuQuery, Credit, Evaluate, Evaluated, LocalRound, PrecisionQuery, RolledBack, WorkerActor,
+    Compute, CpuQuery, Credit, Evaluate, Evaluated, LocalRound, PrecisionQuery, RolledBack,
+    WorkerActor,
 };
 use super::options::WorkerOptions;
 use super::report::{Progress, WorkerReport};
