@@ -24,6 +24,19 @@ impl ErrorFeedback {
         }
     }
 
+    /// The range's length, or a length mismatch for a gradient of `len` values (with `out` cleared).
+    fn check_len(&self, len: usize, out: &mut Vec<u8>) -> Result<usize, CodecError> {
+        let n = self.residual.len();
+        if len != n {
+            out.clear();
+            return Err(CodecError::LengthMismatch {
+                expected: n as u64,
+                found: len as u64,
+            });
+        }
+        Ok(n)
+    }
+
     /// The current residual.
     pub fn residual(&self) -> &[f32] {
         &self.residual
@@ -60,14 +73,7 @@ impl ErrorFeedback {
         seed: u64,
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
-        let n = self.residual.len();
-        if grad.len() != n {
-            out.clear();
-            return Err(CodecError::LengthMismatch {
-                expected: n as u64,
-                found: grad.len() as u64,
-            });
-        }
+        self.check_len(grad.len(), out)?;
         for (g, &r) in grad.iter_mut().zip(&self.residual) {
             *g += r;
         }
@@ -93,14 +99,7 @@ impl ErrorFeedback {
         seed: u64,
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
-        let n = self.residual.len();
-        if grad.len() != n {
-            out.clear();
-            return Err(CodecError::LengthMismatch {
-                expected: n as u64,
-                found: grad.len() as u64,
-            });
-        }
+        let n = self.check_len(grad.len(), out)?;
         self.sum.resize(n, 0.0);
         self.decoded.resize(n, 0.0);
         for ((s, &g), &r) in self.sum.iter_mut().zip(grad).zip(&self.residual) {

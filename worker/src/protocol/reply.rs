@@ -317,17 +317,7 @@ pub fn rebuild_public(
     dec: &mut DeltaDecoder,
 ) -> Result<(), ProtocolError> {
     let h = view.header;
-    if view.kind() != DeltaKind::Full {
-        let base = PublicRef {
-            lineage: h.lineage.to_native(),
-            seq: h.base.to_native(),
-        };
-        if held_ref != Some(base) {
-            return Err(ProtocolError::ValidationFailed(format!(
-                "a delta from {base:?} for a worker holding {held_ref:?}"
-            )));
-        }
-    }
+    check_base(view, held_ref)?;
     match view.kind() {
         DeltaKind::NotModified => out.copy_from_slice(held),
         DeltaKind::Full => {
