@@ -316,45 +316,9 @@ pub fn rebuild_public(
     out: &mut [f32],
     dec: &mut DeltaDecoder,
 ) -> Result<(), ProtocolError> {
-    let h = view.header;
     check_base(view, held_ref)?;
-    match view.kind() {
-        DeltaKind::NotModified => out.copy_from_slice(held),
-        DeltaKind::Full => {
-            // access_delta checked: one frame of exactly 4 bytes per value.
-            for (d, b) in out.iter_mut().zip(view.payload.chunks_exact(4)) {
-                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        DeltaKind::Deltas => {
-            out.copy_from_slice(held);
-            let len = out.len();
-            let chunk = (h.chunk.to_native() as usize).min(len.max(1));
-            let per_cut = len.div_ceil(chunk).max(1);
-            if dec.out.len() < chunk || dec.decoder.is_none() {
-                dec.decoder = Some(Decoder::new(chunk));
-                dec.out = vec![0.0; chunk];
-            }
-            let decoder = dec.decoder.as_mut().expect("set just above");
-            for (i, frame) in view.frames().enumerate() {
-                let at = (i % per_cut) * chunk;
-                let to = (at + chunk).min(len);
-                let d = &mut dec.out[..to - at];
-                decoder.decode(frame, d).map_err(|e| {
-                    ProtocolError::ValidationFailed(format!("delta frame {i}: {e}"))
-                })?;
-                for (p, d) in out[at..to].iter_mut().zip(d.iter()) {
-                    *p += d;
-                }
-            }
-        }
-    }
-    // The codec refuses non-finite deltas, but finite ones can still overflow the copy they are added to.
-    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-        return Err(ProtocolError::Rejected {
-            code: ErrorCode::NonFinite,
-            message: format!("the rebuilt public copy is not finite at {i}"),
-        });
-    }
-    Ok(())
+    out.copy_from_slice(held);
+    // The replica's two passes: check every rebuilt value, then write them.
+    rebuild_in_place(view, out, dec, Pass::Check)?;
+    rebuild_in_place(view, out, dec, Pass::Apply)
 }
