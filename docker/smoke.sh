@@ -8,8 +8,8 @@
 # whatever happens. Exits non-zero with the reason on any failure; prints the timing of each phase.
 #
 # Knobs: TETHER_SMOKE_MIN_ACCURACY (default 0.80), TETHER_SUBNET / TETHER_NET (if 172.28.250.0/24 is taken),
-# TETHER_SMOKE_SKIP_BUILD=1 (use target/release as it is), TETHER_SMOKE_KEEP=DIR (copy the reports and the
-# service logs there before tearing down).
+# TETHER_SMOKE_SKIP_BUILD=1 (use target/release as it is), TETHER_BIN=DIR (use the binaries in DIR, build nothing),
+# TETHER_SMOKE_KEEP=DIR (copy the reports and the service logs there before tearing down).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -97,12 +97,15 @@ wait_for() {
 }
 
 # --- 1. image -------------------------------------------------------------------------------------------------
-if [ "${TETHER_SMOKE_SKIP_BUILD:-0}" != 1 ]; then
-  cargo build --release -q -p tether-server -p tether-worker
+if [ -n "${TETHER_BIN:-}" ]; then
+  bin_dir=$TETHER_BIN
+else
+  bin_dir=${CARGO_TARGET_DIR:-$root/target}/release
+  [ "${TETHER_SMOKE_SKIP_BUILD:-0}" = 1 ] || cargo build --release -q -p tether-server -p tether-worker
 fi
 phase "cargo build"
 image_built=1
-docker/build-rootfs.sh "$image" || fail "cannot build the runtime image"
+docker/build-rootfs.sh "$image" "$bin_dir" || fail "cannot build the runtime image"
 mkdir -p "$TETHER_REPORTS"
 chown 10001:10001 "$TETHER_REPORTS" 2>/dev/null || chmod 777 "$TETHER_REPORTS"
 phase "build image (docker import)"

@@ -34,9 +34,16 @@ struct Args {
     /// round is 16 steps long; 3 with a push every step).
     #[arg(long)]
     staleness: Option<Staleness>,
-    /// Gradient compression: none | fp16 | bf16 | q8 | q4 | q2.
-    #[arg(long, default_value = "q4")]
-    compression: Scheme,
+    /// Gradient compression: none | fp16 | bf16 | q8 | q4 | q2 | topk2 (block top-k, 2-bit values; the default,
+    /// or q4 with --model gpt).
+    #[arg(long)]
+    compression: Option<Scheme>,
+    /// Values per codec bucket (default 4096 with topk2, else 512; topk2's top-k block, at most 65536).
+    #[arg(long)]
+    bucket: Option<usize>,
+    /// topk2 keeps one value in KEEP per bucket (a power of two, 2..=32768).
+    #[arg(long, default_value_t = 16)]
+    keep: u32,
     /// Disable error feedback.
     #[arg(long)]
     no_error_feedback: bool,
@@ -47,16 +54,25 @@ struct Args {
     /// f32 (the whole model every step).
     #[arg(long, default_value = "delta")]
     pull: String,
-    /// Codec of pull deltas: q8 | q4 | none.
-    #[arg(long, default_value = "q4")]
-    pull_scheme: Scheme,
+    /// Codec of pull deltas: q8 | q4 | none | topk2 (default: topk2 when pushes are topk2, else q4).
+    #[arg(long)]
+    pull_scheme: Option<Scheme>,
     /// Local-step rounds (DiLoCo): inner steps per push round (0: push a gradient every step). The default, 16, is
     /// what one 100 Mbit/s link shared by the whole run needs to stay compute-bound (docs/pulls-and-local-steps.md).
     #[arg(long, default_value_t = 16)]
     local_steps: u32,
-    /// Outer (Nesterov) learning rate of local-step rounds.
-    #[arg(long, default_value_t = 0.7)]
-    outer_lr: f32,
+    /// Link-aware local steps: each worker may grow H from --local-steps up to this bound until communication is at
+    /// most a fifth of a round (0: H pinned).
+    #[arg(long, default_value_t = 0)]
+    local_steps_max: u32,
+    /// Streamed fragments (Streaming DiLoCo): each round pushes 1/F of every shard after H/F inner steps, and its
+    /// pull overlaps the next inner steps (1: the whole model every H steps).
+    #[arg(long, default_value_t = 1)]
+    fragments: u32,
+    /// Outer (Nesterov) learning rate of local-step rounds (default 1.4 with topk2, else 0.7: sparse pushes deliver
+    /// their mass late, docs/links.md).
+    #[arg(long)]
+    outer_lr: Option<f32>,
     /// Outer (Nesterov) momentum of local-step rounds (DiLoCo's 0.9 is worse here: docs/pulls-and-local-steps.md).
     #[arg(long, default_value_t = 0.5)]
     outer_momentum: f32,
@@ -174,7 +190,10 @@ fn run() -> Result<()> {
     } else {
         Staleness::Bounded(3)
     });
-    cfg.compression.scheme = args.compression;
+    let scheme = args
+        .compression
+        .unwrap_or(if gpt { Scheme::Q4 } else { Scheme::Topk2 });
+    cfg.compression.scheme = scheme;
     cfg.compression.error_feedback = !args.no_error_feedback;
     cfg.compression.zstd = !args.no_zstd;
     match args.pull.as_str() {
@@ -186,11 +205,22 @@ fn run() -> Result<()> {
         "f32" => cfg.compression.pull = tether::common::config::PullKind::Full,
         o => anyhow::bail!("unknown pull mode {o:?} (delta|bf16|f32)"),
     }
-    cfg.compression.pull_scheme = args.pull_scheme;
+    cfg.compression.pull_scheme = args.pull_scheme.unwrap_or(if scheme.is_sparse() {
+        Scheme::Topk2
+    } else {
+        Scheme::Q4
+    });
+    let sparse = scheme.is_sparse() || cfg.compression.pull_scheme.is_sparse();
+    cfg.compression.bucket = args.bucket.unwrap_or(if sparse { 4096 } else { 512 });
+    cfg.compression.keep = args.keep;
     cfg.train.epochs = args.epochs.unwrap_or(if gpt { 1 } else { 30 });
     cfg.train.local_steps = args.local_steps;
+    cfg.train.local_steps_max = args.local_steps_max;
+    cfg.train.fragments = args.fragments;
     cfg.train.max_steps = args.max_steps;
-    cfg.optimizer.outer.lr = args.outer_lr;
+    cfg.optimizer.outer.lr = args
+        .outer_lr
+        .unwrap_or(if scheme.is_sparse() { 1.4 } else { 0.7 });
     cfg.optimizer.outer.momentum = args.outer_momentum;
     cfg.train.batch = args.batch.unwrap_or(if gpt { 4 } else { 128 });
     cfg.train.eval_every = args.eval_every.unwrap_or(if gpt { 512 } else { 100 });
@@ -251,8 +281,20 @@ fn run() -> Result<()> {
 
     let sync = if cfg.train.local_steps > 0 {
         format!(
-            "local steps: {} inner steps per round (DiLoCo), outer nesterov lr {} momentum {}",
-            cfg.train.local_steps, cfg.optimizer.outer.lr, cfg.optimizer.outer.momentum
+            "local steps: {} inner steps per round (DiLoCo{}{}), outer nesterov lr {} momentum {}",
+            cfg.train.local_steps,
+            if cfg.train.local_steps_max > cfg.train.local_steps {
+                format!(", link-aware up to {}", cfg.train.local_steps_max)
+            } else {
+                String::new()
+            },
+            if cfg.train.fragments > 1 {
+                format!(", streamed in {} fragments", cfg.train.fragments)
+            } else {
+                String::new()
+            },
+            cfg.optimizer.outer.lr,
+            cfg.optimizer.outer.momentum
         )
     } else {
         "a gradient push every step".to_string()
@@ -262,7 +304,11 @@ fn run() -> Result<()> {
         cfg.cluster.workers,
         cfg.cluster.servers.len(),
         cfg.cluster.staleness,
-        cfg.compression.scheme,
+        if cfg.compression.scheme.is_sparse() {
+            format!("{} (1 in {} per {})", cfg.compression.scheme, cfg.compression.keep, cfg.compression.bucket)
+        } else {
+            cfg.compression.scheme.to_string()
+        },
         if cfg.compression.error_feedback {
             " + error feedback"
         } else {
@@ -272,6 +318,9 @@ fn run() -> Result<()> {
         RunReport::for_config(&cfg).pull,
         cfg.train.epochs
     );
+    for w in cfg.warnings() {
+        println!("warning: {w}");
+    }
     let (tx, rx) = mpsc::unbounded_channel();
     let mut cluster = LocalCluster::new(cfg.clone(), work_dir);
     cluster.progress = Some(tx);

@@ -387,6 +387,12 @@ pub fn build_report(
     for w in workers {
         report.add_worker(&w.counters());
     }
+    if let Some(w) = workers.iter().find(|w| !w.local_steps_reason.is_empty()) {
+        report.notes.push(format!(
+            "link-aware local steps, worker {}: {}",
+            w.rank, w.local_steps_reason
+        ));
+    }
     for s in shards {
         report.add_shard(&s.counters());
     }

@@ -87,6 +87,13 @@ pub struct Star {
 impl Star {
     /// Creates the hub and `nodes` node namespaces, each with its link shaped to `rate`.
     pub fn up(nodes: usize, rate: Rate) -> Result<Star> {
+        Star::up_links(&vec![(rate, rate); nodes])
+    }
+
+    /// Creates the hub and one node namespace per entry of `links`, node `i`'s link shaped to `links[i] = (up,
+    /// down)`: `up` on the node's end (what it sends), `down` on the hub's end (what it receives).
+    pub fn up_links(links: &[(Rate, Rate)]) -> Result<Star> {
+        let nodes = links.len();
         if nodes == 0 || nodes > 200 {
             return Err(HarnessError::Invalid("1..=200 nodes"));
         }
@@ -100,7 +107,7 @@ impl Star {
         ip(&["-n", &hub, "link", "set", "lo", "up"])?;
         ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
         ip(&["-n", &hub, "link", "set", "br0", "up"])?;
-        for i in 0..nodes {
+        for (i, &(up, down)) in links.iter().enumerate() {
             let ns = star.node(i);
             ip(&["netns", "add", &ns])?;
             star.nodes = i + 1;
@@ -120,8 +127,10 @@ impl Star {
             ip(&["-n", &ns, "link", "set", "e0", "up"])?;
             ip(&["-n", &hub, "link", "set", &peer, "master", "br0"])?;
             ip(&["-n", &hub, "link", "set", &peer, "up"])?;
-            if let Some(bps) = rate {
+            if let Some(bps) = up {
                 shape(&ns, "e0", bps)?;
+            }
+            if let Some(bps) = down {
                 shape(&hub, &peer, bps)?;
             }
         }

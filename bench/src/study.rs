@@ -45,8 +45,11 @@ pub struct StudyArgs {
     /// Shards of the compression and straggler runs.
     #[arg(long, default_value_t = 2)]
     pub shards: u32,
-    /// Sections to run (comma-separated): ingest, compression, stragglers, scaling, sim.
-    #[arg(long, default_value = "ingest,compression,stragglers,scaling,sim")]
+    /// Sections to run (comma-separated): ingest, compression, links, stragglers, scaling, sim.
+    #[arg(
+        long,
+        default_value = "ingest,compression,links,stragglers,scaling,sim"
+    )]
     pub sections: String,
     /// Fashion-MNIST folder (the embedded digits set is used when it is missing).
     #[arg(long, default_value = "/usr/share/datasets/fashion-mnist")]
@@ -63,6 +66,13 @@ struct Spec {
     local_steps: u32,
     staleness: String,
     rate: Rate,
+    /// When set, the shards sit on unshaped links and every worker's link is `(up, down)` (the `links` section);
+    /// else every node's link is `rate` both ways.
+    worker_link: Option<(Rate, Rate)>,
+    /// topk2 both ways (bucket 4096, keep 16, outer lr 1.4: the quickstart's defaults) instead of `scheme`.
+    sparse: bool,
+    /// `train.local_steps_max` (0: H pinned).
+    local_steps_max: u32,
     /// `P:F` for every worker (transient) …
     straggle_all: Option<String>,
     /// … or for worker 0 only (persistent).
@@ -89,6 +99,12 @@ struct Outcome {
     staleness_histogram: Vec<(u64, u64)>,
     max_lead: u64,
     params: u64,
+    /// Bytes per-step fp32 synchronisation of the same steps would have moved, both ways.
+    fp32_bytes: f64,
+    /// Largest bytes one push carried (the largest burst on a worker's uplink).
+    max_push_bytes: f64,
+    /// Inner steps per round at the end (the largest over workers).
+    h_picked: u64,
     /// CPU seconds of the worker processes (all threads), and of the shard processes.
     worker_cpu_s: f64,
     shard_cpu_s: f64,
@@ -132,7 +148,14 @@ fn pull_name(scheme: &str) -> String {
 fn real_run(env: &Env, s: &Spec, target: f64) -> Result<Outcome> {
     let dir = tempfile::tempdir()?;
     let nodes = (s.shards + s.workers) as usize;
-    let star = Star::up(nodes, s.rate)?;
+    let star = match s.worker_link {
+        None => Star::up(nodes, s.rate)?,
+        Some(link) => {
+            let mut links = vec![(None, None); s.shards as usize];
+            links.extend(std::iter::repeat_n(link, s.workers as usize));
+            Star::up_links(&links)?
+        }
+    };
     let hosts: Vec<String> = (0..s.shards as usize).map(Star::addr).collect();
     let servers: Vec<String> = hosts.iter().map(|h| format!("{h}:7000")).collect();
     certificates(dir.path(), &hosts, s.shards, s.workers)?;
@@ -143,24 +166,34 @@ fn real_run(env: &Env, s: &Spec, target: f64) -> Result<Outcome> {
         model: "kind = \"mlp\"\nhidden = [256, 128]\nseed = 42".into(),
         data: env.data.clone(),
         train: format!(
-            "epochs = {}\nbatch = {}\neval_every = {}\nlocal_steps = {}",
-            s.epochs, env.batch, 24, s.local_steps
+            "epochs = {}\nbatch = {}\neval_every = {}\nlocal_steps = {}\nlocal_steps_max = {}",
+            s.epochs, env.batch, 24, s.local_steps, s.local_steps_max
         ),
-        // Local-step rounds as the quickstart runs them: the shards' outer Nesterov at lr 0.7, momentum 0.5.
+        // Local-step rounds as the quickstart runs them: the shards' outer Nesterov at lr 0.7 (1.4 with topk2),
+        // momentum 0.5.
         optimizer: if s.local_steps > 0 {
-            "kind = \"adam\"\nlr = 0.001\n[optimizer.outer]\nkind = \"nesterov\"\nlr = 0.7\nmomentum = 0.5".into()
+            format!(
+                "kind = \"adam\"\nlr = 0.001\n[optimizer.outer]\nkind = \"nesterov\"\nlr = {}\nmomentum = 0.5",
+                if s.sparse { 1.4 } else { 0.7 }
+            )
         } else {
             "kind = \"adam\"\nlr = 0.001".into()
         },
-        compression: format!(
-            "scheme = \"{}\"\nerror_feedback = {}\nzstd = true\n{}",
-            s.scheme,
-            s.error_feedback,
-            {
-                let (mode, delta) = pull_of(&s.scheme);
-                pull_lines(mode, delta)
-            }
-        ),
+        compression: if s.sparse {
+            "scheme = \"topk2\"\nerror_feedback = true\nzstd = true\npull = \"delta\"\npull_scheme = \"topk2\"\n\
+             bucket = 4096\nkeep = 16"
+                .into()
+        } else {
+            format!(
+                "scheme = \"{}\"\nerror_feedback = {}\nzstd = true\n{}",
+                s.scheme,
+                s.error_feedback,
+                {
+                    let (mode, delta) = pull_of(&s.scheme);
+                    pull_lines(mode, delta)
+                }
+            )
+        },
     };
     std::fs::write(dir.path().join("cluster.toml"), rc.text())?;
     let mut shards = Vec::new();
@@ -272,6 +305,19 @@ fn real_run(env: &Env, s: &Spec, target: f64) -> Result<Outcome> {
             .max()
             .unwrap_or(0),
         params: ws[0]["params"].as_u64().unwrap_or(0),
+        fp32_bytes: ws
+            .iter()
+            .map(|w| f(w, "fp32_bytes_pushed") + f(w, "fp32_bytes_pulled"))
+            .sum(),
+        max_push_bytes: ws
+            .iter()
+            .map(|w| f(w, "max_push_bytes"))
+            .fold(0.0, f64::max),
+        h_picked: ws
+            .iter()
+            .map(|w| w["local_steps_picked"].as_u64().unwrap_or(0))
+            .max()
+            .unwrap_or(0),
         worker_cpu_s: cpu1 - cpu0,
         shard_cpu_s: cpu2 - cpu1,
     })
@@ -363,6 +409,9 @@ fn base_spec(a: &StudyArgs) -> Spec {
         local_steps: 0,
         staleness: "3".into(),
         rate: Some(1_000_000_000),
+        worker_link: None,
+        sparse: false,
+        local_steps_max: 0,
         straggle_all: None,
         straggle_first: None,
         epochs: a.epochs,
@@ -1037,6 +1086,77 @@ pub fn run(a: &StudyArgs) -> Result<()> {
             "plot",
         );
         let _ = writeln!(md, "![time to target](bench/plots/schemes_time_to_target.png)\n![bytes vs accuracy](bench/plots/bytes_vs_accuracy.png)\n");
+    }
+
+    if has("links") {
+        let mbit = |m: u64| Some(m * 1_000_000);
+        let links: [(&str, Option<(Rate, Rate)>); 3] = [
+            ("unshaped", None),
+            ("10 Mbit/s both ways", Some((mbit(10), mbit(10)))),
+            ("100 down / 10 up Mbit/s", Some((mbit(10), mbit(100)))),
+        ];
+        let configs: [(&str, bool, u32); 3] = [
+            ("q4 both ways, H = 16 (the quickstart before)", false, 0),
+            ("topk2 both ways, H = 16 (the quickstart now)", true, 0),
+            ("topk2 both ways, link-aware H 16..=64", true, 64),
+        ];
+        let mut grid: Vec<(usize, Measured)> = Vec::new();
+        for (li, (_, link)) in links.iter().enumerate() {
+            for (label, sparse, hmax) in configs {
+                let spec = Spec {
+                    local_steps: 16,
+                    local_steps_max: hmax,
+                    sparse,
+                    staleness: "0".into(),
+                    rate: None,
+                    worker_link: *link,
+                    ..base_spec(a)
+                };
+                grid.push((li, measure(&env, label, spec, a, &mut log)?));
+            }
+        }
+        let _ = writeln!(
+            md,
+            "## Slow links: sparse pseudo-gradients and link-aware local steps\n"
+        );
+        let _ = writeln!(
+            md,
+            "Local-step rounds (BSP, H = 16 inner Adam steps) as the quickstart runs them, {} epochs. The shards sit on \
+             unshaped links; each worker's link is shaped as the row says (tc tbf on both ends of its veth: `up` is \
+             what the worker sends). topk2 is block top-k with 2-bit values, 1 in 16 per block of 4096, both ways, \
+             outer lr 1.4. \"vs unshaped\" divides the same configuration's wall time by its unshaped one; \"vs fp32 \
+             sync\" is the bytes per-step fp32 synchronisation of the same steps would move, over the bytes moved; \
+             \"largest push\" is the largest round of pushes one worker sent (its largest burst).\n",
+            a.epochs
+        );
+        let _ = writeln!(
+            md,
+            "| link | sync | time to target s | final accuracy | wall s | vs unshaped | wire MB push / pull | vs fp32 sync | largest push KB | H at the end |\n|---|---|---|---|---|---|---|---|---|---|"
+        );
+        for (li, (lname, _)) in links.iter().enumerate() {
+            for (_, m) in grid.iter().filter(|(l, _)| *l == li) {
+                let base = grid
+                    .iter()
+                    .find(|(l, b)| *l == 0 && b.label == m.label)
+                    .map(|(_, b)| b.spread(|o| o.wall_s).median);
+                let wall = m.spread(|o| o.wall_s);
+                let _ = writeln!(
+                    md,
+                    "| {lname} | {} | {} | {} | {} | {} | {} / {} | {:.0}× | {:.1} | {} |",
+                    m.label,
+                    m.ttt_cell(),
+                    m.spread(|o| o.final_accuracy).show(4),
+                    wall.show(1),
+                    base.map_or("—".into(), |b| format!("{:.2}×", wall.median / b)),
+                    m.spread(|o| o.push_bytes / 1e6).show(2),
+                    m.spread(|o| o.pull_bytes / 1e6).show(2),
+                    m.spread(|o| o.fp32_bytes / o.wire_bytes.max(1.0)).median,
+                    m.spread(|o| o.max_push_bytes / 1e3).median,
+                    m.spread(|o| o.h_picked as f64).median
+                );
+            }
+        }
+        let _ = writeln!(md);
     }
 
     if has("stragglers") {

@@ -150,7 +150,7 @@ impl Optimizer {
     /// When `weights` or `grad` is not exactly [`Optimizer::len`] long (a caller bug: frames are length-checked
     /// before they reach the optimizer).
     pub fn step(&mut self, weights: &mut [f32], grad: &[f32], lr_scale: f32) {
-        self.run(weights, grad, lr_scale, Pass::Apply);
+        self.run(0..self.len, weights, grad, lr_scale, Pass::Apply);
         self.steps = self.steps.saturating_add(1);
     }
 
@@ -168,46 +168,83 @@ impl Optimizer {
         grad: &[f32],
         lr_scale: f32,
     ) -> Result<(), OptimError> {
-        if !self.run(weights, grad, lr_scale, Pass::Check) {
+        if !self.run(0..self.len, weights, grad, lr_scale, Pass::Check) {
             return Err(OptimError::NonFiniteState);
         }
         self.step(weights, grad, lr_scale);
         Ok(())
     }
 
-    /// One pass of update `steps() + 1` over the range: [`Pass::Apply`] writes it (and returns true), [`Pass::Check`]
-    /// writes nothing and returns whether every new weight and slot value would be finite.
-    fn run(&mut self, weights: &mut [f32], grad: &[f32], lr_scale: f32, pass: Pass) -> bool {
+    /// [`Optimizer::try_step`] on `part` of the range alone (a streamed fragment, `train.fragments`): `weights` is the
+    /// whole range, `grad` holds `part`'s values; weights and state outside `part` are untouched. The step count
+    /// advances as for a whole step (it counts pushes applied). Refuses with [`OptimError::NonFiniteState`] and
+    /// changes nothing as `try_step` does. Allocation-free.
+    ///
+    /// # Panics
+    /// When `weights` is not [`Optimizer::len`] long, `part` does not lie in it, or `grad` is not `part` long (caller
+    /// bugs: the shard derives `part` from its own length and length-checks the frame).
+    pub fn try_step_part(
+        &mut self,
+        part: Range<usize>,
+        weights: &mut [f32],
+        grad: &[f32],
+        lr_scale: f32,
+    ) -> Result<(), OptimError> {
+        if !self.run(part.clone(), weights, grad, lr_scale, Pass::Check) {
+            return Err(OptimError::NonFiniteState);
+        }
+        self.run(part, weights, grad, lr_scale, Pass::Apply);
+        self.steps = self.steps.saturating_add(1);
+        Ok(())
+    }
+
+    /// One pass of update `steps() + 1` over `part` of the range (`grad` holds `part`'s values): [`Pass::Apply`]
+    /// writes it (and returns true), [`Pass::Check`] writes nothing and returns whether every new weight and slot
+    /// value would be finite.
+    fn run(
+        &mut self,
+        part: Range<usize>,
+        weights: &mut [f32],
+        grad: &[f32],
+        lr_scale: f32,
+        pass: Pass,
+    ) -> bool {
         assert_eq!(weights.len(), self.len, "weights length != optimizer range");
-        assert_eq!(grad.len(), self.len, "gradient length != optimizer range");
+        assert!(part.end <= self.len, "part outside the optimizer range");
+        assert_eq!(grad.len(), part.len(), "gradient length != part");
         let t = self.steps.saturating_add(1);
         let lr = self.lr_at(t) * lr_scale;
         let wd = self.cfg.weight_decay;
+        let base = part.start;
         if self.exempt.is_empty() || wd == 0.0 {
-            return self.run_segment(0..self.len, weights, grad, lr, t, wd, pass);
+            return self.run_segment(part, base, weights, grad, lr, t, wd, pass);
         }
-        // Alternate decayed and exempt segments, in order; each is one pass of the same kernels.
+        // Alternate decayed and exempt segments of `part`, in order; each is one pass of the same kernels.
         let mut ok = true;
-        let mut at = 0;
+        let mut at = part.start;
         for i in 0..self.exempt.len() {
-            let e = self.exempt[i].clone();
-            if at < e.start {
-                ok &= self.run_segment(at..e.start, weights, grad, lr, t, wd, pass);
+            let e = self.exempt[i].start.max(part.start)..self.exempt[i].end.min(part.end);
+            if e.start >= e.end {
+                continue;
             }
-            ok &= self.run_segment(e.clone(), weights, grad, lr, t, 0.0, pass);
+            if at < e.start {
+                ok &= self.run_segment(at..e.start, base, weights, grad, lr, t, wd, pass);
+            }
+            ok &= self.run_segment(e.clone(), base, weights, grad, lr, t, 0.0, pass);
             at = e.end;
         }
-        if at < self.len {
-            ok &= self.run_segment(at..self.len, weights, grad, lr, t, wd, pass);
+        if at < part.end {
+            ok &= self.run_segment(at..part.end, base, weights, grad, lr, t, wd, pass);
         }
         ok
     }
 
-    /// [`Optimizer::run`] over `seg` of the range with weight decay `wd`.
+    /// [`Optimizer::run`] over `seg` of the range with weight decay `wd`; `grad[0]` is the gradient of index `base`.
     #[allow(clippy::too_many_arguments)]
     fn run_segment(
         &mut self,
         seg: Range<usize>,
+        base: usize,
         weights: &mut [f32],
         grad: &[f32],
         lr: f32,
@@ -215,7 +252,10 @@ impl Optimizer {
         wd: f32,
         pass: Pass,
     ) -> bool {
-        let (weights, grad) = (&mut weights[seg.clone()], &grad[seg.clone()]);
+        let (weights, grad) = (
+            &mut weights[seg.clone()],
+            &grad[seg.start - base..seg.end - base],
+        );
         let c = &self.cfg;
         let simd = self.simd;
         let check = pass == Pass::Check;

@@ -103,6 +103,21 @@ pub struct RunReport {
     /// Extension: threads of each worker's compute pool (the largest, if they differ).
     #[serde(default)]
     pub compute_threads: u32,
+    /// Extension: inner steps per round at the end of the run (the largest over workers; `local_steps` unless
+    /// `train.local_steps_max` let the workers pick it from the measured link).
+    #[serde(default)]
+    pub local_steps_picked: u32,
+    /// Extension: the largest round of pushes one worker sent, bytes on the wire over all shards (the largest burst
+    /// on a worker's uplink).
+    #[serde(default)]
+    pub max_push_bytes: u64,
+    /// Extension: the largest pull one worker received, bytes on the wire over all shards (the largest burst on a
+    /// worker's downlink; the first pull, the whole model, included).
+    #[serde(default)]
+    pub max_pull_bytes: u64,
+    /// Extension: streamed fragments (`train.fragments`; 1: the whole model each round).
+    #[serde(default)]
+    pub fragments: u32,
     /// Extension: CPU seconds the workers' compute threads used (forward, backward, inner optimizer, encoding,
     /// evaluation), summed over workers.
     #[serde(default)]
@@ -194,6 +209,7 @@ impl RunReport {
                 "full f32".into()
             },
             local_steps: cfg.train.local_steps,
+            fragments: cfg.train.fragments,
             epochs: cfg.train.epochs,
             final_train_loss: f64::NAN,
             final_test_accuracy: f64::NAN,
@@ -213,6 +229,9 @@ impl RunReport {
         self.pull_wait_seconds += w.pull_wait_seconds;
         self.compute_seconds += w.compute_seconds;
         self.compute_threads = self.compute_threads.max(w.compute_threads);
+        self.local_steps_picked = self.local_steps_picked.max(w.local_steps_picked);
+        self.max_push_bytes = self.max_push_bytes.max(w.max_push_bytes);
+        self.max_pull_bytes = self.max_pull_bytes.max(w.max_pull_bytes);
         self.compute_cpu_seconds += w.compute_cpu_seconds;
         if let Some(l) = w.loss_scale {
             self.loss_scale_overflows += l.overflows;
@@ -359,6 +378,12 @@ pub struct WorkerCounters {
     pub compute_seconds: f64,
     /// Threads of the worker's compute pool.
     pub compute_threads: u32,
+    /// Inner steps per round the worker last ran or picked (local-step rounds).
+    pub local_steps_picked: u32,
+    /// Largest round of pushes in bytes (all shards).
+    pub max_push_bytes: u64,
+    /// Largest pull in bytes (all shards).
+    pub max_pull_bytes: u64,
     /// CPU seconds of the worker's compute threads.
     pub compute_cpu_seconds: f64,
     /// Loss scaling, for a model computing below f32.
@@ -469,6 +494,9 @@ mod tests {
             pull_wait_seconds: 0.5,
             compute_seconds: 1.5,
             compute_threads: steps as u32,
+            local_steps_picked: 2 * steps as u32,
+            max_push_bytes: 100 * steps,
+            max_pull_bytes: 50 * steps,
             compute_cpu_seconds: 2.0,
             loss_scale: Some(LossScale {
                 overflows: 1,
@@ -517,6 +545,8 @@ mod tests {
         // Threads: the widest worker's pool; CPU seconds: summed.
         assert_eq!(r.compute_cpu_seconds, 4.0);
         assert_eq!(r.compute_threads, 7);
+        // The largest H picked and the largest burst of any worker.
+        assert_eq!((r.local_steps_picked, r.max_push_bytes), (14, 700));
         assert_eq!((r.loss_scale_overflows, r.loss_scale_growths), (2, 4));
         assert_eq!(r.final_loss_scale, Some(256.0));
         assert_eq!((r.updates_applied, r.updates_rejected), (12, 1));

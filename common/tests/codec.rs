@@ -16,6 +16,7 @@ fn cfg(scheme: Scheme, rounding: Rounding, zstd: bool) -> CodecConfig {
         bucket: 512,
         rounding,
         zstd,
+        keep: tether_common::codec::DEFAULT_KEEP,
     }
 }
 
@@ -382,6 +383,7 @@ fn scalar_and_simd_kernels_are_bit_identical() {
                     bucket,
                     rounding,
                     zstd: false,
+                    keep: tether_common::codec::DEFAULT_KEEP,
                 };
                 let mut s = Encoder::with_kernel(c, Kernel::Scalar).unwrap();
                 let mut v = Encoder::with_kernel(c, Kernel::Avx2).unwrap();
@@ -461,6 +463,17 @@ fn bounded(scheme: Scheme, x: &[f32], y: &[f32], bucket: usize) -> Result<(), Te
                 prop_assert!((a - b).abs() <= a.abs() * (1.0 / 256.0), "{} vs {}", a, b);
             }
         }
+        Scheme::Topk2 => {
+            // Kept values keep their sign and never exceed the block's largest magnitude; the rest decode to 0.
+            for (xb, yb) in x.chunks(bucket).zip(y.chunks(bucket)) {
+                let max = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let k = yb.iter().filter(|v| **v != 0.0).count();
+                prop_assert!(k <= xb.len().div_ceil(DEFAULT_KEEP as usize).max(1));
+                for (&a, &b) in xb.iter().zip(yb) {
+                    prop_assert!(b == 0.0 || (b.signum() == a.signum() && b.abs() <= max));
+                }
+            }
+        }
         _ => {
             let st = steps(x, bucket, scheme.levels().unwrap());
             for i in 0..x.len() {
@@ -490,7 +503,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let rounding = if det { Rounding::Deterministic } else { Rounding::Stochastic };
-        let c = CodecConfig { scheme, bucket, rounding, zstd };
+        let c = CodecConfig { scheme, bucket, rounding, zstd, keep: tether_common::codec::DEFAULT_KEEP };
         let mut enc = Encoder::new(c).unwrap();
         let mut f = Vec::new();
         enc.encode(&x, seed, &mut f).unwrap();
@@ -520,7 +533,7 @@ proptest! {
         truncate in any::<bool>(),
     ) {
         let x: Vec<f32> = (0..700).map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 3 == 0 { 0.0 } else { 0.1 }).collect();
-        let mut enc = Encoder::new(CodecConfig { scheme, bucket: 64, rounding: Rounding::Stochastic, zstd }).unwrap();
+        let mut enc = Encoder::new(CodecConfig { scheme, bucket: 64, rounding: Rounding::Stochastic, zstd, keep: tether_common::codec::DEFAULT_KEEP }).unwrap();
         let mut f = Vec::new();
         enc.encode(&x, 3, &mut f).unwrap();
         for (at, bit) in &flips {
@@ -585,7 +598,7 @@ fn strict_header_checks() {
         Err(CodecError::UnsupportedVersion)
     );
     let mut g = f.clone();
-    g[5] = 6;
+    g[5] = 7;
     assert_eq!(dec.decode(&g, &mut out), Err(CodecError::BadScheme));
     let mut g = f.clone();
     g[6] |= 0x80;

@@ -21,6 +21,7 @@ fn damaged_frame(ctl: [u8; 2], n: usize, rest: &[u8]) -> Option<Vec<u8>> {
             Rounding::Stochastic
         },
         zstd: ctl[1] & 0x80 != 0,
+        keep: 2u32 << ((ctl[0] >> 3) % 15),
     };
     let (values, edits) = rest.split_at(rest.len().min(n));
     let x: Vec<f32> = (0..n)

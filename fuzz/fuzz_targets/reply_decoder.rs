@@ -90,6 +90,7 @@ thread_local! {
             (Scheme::None, false),
             (Scheme::Bf16, true),
             (Scheme::Q2, false),
+            (Scheme::Topk2, true),
         ]
         .into_iter()
         .map(|(scheme, zstd)| {
@@ -98,8 +99,9 @@ thread_local! {
                 bucket: 16,
                 rounding: Rounding::Deterministic,
                 zstd,
+                keep: 4,
             })
-            .expect("bucket 16 is valid")
+            .expect("bucket 16 and keep 4 are valid")
         })
         .collect()
     );
@@ -194,6 +196,7 @@ impl World {
                             range_start: start,
                             range_end: end,
                             staleness: Some(STALENESS),
+                            fragments: 1,
                             min_clock: hello.clock,
                             version: 0,
                             clock: hello.clock,

@@ -260,6 +260,9 @@ fn run() -> Result<()> {
         .context("--config is required (or use `keygen`)")?;
     let shard = cli.shard.context("--shard is required")?;
     let cfg = Config::load(&config_path)?;
+    for w in cfg.warnings() {
+        tracing::warn!("{w}");
+    }
     let runtime = || {
         tokio::runtime::Builder::new_multi_thread()
             .enable_all()

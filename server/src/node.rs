@@ -211,6 +211,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     );
     core.set_public(cfg.compression.pull_codec(), lineage);
     core.set_push_scale(update_rule::push_scale(cfg));
+    core.set_fragments(cfg.train.fragments);
     core.set_rollback(&cfg.rollback);
     core.set_membership(Membership {
         workers: Some(cfg.cluster.workers),

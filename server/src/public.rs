@@ -146,6 +146,20 @@ impl PublicCopy {
     /// Takes a cut of `weights` (at `version`, `min_clock`): encodes `weights − public` chunk by chunk, adds the
     /// decoded delta to `public` and logs the frames. On a codec error (non-finite weights) nothing changes.
     pub fn cut(&mut self, weights: &[f32], version: u64, min_clock: u64) -> Result<(), CodecError> {
+        self.cut_dirty(weights, 0..weights.len(), version, min_clock)
+    }
+
+    /// [`PublicCopy::cut`] of the values in `dirty` alone (the weights changed nowhere else since the last cut:
+    /// streamed fragments push one part per round): outside it the delta encoded is zero, which the codecs carry in
+    /// a few bytes, and what earlier cuts rounded away there stays in `weights − public` for the next cut that
+    /// covers it.
+    pub fn cut_dirty(
+        &mut self,
+        weights: &[f32],
+        dirty: std::ops::Range<usize>,
+        version: u64,
+        min_clock: u64,
+    ) -> Result<(), CodecError> {
         debug_assert_eq!(weights.len(), self.values.len());
         let chunk = self.delta.len();
         let seq = self.seq + 1;
@@ -155,12 +169,17 @@ impl PublicCopy {
         for (i, w) in weights.chunks(chunk).enumerate() {
             let start = i * chunk;
             let d = &mut self.delta[..w.len()];
-            for ((d, w), p) in d
+            for (j, ((d, w), p)) in d
                 .iter_mut()
                 .zip(w)
                 .zip(&self.values[start..start + w.len()])
+                .enumerate()
             {
-                *d = w - p;
+                *d = if dirty.contains(&(start + j)) {
+                    w - p
+                } else {
+                    0.0
+                };
             }
             self.encoder
                 .encode(d, seed_for(u32::MAX, seq, i as u32), &mut self.frame)?;
@@ -279,6 +298,7 @@ mod tests {
             bucket: 128,
             rounding: Rounding::Deterministic,
             zstd: true,
+            keep: tether_common::codec::DEFAULT_KEEP,
         }
     }
 
@@ -309,6 +329,59 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_cut_of_one_dirty_part_moves_only_that_part_costs_less_and_catches_up_later() {
+        for scheme in [Scheme::Q4, Scheme::Topk2] {
+            let n = 40_000;
+            let mut w: Vec<f32> = (0..n).map(|i| ((i % 89) as f32 - 44.0) * 1e-3).collect();
+            let mut p = PublicCopy::new(&w, 3, 0, 0, codec(scheme), 1 << 30).unwrap();
+            let mut held = vec![0.0; n];
+            apply(&mut held, &p.answer(None));
+            // Every value moves; a whole cut, then a cut of one quarter marked dirty.
+            let step = |w: &mut [f32], k: u64| {
+                for (i, v) in w.iter_mut().enumerate() {
+                    // Pseudo-random steps, so that zstd finds no pattern in a dense delta.
+                    let z = tether_common::splitmix::splitmix64((i as u64) << 20 ^ k);
+                    *v += ((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1e-3;
+                }
+            };
+            step(&mut w, 1);
+            p.cut(&w, 1, 1).unwrap();
+            let whole = p.log.back().unwrap().bytes.len();
+            step(&mut w, 2);
+            let before = p.values().to_vec();
+            let dirty = 10_000..20_000;
+            p.cut_dirty(&w, dirty.clone(), 2, 2).unwrap();
+            let part = p.log.back().unwrap().bytes.len();
+            let moved: Vec<usize> = (0..n)
+                .filter(|&i| p.values()[i].to_bits() != before[i].to_bits())
+                .collect();
+            assert!(
+                !moved.is_empty() && moved.iter().all(|i| dirty.contains(i)),
+                "{scheme:?}"
+            );
+            assert!(
+                part * 2 < whole,
+                "{scheme:?}: a quarter cut is {part} B against {whole} B"
+            );
+            // Workers still rebuild it bit for bit, and a later whole cut carries what the partial one left.
+            apply(&mut held, &p.answer(Some(PublicRef { lineage: 3, seq: 0 })));
+            assert!(held
+                .iter()
+                .zip(p.values())
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            for k in 3..40 {
+                p.cut(&w, k, k).unwrap();
+            }
+            let err = w
+                .iter()
+                .zip(p.values())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(err < 2e-3, "{scheme:?}: the public copy stayed {err} away");
         }
     }
 

@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use tether_common::codec::{CodecConfig, CodecError, Decoder, Rounding, Scheme};
 use tether_common::config::{OptimizerConfig, RollbackConfig, Staleness};
-use tether_common::layout::Layout;
+use tether_common::layout::{fragment_part, Layout};
 use tether_common::numeric::sum_of_squares;
 use tether_common::protocol::{ErrorCode, PublicRef};
 
@@ -33,6 +33,7 @@ pub fn default_pull_codec() -> CodecConfig {
         bucket: 512,
         rounding: Rounding::Deterministic,
         zstd: true,
+        keep: tether_common::codec::DEFAULT_KEEP,
     }
 }
 
@@ -372,7 +373,12 @@ pub struct ShardCore {
     clocks: ClockTable,
     decoder: Decoder,
     scratch: Vec<f32>,
-    guard: NormGuard,
+    /// The gradient-norm guard, one per streamed fragment (each part's norms have their own scale).
+    guards: Vec<NormGuard>,
+    /// Streamed fragments (`train.fragments`): push `c` carries part `c mod fragments` of the range.
+    fragments: u32,
+    /// The hull of the values changed since the public copy's last cut (relative to the range; empty: none).
+    dirty: Range<usize>,
     stats: ShardStats,
     /// Restored from a checkpoint: versions of the lost lineage may come back in resent pushes.
     restored: bool,
@@ -446,7 +452,9 @@ impl ShardCore {
             clocks: ClockTable::new(spec.staleness, spec.worker_timeout_ms),
             decoder: Decoder::new(r.len()),
             scratch: vec![0.0; r.len()],
-            guard: NormGuard::new(GuardSettings::relative(spec.spike_factor)),
+            guards: vec![NormGuard::new(GuardSettings::relative(spec.spike_factor))],
+            fragments: 1,
+            dirty: 0..r.len(),
             stats: ShardStats::default(),
             restored: false,
             public: None,
@@ -558,6 +566,7 @@ impl ShardCore {
             );
         }
         self.weights.copy_from_slice(&point.weights);
+        self.dirty = 0..self.weights.len();
         let record = RollbackRecord {
             shard: self.shard,
             at_round: alarm.round,
@@ -597,17 +606,40 @@ impl ShardCore {
     /// Replaces the gradient-norm guard (forgetting the norms seen): see [`crate::norm_guard`] and
     /// [`GuardSettings::derive`].
     pub fn set_guard(&mut self, settings: GuardSettings) {
-        self.guard = NormGuard::new(settings);
+        self.guards = vec![NormGuard::new(settings); self.fragments as usize];
     }
 
     /// The gradient-norm guard's settings.
     pub fn guard(&self) -> GuardSettings {
-        self.guard.settings()
+        self.guards[0].settings()
     }
 
-    /// The guard's relative limit now (`None` while it is off or no worker is warm).
+    /// The guard's relative limit now, the largest over the fragments' guards (`None` while it is off or no worker
+    /// is warm).
     pub fn guard_limit(&mut self) -> Option<f32> {
-        self.guard.limit()
+        self.guards
+            .iter_mut()
+            .filter_map(NormGuard::limit)
+            .max_by(f32::total_cmp)
+    }
+
+    /// Streams the range in `fragments` parts (`train.fragments`, at least 1): push `c` then carries part
+    /// `c mod fragments` ([`tether_common::layout::fragment_part`]) and the outer step applies to that part alone.
+    /// Each part gets a guard of its own with the current settings (forgetting the norms seen).
+    pub fn set_fragments(&mut self, fragments: u32) {
+        self.fragments = fragments.max(1);
+        let settings = self.guard();
+        self.guards = vec![NormGuard::new(settings); self.fragments as usize];
+    }
+
+    /// Streamed fragments (1: whole-range pushes).
+    pub fn fragments(&self) -> u32 {
+        self.fragments
+    }
+
+    /// The part of the range (relative to its start) that a push of `clock` carries.
+    pub fn part(&self, clock: u64) -> Range<usize> {
+        fragment_part(self.weights.len(), clock, self.fragments)
     }
 
     /// Multiplies every push's step by `scale` (local-step rounds: 1/workers, so that a round of pushes adds up to
@@ -638,7 +670,8 @@ impl ShardCore {
             )?),
         };
         if public.wants_cut(self.version, min_clock, live) {
-            public.cut(&self.weights, self.version, min_clock)?;
+            public.cut_dirty(&self.weights, self.dirty.clone(), self.version, min_clock)?;
+            self.dirty = 0..0;
         }
         Ok(PublicAnswer {
             newest: public.newest(),
@@ -791,7 +824,7 @@ impl ShardCore {
     /// roll the shard back (the returned version is the update's own).
     pub fn apply(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
         self.stats.wire_bytes += push.payload.len() as u64;
-        self.stats.fp32_bytes += 4 * (self.range.end - self.range.start);
+        self.stats.fp32_bytes += 4 * self.part(push.clock).len() as u64;
         let r = self.validate_and_decode(push);
         let applied = match r {
             Ok(()) => self.commit(push, now_ms),
@@ -851,24 +884,24 @@ impl ShardCore {
                 found: push.read_version,
             });
         }
+        let part = self.part(push.clock);
+        let scratch = &mut self.scratch[..part.len()];
         self.decoder
-            .decode(push.payload, &mut self.scratch)
+            .decode(push.payload, scratch)
             .map_err(|e| match e {
                 CodecError::NonFinite { index } => ShardError::NonFinite(index),
                 other => ShardError::Codec(other.to_string()),
             })?;
-        let sq = sum_of_squares(&self.scratch);
+        let sq = sum_of_squares(scratch);
         // f32² summed in f64 cannot overflow for any realistic length, so a non-finite sum means a non-finite value.
         if !sq.is_finite() {
-            let i = self
-                .scratch
-                .iter()
-                .position(|g| !g.is_finite())
-                .unwrap_or(0);
-            return Err(ShardError::NonFinite(i));
+            let i = scratch.iter().position(|g| !g.is_finite()).unwrap_or(0);
+            return Err(ShardError::NonFinite(part.start + i));
         }
         let norm = sq.sqrt() as f32;
-        self.guard.judge(push.worker, norm)?;
+        // `part` lies in the range, so its fragment index is below `fragments`, the guards' count.
+        let fragment = (push.clock % u64::from(self.fragments)) as usize;
+        self.guards[fragment].judge(push.worker, norm)?;
         self.stats.max_push_norm = self.stats.max_push_norm.max(norm);
         Ok(())
     }
@@ -888,8 +921,15 @@ impl ShardCore {
                 .as_ref()
                 .map_or(1.0, |rb| rb.lr_factor(push.clock));
         // A refused step changed nothing but the clock, which advances as for any push refused for its values.
+        let part = self.part(push.clock);
+        let grad = &self.scratch[..part.len()];
+        self.dirty = if self.dirty.is_empty() {
+            part.clone()
+        } else {
+            self.dirty.start.min(part.start)..self.dirty.end.max(part.end)
+        };
         self.optimizer
-            .try_step(&mut self.weights, &self.scratch, scale)
+            .try_step_part(part, &mut self.weights, grad, scale)
             // `try_step` refuses for nothing else (lengths are fixed at construction and checked at restore).
             .map_err(|_: OptimError| ShardError::NonFiniteState)?;
         self.version += 1;
@@ -946,6 +986,7 @@ impl ShardCore {
         self.version = snap.version;
         self.restored = true;
         self.public = None;
+        self.dirty = 0..self.weights.len();
         // Every clock was checked against MAX_CLOCK above, so these restores cannot fail.
         for (w, c) in snap.clocks {
             self.clocks.restore(w, c, now_ms)?;

@@ -60,7 +60,7 @@ mod tests {
         let o = shard_optimizer(&cfg);
         assert_eq!(
             (o.kind, o.lr, o.momentum),
-            (OptimizerKind::Nesterov, 0.7, 0.9)
+            (OptimizerKind::Nesterov, 0.7, 0.5)
         );
         assert_eq!((o.weight_decay, o.schedule), (0.0, Schedule::Constant));
         assert_eq!(push_scale(&cfg), 0.25);

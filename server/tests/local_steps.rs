@@ -133,3 +133,70 @@ fn outer_lr_one_without_momentum_averages_the_workers() {
         }
     }
 }
+
+/// Streamed fragments (`train.fragments` = 3): push `c` carries part `c mod 3` of the range; the outer step applies
+/// to that part alone (the momentum of the other parts neither moves nor decays), and a frame of any other length
+/// is refused with the weights, the version and the clock untouched.
+#[test]
+fn a_streamed_fragment_moves_its_part_only_and_a_whole_range_frame_is_refused() {
+    let mut cfg = cfg(0.7, 0.9);
+    cfg.cluster.workers = 1;
+    cfg.train.fragments = 3;
+    let mut c = core(&cfg);
+    // One worker: the others leave, so that worker 0's clock may advance alone under s = 0.
+    for w in 1..WORKERS {
+        c.leave(w);
+    }
+    c.set_push_scale(1.0);
+    c.set_fragments(3);
+    let mut enc = Encoder::new(CodecConfig {
+        scheme: Scheme::None,
+        zstd: false,
+        ..CodecConfig::default()
+    })
+    .unwrap();
+    let (lr, mu) = (0.7f32, 0.9f32);
+    let mut w_ref = c.weights().to_vec();
+    let mut b = vec![0.0f32; N];
+    for clock in 0..7u64 {
+        let part = tether_common::layout::fragment_part(N, clock, 3);
+        assert_eq!(part, c.part(clock));
+        // A frame of the whole range at this clock: refused, nothing moves.
+        let (before, version) = (c.weights().to_vec(), c.version());
+        let mut whole = Vec::new();
+        enc.encode(&vec![0.5f32; N], 0, &mut whole).unwrap();
+        let push = |payload| Push {
+            worker: 0,
+            clock,
+            shard: 0,
+            range: (0, N as u64),
+            read_version: version,
+            payload,
+        };
+        assert!(c.apply(&push(&whole), clock).is_err());
+        assert_eq!((c.weights(), c.version()), (&before[..], version));
+        // The part's pseudo-gradient is applied to the part alone.
+        let g: Vec<f32> = part
+            .clone()
+            .map(|i| ((i as u64 * 3 + clock) % 7) as f32 * 0.01 - 0.03)
+            .collect();
+        let mut frame = Vec::new();
+        enc.encode(&g, 0, &mut frame).unwrap();
+        c.apply(&push(&frame), clock).unwrap();
+        for (j, i) in part.clone().enumerate() {
+            b[i] = mu * b[i] + g[j];
+            w_ref[i] -= lr * (g[j] + mu * b[i]);
+        }
+        let err = c
+            .weights()
+            .iter()
+            .zip(&w_ref)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            err <= 1e-6,
+            "clock {clock}: off the per-part reference by {err}"
+        );
+        assert_eq!(c.version(), version + 1);
+    }
+}

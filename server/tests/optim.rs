@@ -510,3 +510,52 @@ fn exempt_ranges_step_without_weight_decay_and_the_rest_with_it() {
         }
     }
 }
+
+/// A step on part of the range (a streamed fragment) is, on that part, bit for bit the step a whole-range optimizer
+/// takes with the same gradient there (decay exemptions crossing the part's edges included), and leaves weights and
+/// state outside the part untouched.
+#[test]
+fn a_step_on_a_part_equals_the_whole_step_there_and_touches_nothing_else() {
+    for kind in ALL {
+        let c = cfg(kind, 0.01);
+        let exempt = vec![3..9, 20..30];
+        let mut whole = Optimizer::new(&c, LEN).with_decay_exempt(exempt.clone());
+        let mut parted = Optimizer::new(&c, LEN).with_decay_exempt(exempt);
+        let (mut w_whole, mut w_part) = (init_weights(LEN), init_weights(LEN));
+        let part = 5..25;
+        for t in 0..4 {
+            let g = grad_at(LEN, t);
+            // The whole optimizer sees zeros outside the part only for comparison of the part; the parted one never
+            // sees them.
+            whole.step(&mut w_whole, &g, 1.0);
+            let before = w_part.clone();
+            let slots_before = parted.slots().to_vec();
+            parted
+                .try_step_part(part.clone(), &mut w_part, &g[part.clone()], 1.0)
+                .unwrap();
+            assert_eq!(
+                bits(&w_part[..part.start]),
+                bits(&before[..part.start]),
+                "{kind:?}"
+            );
+            assert_eq!(
+                bits(&w_part[part.end..]),
+                bits(&before[part.end..]),
+                "{kind:?}"
+            );
+            for (s, b) in parted.slots().iter().zip(&slots_before) {
+                assert_eq!(bits(&s[..part.start]), bits(&b[..part.start]), "{kind:?}");
+                assert_eq!(bits(&s[part.end..]), bits(&b[part.end..]), "{kind:?}");
+            }
+            assert_eq!(
+                bits(&w_part[part.clone()]),
+                bits(&w_whole[part.clone()]),
+                "{kind:?} t={t}"
+            );
+            // Keep the two in step outside the part for the next comparison.
+            w_part = w_whole.clone();
+            let _ = parted.restore(parted.steps(), whole.slots().to_vec());
+        }
+        assert_eq!(parted.steps(), 4);
+    }
+}

@@ -60,6 +60,7 @@ fn encode(scheme: Scheme, values: &[f32], seed: u64) -> Vec<u8> {
         bucket: 512,
         rounding: Rounding::Stochastic,
         zstd: false,
+        keep: tether_common::codec::DEFAULT_KEEP,
     };
     let mut out = Vec::new();
     Encoder::new(cfg)

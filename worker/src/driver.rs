@@ -39,6 +39,8 @@ enum Inbound {
         gen: u64,
         kind: FrameKind,
         body: AlignedVec,
+        /// From the reply stream's first bytes to its last: the transfer, without the wait at the shard's gate.
+        transfer: Duration,
     },
     Lost {
         shard: usize,
@@ -137,6 +139,10 @@ pub struct Driver {
     pub push_latency_us: Vec<u32>,
     /// Pushes written to a link and not yet settled: (shard, clock, when).
     in_flight: std::collections::VecDeque<(usize, u64, Instant)>,
+    /// The newest settled push round and its slowest shard's round trip (send to outcome).
+    push_rtt: (u64, Duration),
+    /// The slowest reply transfer of the last pull.
+    pull_transfer: Duration,
 }
 
 /// Everything [`Driver::new`] needs.
@@ -159,6 +165,8 @@ pub struct DriverConfig {
     pub staleness: Staleness,
     /// How to pull.
     pub mode: PullMode,
+    /// Streamed fragments (`train.fragments`; a shard announcing another count is refused).
+    pub fragments: u32,
     /// Heartbeat period.
     pub heartbeat: Duration,
     /// Give up when a shard stays unreachable this long (transient failures; a permanent refusal, such as a TLS
@@ -213,6 +221,7 @@ impl DriverConfig {
             } else {
                 PullMode::Full(Precision::F32)
             },
+            fragments: cfg.train.fragments,
             heartbeat: Self::heartbeat_period(cfg),
             reconnect_deadline,
             tls_paths,
@@ -233,7 +242,8 @@ impl Driver {
                 cfg.staleness,
                 cfg.mode,
                 cfg.heartbeat.as_millis() as u64,
-            ),
+            )
+            .with_fragments(cfg.fragments),
             rank: cfg.rank,
             endpoint: cfg.endpoint,
             servers: cfg.servers,
@@ -253,6 +263,8 @@ impl Driver {
             bytes_pulled: 0,
             push_latency_us: Vec::new(),
             in_flight: std::collections::VecDeque::new(),
+            push_rtt: (0, Duration::ZERO),
+            pull_transfer: Duration::ZERO,
         }
     }
 
@@ -263,6 +275,7 @@ impl Driver {
     /// Pulls every shard's values for the current clock into `params` (SSP-gated by the shards), reconnecting as
     /// needed. Returns when the protocol has a complete, current answer from every shard.
     pub async fn pull(&mut self, params: &mut [f32]) -> Result<(), WorkerError> {
+        self.pull_transfer = Duration::ZERO;
         let now = self.now_ms();
         self.protocol.start_pull(now);
         let clock = loop {
@@ -273,6 +286,53 @@ impl Driver {
         };
         debug!(rank = self.rank, clock, "pull complete");
         Ok(())
+    }
+
+    /// [`Driver::pull`] while `fut` runs (streamed fragments: the pull overlaps the next round's inner steps). Returns
+    /// `fut`'s output once both are done, and how long the pull kept the caller waiting after `fut` finished.
+    pub async fn pull_while<F: Future>(
+        &mut self,
+        params: &mut [f32],
+        fut: F,
+    ) -> Result<(F::Output, Duration), WorkerError> {
+        self.pull_transfer = Duration::ZERO;
+        let now = self.now_ms();
+        self.protocol.start_pull(now);
+        tokio::pin!(fut);
+        let mut out: Option<(F::Output, std::time::Instant)> = None;
+        let mut pulled = false;
+        loop {
+            if self.flush()?.is_some() {
+                pulled = true;
+            }
+            if pulled {
+                if let Some((o, at)) = out.take() {
+                    debug!(rank = self.rank, "overlapped pull complete");
+                    return Ok((o, at.elapsed()));
+                }
+            }
+            let timeout = self.timer();
+            let running = out.is_none();
+            tokio::select! {
+                o = &mut fut, if running => out = Some((o, std::time::Instant::now())),
+                msg = self.inbox.recv() => {
+                    // The driver holds a sender itself, so the inbox never closes.
+                    if let Some(msg) = msg {
+                        self.handle(msg, (!pulled).then_some(&mut *params))?;
+                    }
+                }
+                _ = tokio::time::sleep_until(timeout) => {
+                    let now = self.now_ms();
+                    self.protocol.handle_timeout(now);
+                }
+            }
+        }
+    }
+
+    /// The time a round spends on the links, without waiting for other workers: the newest settled push round's
+    /// slowest round trip (upload and apply) plus the last pull's slowest reply transfer.
+    pub fn link_time(&self) -> Duration {
+        self.push_rtt.1 + self.pull_transfer
     }
 
     /// Runs `fut` (a compute step, a sleep) while keeping the protocol alive: heartbeats, outcomes, reconnects.
@@ -410,6 +470,12 @@ impl Driver {
                         {
                             // `position` found it, so `remove` returns it.
                             if let Some((_, _, sent)) = self.in_flight.remove(i) {
+                                let rtt = sent.elapsed();
+                                self.push_rtt = match self.push_rtt {
+                                    (c, d) if c == clock => (c, d.max(rtt)),
+                                    (c, _) if clock > c => (clock, rtt),
+                                    old => old,
+                                };
                                 if self.push_latency_us.len() < LATENCY_SAMPLES {
                                     self.push_latency_us
                                         .push(sent.elapsed().as_micros().min(u128::from(u32::MAX))
@@ -603,10 +669,12 @@ impl Driver {
                 gen,
                 kind,
                 body,
+                transfer,
             } => {
                 if !current(&self.links, shard, gen) {
                     return Ok(());
                 }
+                self.pull_transfer = self.pull_transfer.max(transfer);
                 self.bytes_pulled += body.len() as u64;
                 if let Err(e) = self.protocol.handle_reply(shard, kind, &body, params) {
                     // The protocol forgot the shard's copy and reset the link; the connection goes with it.
@@ -746,17 +814,21 @@ async fn reply_reader(
     loop {
         let result = match conn.accept_uni().await {
             Ok(stream) => {
-                recv_bulk_any(stream, &limits, &[FrameKind::Params, FrameKind::Delta]).await
+                let first = Instant::now();
+                recv_bulk_any(stream, &limits, &[FrameKind::Params, FrameKind::Delta])
+                    .await
+                    .map(|f| (f, first.elapsed()))
             }
             Err(e) => Err(NetError::from(e)),
         };
         match result {
-            Ok(frame) => {
+            Ok((frame, transfer)) => {
                 let msg = Inbound::Reply {
                     shard,
                     gen,
                     kind: frame.kind,
                     body: frame.body,
+                    transfer,
                 };
                 if inbox.send(msg).is_err() {
                     return;

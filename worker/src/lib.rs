@@ -9,6 +9,8 @@ pub mod backend;
 pub mod data;
 mod driver;
 mod error;
+pub mod fragments;
+pub mod local_steps;
 pub mod model;
 pub mod protocol;
 pub mod remote;

@@ -96,6 +96,9 @@ fn run() -> Result<()> {
         info!(%info, "CUDA device");
     }
     let mut cfg = Config::load(&cli.config)?;
+    for w in cfg.warnings() {
+        tracing::warn!("{w}");
+    }
     if cli.rank >= cfg.cluster.workers {
         bail!(
             "--rank {} but cluster.workers is {}",

@@ -242,6 +242,16 @@ impl RemoteWorker {
                 },
             ));
         }
+        if cfg.train.fragments > 1 {
+            // The session pushes what its caller computed, whole shards at a time; fragments are the built-in loop's.
+            return Err(WorkerError::Config(
+                tether_common::config::ConfigError::Invalid {
+                    key: "train.fragments",
+                    reason: "streamed fragments run in tether-worker's own loop, not in a remote session; use 1"
+                        .into(),
+                },
+            ));
+        }
         let ranges = shard_ranges(&layout, shards);
         let coder = PushEncoder::new(
             opts.rank,

@@ -8,6 +8,7 @@ use std::ops::Range;
 
 use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder, ErrorFeedback};
 use tether_common::config::OptimizerConfig;
+use tether_common::layout::fragment_part;
 use tether_common::numeric::sum_of_squares;
 use tether_common::optim::Optimizer;
 
@@ -42,6 +43,9 @@ pub struct StepOutcome {
 pub struct PushEncoder {
     rank: u32,
     shards: Vec<Range<usize>>,
+    /// Streamed fragments (`train.fragments`; 1: whole shards).
+    fragments: u32,
+    /// One residual per (shard, fragment), at `shard * fragments + fragment`.
     feedback: Option<Vec<ErrorFeedback>>,
     encoder: Encoder,
     clip_norm: f32,
@@ -63,11 +67,45 @@ impl PushEncoder {
         Ok(Self {
             rank,
             shards,
+            fragments: 1,
             feedback,
             encoder: Encoder::new(codec)?,
             clip_norm,
             decoder: None,
         })
+    }
+
+    /// Streams the model in `fragments` parts per shard (`train.fragments`): each (shard, fragment) keeps a residual
+    /// of its own, and [`PushEncoder::encode_part_in_place`] encodes one part. Clears every residual.
+    pub fn with_fragments(mut self, fragments: u32) -> Self {
+        let f = fragments.max(1);
+        self.fragments = f;
+        if self.feedback.is_some() {
+            self.feedback = Some(
+                self.shards
+                    .iter()
+                    .flat_map(|r| {
+                        (0..f).map(move |c| {
+                            ErrorFeedback::new(fragment_part(r.len(), u64::from(c), f).len())
+                        })
+                    })
+                    .collect(),
+            );
+        }
+        self
+    }
+
+    /// The absolute range of the model that push round `clock` carries for shard `k` (the whole shard with one
+    /// fragment).
+    pub fn part(&self, k: usize, clock: u64) -> Range<usize> {
+        let r = &self.shards[k];
+        let p = fragment_part(r.len(), clock, self.fragments);
+        r.start + p.start..r.start + p.end
+    }
+
+    /// The index of `(shard k, round clock)`'s residual.
+    fn slot(&self, k: usize, clock: u64) -> usize {
+        k * self.fragments as usize + (clock % u64::from(self.fragments)) as usize
     }
 
     /// Checks that `loss` and `grad` are finite and clips `grad` in place to the configured global norm; returns
@@ -91,10 +129,12 @@ impl PushEncoder {
         update: &[f32],
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
-        let r = self.shards[k].clone();
+        let r = self.part(k, 0);
         let seed = seed_for(self.rank, step, k as u32);
         match self.feedback.as_mut() {
-            Some(fb) => fb[k].encode(&mut self.encoder, &update[r], seed, out),
+            Some(fb) => {
+                fb[k * self.fragments as usize].encode(&mut self.encoder, &update[r], seed, out)
+            }
             None => self.encoder.encode(&update[r], seed, out),
         }
     }
@@ -108,10 +148,24 @@ impl PushEncoder {
         update: &mut [f32],
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
-        let r = self.shards[k].clone();
+        self.encode_part_in_place(k, 0, step, update, out)
+    }
+
+    /// [`PushEncoder::encode_shard_in_place`] for streamed fragments: encodes only the part of shard `k` that push
+    /// round `clock` carries ([`PushEncoder::part`]), with that part's residual.
+    pub fn encode_part_in_place(
+        &mut self,
+        k: usize,
+        clock: u64,
+        step: u64,
+        update: &mut [f32],
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
+        let r = self.part(k, clock);
+        let slot = self.slot(k, clock);
         let seed = seed_for(self.rank, step, k as u32);
         match self.feedback.as_mut() {
-            Some(fb) => fb[k].encode_in_place(&mut self.encoder, &mut update[r], seed, out),
+            Some(fb) => fb[slot].encode_in_place(&mut self.encoder, &mut update[r], seed, out),
             None => self.encoder.encode(&update[r], seed, out),
         }
     }
@@ -121,33 +175,48 @@ impl PushEncoder {
     /// into shard k's residual, so the next push carries them. Without error feedback the update is dropped. A push
     /// refused for its values (non-finite, norm spike) is not credited: that gradient is discarded.
     pub fn credit_undelivered(&mut self, k: usize, frame: &[u8]) -> Result<(), CodecError> {
+        self.credit_undelivered_part(k, 0, frame)
+    }
+
+    /// [`PushEncoder::credit_undelivered`] for the push of round `clock` (with streamed fragments, its part's
+    /// residual is credited).
+    pub fn credit_undelivered_part(
+        &mut self,
+        k: usize,
+        clock: u64,
+        frame: &[u8],
+    ) -> Result<(), CodecError> {
+        let len = self.part(k, clock).len();
+        let slot = self.slot(k, clock);
         let Some(fb) = self.feedback.as_mut() else {
             return Ok(());
         };
-        let len = self.shards[k].len();
         let max = self.shards.iter().map(|r| r.len()).max().unwrap_or(0);
         let (decoder, out) = self
             .decoder
             .get_or_insert_with(|| (Decoder::new(max), vec![0.0; max]));
         decoder.decode(frame, &mut out[..len])?;
-        fb[k].credit(&out[..len])
+        fb[slot].credit(&out[..len])
     }
 
     /// Clears the error-feedback residuals of the listed shards (they rolled back: what they held was built on a
     /// discarded trajectory).
     pub fn reset(&mut self, shards: &[usize]) {
+        let f = self.fragments as usize;
         if let Some(fb) = self.feedback.as_mut() {
             for &k in shards {
-                if let Some(f) = fb.get_mut(k) {
-                    f.reset();
+                for r in fb.iter_mut().skip(k * f).take(f) {
+                    r.reset();
                 }
             }
         }
     }
 
-    /// The error-feedback residual of shard `k` (empty without error feedback).
+    /// The error-feedback residual of shard `k` (of its first fragment with streamed fragments; empty without error
+    /// feedback).
     pub fn residual(&self, k: usize) -> &[f32] {
-        self.feedback.as_ref().map_or(&[], |fb| fb[k].residual())
+        let slot = self.slot(k, 0);
+        self.feedback.as_ref().map_or(&[], |fb| fb[slot].residual())
     }
 
     /// Number of shards.
@@ -210,6 +279,40 @@ impl StepEngine {
             *g = s - e;
         }
         sum_of_squares(&self.grad).is_finite()
+    }
+
+    /// Streams the model in `fragments` parts per shard (`train.fragments`; see [`PushEncoder::with_fragments`]).
+    pub fn with_fragments(mut self, fragments: u32) -> Self {
+        self.coder = self.coder.with_fragments(fragments);
+        self
+    }
+
+    /// The gradient buffer, for a caller that writes the update to encode itself (a streamed fragment's
+    /// pseudo-gradient, [`crate::fragments::FragmentStream::pseudo_gradient`]).
+    pub fn grad_mut(&mut self) -> &mut [f32] {
+        &mut self.grad
+    }
+
+    /// Encodes shard `k`'s part of push round `clock` from the gradient buffer ([`PushEncoder::encode_part_in_place`]).
+    pub fn encode_part(
+        &mut self,
+        k: usize,
+        clock: u64,
+        step: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
+        self.coder
+            .encode_part_in_place(k, clock, step, &mut self.grad, out)
+    }
+
+    /// [`PushEncoder::credit_undelivered_part`] for this engine's pushes.
+    pub fn credit_undelivered_part(
+        &mut self,
+        k: usize,
+        clock: u64,
+        frame: &[u8],
+    ) -> Result<(), CodecError> {
+        self.coder.credit_undelivered_part(k, clock, frame)
     }
 
     /// Applies the [`GradientFault::PushScaleAt`] faults of `steps` to the update about to be encoded.

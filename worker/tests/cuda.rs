@@ -212,6 +212,7 @@ mod with_cuda {
                     bucket: 512,
                     rounding,
                     zstd: false,
+                    keep: tether_common::codec::DEFAULT_KEEP,
                 };
                 let mut enc = Encoder::new(cfg).unwrap();
                 let mut fb = ErrorFeedback::new(n);

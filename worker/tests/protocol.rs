@@ -37,6 +37,7 @@ fn welcome(shard: usize, clock: u64) -> Welcome {
         range_start: RANGES[shard].0,
         range_end: RANGES[shard].1,
         staleness: Some(2),
+        fragments: 1,
         min_clock: clock,
         version: 0,
         clock,
@@ -449,6 +450,31 @@ fn a_shard_with_another_staleness_bound_is_refused_and_changes_nothing() {
     s.connected(0, &welcome(0, 0), 0).unwrap();
 }
 
+#[test]
+fn a_shard_streaming_another_number_of_fragments_is_refused_until_they_match() {
+    let mut s = protocol().with_fragments(4);
+    s.hello(0);
+    // A shard that takes whole-range pushes would refuse every quarter this worker sends: refused at the welcome.
+    let err = s.connected(0, &welcome(0, 0), 0).unwrap_err();
+    assert_eq!(
+        err,
+        ProtocolError::FragmentsMismatch {
+            shard: 0,
+            shard_fragments: 1,
+            ours: 4,
+        }
+    );
+    assert_eq!(err.code(), ErrorCode::ConfigMismatch);
+    assert!(err.to_string().contains("train.fragments"), "{err}");
+    assert!(!s.connected_to_all());
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    assert!(t.is_empty(), "sent {t:?} to a refused shard");
+    let mut same = welcome(0, 0);
+    same.fragments = 4;
+    s.connected(0, &same, 0).unwrap();
+}
+
 /// A full reply body from shard `shard` to `request` at clock 0, with `values` in `precision`.
 fn full_reply(
     shard: usize,
@@ -785,6 +811,7 @@ fn deltas_that_overflow_the_copy_held_are_refused_and_the_copy_is_kept() {
         bucket: 16,
         rounding: Rounding::Deterministic,
         zstd: false,
+        keep: tether_common::codec::DEFAULT_KEEP,
     })
     .unwrap();
     let mut frame = Vec::new();

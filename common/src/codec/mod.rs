@@ -1,5 +1,5 @@
-//! The gradient codec: bucketed stochastic quantization (q8/q4/q2), fp16/bf16/fp32 passthrough, optional zstd, and
-//! worker-side error feedback.
+//! The gradient codec: bucketed stochastic quantization (q8/q4/q2), block top-k with 2-bit values (topk2),
+//! fp16/bf16/fp32 passthrough, optional zstd, and worker-side error feedback.
 //!
 //! Deterministic core: a frame is a pure function of (input, [`CodecConfig`], seed); the same seed gives the same
 //! bytes whichever kernel (scalar or AVX2) runs. The encoder and decoder own their scratch buffers so that steady-state
@@ -11,6 +11,7 @@ mod float;
 mod header;
 mod quant;
 mod rng;
+mod sparse;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -24,6 +25,10 @@ use serde::{Deserialize, Serialize};
 pub use feedback::ErrorFeedback;
 pub use header::{FrameHeader, HEADER_LEN, MAGIC, MAX_BUCKET, MIN_BUCKET, VERSION};
 pub use rng::seed_for;
+pub use sparse::MAX_SPARSE_BLOCK;
+
+/// Default keep ratio of `topk2`: one value in 64 per block (SparseLoCo keeps 1–3 %).
+pub const DEFAULT_KEEP: u32 = 64;
 
 /// zstd level used for bodies (fast; see docs/design.md §4 for its cost).
 pub const ZSTD_LEVEL: i32 = 1;
@@ -45,17 +50,20 @@ pub enum Scheme {
     Q4,
     /// Ternary bucketed quantization, levels −1..=1, four per byte.
     Q2,
+    /// Block top-k: one value in `keep` per block, each as 2 bits (sign, and one of the block's two scales).
+    Topk2,
 }
 
 impl Scheme {
     /// All schemes, in tag order.
-    pub const ALL: [Scheme; 6] = [
+    pub const ALL: [Scheme; 7] = [
         Scheme::None,
         Scheme::Fp16,
         Scheme::Bf16,
         Scheme::Q8,
         Scheme::Q4,
         Scheme::Q2,
+        Scheme::Topk2,
     ];
 
     /// The scheme's lowercase name (as in config files).
@@ -67,6 +75,7 @@ impl Scheme {
             Scheme::Q8 => "q8",
             Scheme::Q4 => "q4",
             Scheme::Q2 => "q2",
+            Scheme::Topk2 => "topk2",
         }
     }
 
@@ -75,14 +84,24 @@ impl Scheme {
         matches!(self, Scheme::Q8 | Scheme::Q4 | Scheme::Q2)
     }
 
-    /// Bits per element on the wire (before scales and compression).
+    /// Whether the scheme keeps only some values (topk2).
+    pub fn is_sparse(self) -> bool {
+        self == Scheme::Topk2
+    }
+
+    /// Whether rounding and a bucket (block) size apply: the quantized schemes and topk2.
+    pub fn is_bucketed(self) -> bool {
+        self.is_quantized() || self.is_sparse()
+    }
+
+    /// Bits per element on the wire (before scales and compression); per kept value for topk2.
     pub fn bits(self) -> u32 {
         match self {
             Scheme::None => 32,
             Scheme::Fp16 | Scheme::Bf16 => 16,
             Scheme::Q8 => 8,
             Scheme::Q4 => 4,
-            Scheme::Q2 => 2,
+            Scheme::Q2 | Scheme::Topk2 => 2,
         }
     }
 
@@ -134,12 +153,15 @@ pub enum Rounding {
 pub struct CodecConfig {
     /// Wire representation.
     pub scheme: Scheme,
-    /// Bucket size for quantized schemes: a multiple of 16 in [`MIN_BUCKET`, `MAX_BUCKET`].
+    /// Bucket size for quantized schemes: a multiple of 16 in [`MIN_BUCKET`, `MAX_BUCKET`] (at most
+    /// [`MAX_SPARSE_BLOCK`] for topk2, where it is the block of the top-k selection).
     pub bucket: usize,
-    /// Rounding mode for quantized schemes.
+    /// Rounding mode for quantized and sparse schemes.
     pub rounding: Rounding,
     /// Compress bodies with zstd (level 1) when that makes them smaller.
     pub zstd: bool,
+    /// topk2 keeps one value in `keep` per block: a power of two in 2..=32768 (ignored by the other schemes).
+    pub keep: u32,
 }
 
 impl Default for CodecConfig {
@@ -149,14 +171,32 @@ impl Default for CodecConfig {
             bucket: 512,
             rounding: Rounding::Stochastic,
             zstd: false,
+            keep: DEFAULT_KEEP,
         }
     }
 }
 
 impl CodecConfig {
-    /// Checks the configuration (bucket size).
+    /// Checks the configuration (bucket size; for topk2 also the block limit and `keep`).
     pub fn validate(&self) -> Result<(), CodecError> {
-        header::check_bucket(self.bucket)
+        if self.scheme.is_sparse() {
+            header::check_sparse(self.bucket, self.keep_shift())
+        } else {
+            header::check_bucket(self.bucket)
+        }
+    }
+
+    /// `log2(keep)` as the header carries it for topk2 (0 for other schemes; 0 also flags a `keep` that is not a
+    /// power of two in range, which `validate` refuses).
+    pub fn keep_shift(&self) -> u8 {
+        if !self.scheme.is_sparse() {
+            return 0;
+        }
+        if self.keep.is_power_of_two() && (2..=1 << 15).contains(&self.keep) {
+            self.keep.trailing_zeros() as u8
+        } else {
+            0
+        }
     }
 }
 
@@ -218,10 +258,14 @@ pub enum CodecError {
     /// zstd compression or decompression failed (including output larger than expected).
     #[error("zstd: {0}")]
     Zstd(String),
-    /// The bucket size is not a multiple of 16 in [MIN_BUCKET, MAX_BUCKET] (or non-zero for an fp scheme).
+    /// The bucket size is not a multiple of 16 in [MIN_BUCKET, MAX_BUCKET] (or non-zero for an fp scheme, or above
+    /// MAX_SPARSE_BLOCK for topk2).
     #[error("invalid bucket size")]
     InvalidBucket,
-    /// A scheme name that is not one of none|fp16|bf16|q8|q4|q2.
+    /// topk2's keep ratio is not a power of two in 2..=32768.
+    #[error("invalid keep ratio: a power of two from 2 to 32768")]
+    InvalidKeep,
+    /// A scheme name that is not one of none|fp16|bf16|q8|q4|q2|topk2.
     #[error("unknown codec scheme {0:?}")]
     UnknownScheme(String),
     /// The requested kernel is not supported by this CPU.
@@ -272,7 +316,7 @@ impl Kernel {
 /// when smaller). Saturates at `usize::MAX` for sizes no frame can have.
 pub fn max_encoded_len(cfg: &CodecConfig, len: usize) -> usize {
     let bucket = cfg.bucket.max(1);
-    match header::raw_body_len(cfg.scheme, len as u64, bucket) {
+    match header::raw_body_len(cfg.scheme, len as u64, bucket, cfg.keep_shift()) {
         Ok(raw) => HEADER_LEN + raw,
         Err(_) => usize::MAX,
     }
@@ -284,6 +328,8 @@ pub struct Encoder {
     kernel: Kernel,
     /// Raw body scratch, used only when zstd is on.
     raw: Vec<u8>,
+    /// topk2's selection scratch (one block of positions).
+    sel: Vec<u32>,
     compressor: Option<zstd::bulk::Compressor<'static>>,
 }
 
@@ -318,6 +364,7 @@ impl Encoder {
             cfg,
             kernel,
             raw: Vec::new(),
+            sel: Vec::new(),
             compressor,
         })
     }
@@ -363,11 +410,7 @@ impl Encoder {
         } else {
             &frame[HEADER_LEN..]
         };
-        if h.scheme.is_quantized() {
-            quant::decode_quant(body, h.scheme.bits(), h.bucket as usize, self.kernel, out)
-        } else {
-            float::decode_float(h.scheme, body, self.kernel, out)
-        }
+        decode_body(&h, body, self.kernel, out)
     }
 
     fn encode_inner(
@@ -377,27 +420,36 @@ impl Encoder {
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
         let cfg = self.cfg;
-        let raw_len = header::raw_body_len(cfg.scheme, input.len() as u64, cfg.bucket)?;
+        let shift = cfg.keep_shift();
+        let raw_len = header::raw_body_len(cfg.scheme, input.len() as u64, cfg.bucket, shift)?;
         let mut header = FrameHeader {
             version: VERSION,
             scheme: cfg.scheme,
             zstd: false,
             deterministic: cfg.rounding == Rounding::Deterministic,
-            bucket: if cfg.scheme.is_quantized() {
+            bucket: if cfg.scheme.is_bucketed() {
                 cfg.bucket as u32
             } else {
                 0
             },
+            keep_shift: shift,
             len: input.len() as u64,
             body_len: raw_len as u32,
         };
         // Every byte of the frame is overwritten below, so only growth is zero-filled.
         out.resize(HEADER_LEN + raw_len, 0);
         match self.compressor.as_mut() {
-            None => encode_body(cfg, self.kernel, input, seed, &mut out[HEADER_LEN..])?,
+            None => encode_body(
+                cfg,
+                self.kernel,
+                input,
+                seed,
+                &mut self.sel,
+                &mut out[HEADER_LEN..],
+            )?,
             Some(zc) => {
                 self.raw.resize(raw_len, 0);
-                encode_body(cfg, self.kernel, input, seed, &mut self.raw)?;
+                encode_body(cfg, self.kernel, input, seed, &mut self.sel, &mut self.raw)?;
                 // Compress into a destination one byte shorter than raw: success means strictly smaller.
                 let dst = &mut out[HEADER_LEN..HEADER_LEN + raw_len.saturating_sub(1)];
                 match zc.compress_to_buffer(&self.raw[..], dst) {
@@ -421,9 +473,20 @@ fn encode_body(
     kernel: Kernel,
     input: &[f32],
     seed: u64,
+    sel: &mut Vec<u32>,
     body: &mut [u8],
 ) -> Result<(), CodecError> {
-    if cfg.scheme.is_quantized() {
+    if cfg.scheme.is_sparse() {
+        sparse::encode(
+            input,
+            cfg.bucket,
+            cfg.keep_shift(),
+            cfg.rounding,
+            seed,
+            sel,
+            body,
+        )
+    } else if cfg.scheme.is_quantized() {
         quant::encode_quant(
             input,
             cfg.scheme.bits(),
@@ -529,11 +592,23 @@ impl Decoder {
         } else {
             wire
         };
-        if h.scheme.is_quantized() {
-            quant::decode_quant(body, h.scheme.bits(), h.bucket as usize, self.kernel, out)?;
-        } else {
-            float::decode_float(h.scheme, body, self.kernel, out)?;
-        }
+        decode_body(&h, body, self.kernel, out)?;
         Ok(h)
+    }
+}
+
+/// Decodes a raw (uncompressed) body described by the validated header `h` into `out`.
+fn decode_body(
+    h: &FrameHeader,
+    body: &[u8],
+    kernel: Kernel,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
+    if h.scheme.is_sparse() {
+        sparse::decode(body, h.bucket as usize, h.keep_shift, out)
+    } else if h.scheme.is_quantized() {
+        quant::decode_quant(body, h.scheme.bits(), h.bucket as usize, kernel, out)
+    } else {
+        float::decode_float(h.scheme, body, kernel, out)
     }
 }

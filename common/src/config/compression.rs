@@ -37,8 +37,12 @@ pub struct CompressionConfig {
     /// How workers pull (default "delta"): `delta` (compressed deltas of each shard's public copy, with the error
     /// feedback on the server side) or `full` (the whole shard every time, f32 or, with `pull_bf16`, bf16).
     pub pull: PullKind,
-    /// Codec scheme of pull deltas (default q4; q8 halves the rounding error for twice the bytes).
+    /// Codec scheme of pull deltas (default q4; q8 halves the rounding error for twice the bytes; topk2 sends the
+    /// largest changes only, with the public copy's error feedback carrying the rest).
     pub pull_scheme: Scheme,
+    /// topk2 keeps one value in `keep` per bucket, pushes and pulls alike: a power of two from 2 to 32768 (default
+    /// 64, about 1.6 %).
+    pub keep: u32,
 }
 
 impl Default for CompressionConfig {
@@ -52,6 +56,7 @@ impl Default for CompressionConfig {
             pull_bf16: false,
             pull: PullKind::Delta,
             pull_scheme: Scheme::Q4,
+            keep: crate::codec::DEFAULT_KEEP,
         }
     }
 }
@@ -64,6 +69,7 @@ impl CompressionConfig {
             bucket: self.bucket,
             rounding: self.rounding,
             zstd: self.zstd,
+            keep: self.keep,
         }
     }
 
@@ -79,6 +85,7 @@ impl CompressionConfig {
             bucket: self.bucket,
             rounding: Rounding::Deterministic,
             zstd: self.zstd,
+            keep: self.keep,
         }
     }
 }

@@ -113,7 +113,8 @@ pub struct OuterOptimizerConfig {
     pub kind: OptimizerKind,
     /// Outer learning rate (default 0.7, as DiLoCo).
     pub lr: f32,
-    /// Outer momentum (default 0.9, as DiLoCo).
+    /// Outer momentum (default 0.5, the quickstart's: DiLoCo's 0.9 overshoots at H ≤ 64 and diverged with s = 3,
+    /// docs/pulls-and-local-steps.md).
     pub momentum: f32,
 }
 
@@ -122,7 +123,7 @@ impl Default for OuterOptimizerConfig {
         Self {
             kind: OptimizerKind::Nesterov,
             lr: 0.7,
-            momentum: 0.9,
+            momentum: 0.5,
         }
     }
 }

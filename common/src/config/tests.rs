@@ -213,6 +213,7 @@ fn documented_defaults_are_the_default_impls() {
         (0, 0, ComputePrecision::F32)
     );
     assert_eq!((t.loss_scale, t.loss_scale_window), (65536.0, 200));
+    assert_eq!((t.local_steps_max, t.fragments), (0, 1));
     let o = &c.optimizer;
     assert_eq!(
         (o.kind, o.lr, o.momentum, o.beta1, o.beta2, o.eps),
@@ -224,7 +225,7 @@ fn documented_defaults_are_the_default_impls() {
     );
     assert_eq!(
         (o.outer.kind, o.outer.lr, o.outer.momentum),
-        (OptimizerKind::Nesterov, 0.7, 0.9)
+        (OptimizerKind::Nesterov, 0.7, 0.5)
     );
     let z = &c.compression;
     assert_eq!(
@@ -236,6 +237,7 @@ fn documented_defaults_are_the_default_impls() {
         (z.pull_bf16, z.pull, z.pull_scheme),
         (false, PullKind::Delta, Scheme::Q4)
     );
+    assert_eq!(z.keep, 64);
     let k = &c.checkpoint;
     assert_eq!(
         (
@@ -378,5 +380,97 @@ fn the_guard_is_on_by_default_and_its_keys_are_range_checked() {
             matches!(&e, ConfigError::Invalid { key: k, .. } if *k == key),
             "{line}: {e}"
         );
+    }
+}
+
+#[test]
+fn topk2_keys_are_range_checked() {
+    let ok = Config::parse(
+        &format!("{MINIMAL}[compression]\nscheme = \"topk2\"\npull_scheme = \"topk2\"\nbucket = 4096\nkeep = 32\n"),
+        Path::new("/"),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            ok.compression.codec().keep,
+            ok.compression.pull_codec().keep
+        ),
+        (32, 32)
+    );
+    assert_eq!(ok.compression.codec().scheme, Scheme::Topk2);
+    for (extra, key) in [
+        ("keep = 3", "compression.keep"),
+        ("keep = 1", "compression.keep"),
+        ("keep = 65536", "compression.keep"),
+        ("scheme = \"topk2\"\nbucket = 131072", "compression.bucket"),
+        (
+            "pull_scheme = \"topk2\"\nbucket = 131072",
+            "compression.bucket",
+        ),
+    ] {
+        let e = Config::parse(
+            &format!("{MINIMAL}[compression]\n{extra}\n"),
+            Path::new("/"),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Invalid { key: k, .. } if *k == key),
+            "{extra}: {e}"
+        );
+    }
+    // A large bucket is fine for the dense schemes.
+    Config::parse(
+        &format!("{MINIMAL}[compression]\nbucket = 131072\n"),
+        Path::new("/"),
+    )
+    .unwrap();
+}
+
+#[test]
+fn fragments_are_range_checked_and_need_local_step_rounds() {
+    let ok = Config::parse(
+        &format!("{MINIMAL}[train]\nlocal_steps = 16\nfragments = 4\n"),
+        Path::new("/"),
+    )
+    .unwrap();
+    assert_eq!(ok.train.fragments, 4);
+    for extra in [
+        "fragments = 0",
+        "fragments = 65",
+        "fragments = 2",
+        "local_steps = 0\nfragments = 4",
+    ] {
+        let e = Config::parse(&format!("{MINIMAL}[train]\n{extra}\n"), Path::new("/")).unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Invalid { key, .. } if *key == "train.fragments"),
+            "{extra}: {e}"
+        );
+    }
+}
+
+#[test]
+fn a_combination_measured_to_diverge_gets_a_warning() {
+    let diverging = "[train]\nlocal_steps = 16\n[optimizer.outer]\nmomentum = 0.9\n";
+    let c = Config::parse(
+        &format!("{MINIMAL}staleness = 3\n{diverging}"),
+        Path::new("/"),
+    )
+    .unwrap();
+    let w = c.warnings();
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].contains("optimizer.outer.momentum") && w[0].contains("0.15"),
+        "{}",
+        w[0]
+    );
+    // The defaults, BSP rounds, a push every step, or momentum 0.5: no warning.
+    for text in [
+        MINIMAL.to_string(),
+        format!("{MINIMAL}staleness = 0\n{diverging}"),
+        format!("{MINIMAL}staleness = 3\n[optimizer.outer]\nmomentum = 0.9\n"),
+        format!("{MINIMAL}staleness = 3\n[train]\nlocal_steps = 16\n"),
+    ] {
+        let c = Config::parse(&text, Path::new("/")).unwrap();
+        assert!(c.warnings().is_empty(), "{text}: {:?}", c.warnings());
     }
 }

@@ -59,6 +59,16 @@ pub struct TrainConfig {
     /// pushes the pseudo-gradient θ_start − θ_end, and the shards apply `[optimizer.outer]`; one SSP clock is one
     /// round (default 0: a gradient push every step, `[optimizer]` on the shards).
     pub local_steps: u32,
+    /// Link-aware local steps (default 0: H pinned at `local_steps`). Above `local_steps`, each worker measures its
+    /// communication per round against its compute per inner step and grows H up to this bound until communication
+    /// is at most a fifth of a round (`tether_worker::local_steps`).
+    pub local_steps_max: u32,
+    /// Streamed fragments (Streaming DiLoCo; default 1: the whole model each round). Above 1, needs `local_steps`:
+    /// every shard's range is split into this many contiguous parts, and round `c` (one SSP clock) pushes only part
+    /// `c mod fragments` of every shard, after `local_steps / fragments` inner steps; the shards apply the outer step
+    /// to that part alone. Each fragment is still synchronized once per `local_steps` inner steps, the largest burst
+    /// is about `1/fragments` of a whole-model push, and each round's pull overlaps the next round's inner steps.
+    pub fragments: u32,
     /// Most steps each worker runs (default 0: no cap, `epochs` passes); for corpora where a pass is long.
     pub max_steps: u64,
     /// Arithmetic of the workers' forward/backward (default f32; bf16 and f16 for candle models, the GPT).
@@ -80,6 +90,8 @@ impl Default for TrainConfig {
             clip_norm: 5.0,
             seed: 7,
             local_steps: 0,
+            local_steps_max: 0,
+            fragments: 1,
             max_steps: 0,
             precision: ComputePrecision::F32,
             loss_scale: 65536.0,

@@ -308,6 +308,14 @@ pub fn shard_range(total: usize, shard: usize, shards: usize) -> Range<usize> {
     start..start + len
 }
 
+/// The part of a shard's range (`len` values, relative to its start) that round `clock` synchronizes when the model
+/// is streamed in `fragments` fragments (`train.fragments`): part `clock mod fragments` of a balanced contiguous split.
+/// With one fragment it is the whole range.
+pub fn fragment_part(len: usize, clock: u64, fragments: u32) -> Range<usize> {
+    let f = u64::from(fragments.max(1));
+    shard_range(len, (clock % f) as usize, f as usize)
+}
+
 struct Fnv1a(u64);
 
 impl Fnv1a {

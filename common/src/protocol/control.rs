@@ -202,6 +202,9 @@ pub struct Welcome {
     /// Staleness bound; `None` means unbounded (asynchronous). A worker configured for another bound refuses the
     /// shard.
     pub staleness: Option<u32>,
+    /// Streamed fragments (`train.fragments`): a push of clock `c` carries part `c mod fragments` of the range. A
+    /// worker configured otherwise refuses the shard.
+    pub fragments: u32,
     /// Minimum clock over live workers.
     pub min_clock: u64,
     /// Shard parameter version.

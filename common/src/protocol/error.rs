@@ -245,6 +245,16 @@ pub enum ProtocolError {
         /// The worker's own bound.
         ours: Option<u32>,
     },
+    /// The shard streams its range in another number of fragments than the worker (`train.fragments` differs).
+    #[error("shard {shard} streams {shard_fragments} fragments, this worker {ours}: train.fragments must match")]
+    FragmentsMismatch {
+        /// The shard.
+        shard: u32,
+        /// The shard's count.
+        shard_fragments: u32,
+        /// The worker's own count.
+        ours: u32,
+    },
     /// A violation detected by a higher layer (shard validation, clock checks), carried with its code.
     #[error("{code}: {message}")]
     Rejected {
@@ -269,7 +279,9 @@ impl ProtocolError {
             ProtocolError::WrongShard { .. } => ErrorCode::WrongShard,
             ProtocolError::BadRange { .. } => ErrorCode::BadRange,
             ProtocolError::UnexpectedMessage(_) => ErrorCode::UnexpectedMessage,
-            ProtocolError::StalenessMismatch { .. } => ErrorCode::ConfigMismatch,
+            ProtocolError::StalenessMismatch { .. } | ProtocolError::FragmentsMismatch { .. } => {
+                ErrorCode::ConfigMismatch
+            }
             ProtocolError::Remote { code, .. } | ProtocolError::Rejected { code, .. } => *code,
         }
     }

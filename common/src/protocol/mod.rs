@@ -37,7 +37,7 @@ pub use values::{check_finite_values, decode_values, encode_values};
 /// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`]. Version 4
 /// added the rollback `epoch` to pull replies and the `RolledBack` refusal; version 5 opens full and delta replies
 /// with the one [`ReplyHeader`] and adds [`ErrorCode::ConfigMismatch`].
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";

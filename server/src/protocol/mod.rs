@@ -378,6 +378,7 @@ impl ShardProtocol {
             range_start: range.start,
             range_end: range.end,
             staleness: self.core.clocks().staleness().bound(),
+            fragments: self.core.fragments(),
             min_clock: self.core.clocks().min_clock(),
             version: self.core.version(),
             clock,

@@ -216,6 +216,8 @@ pub struct WorkerProtocol {
     rank: u32,
     layout_hash: u64,
     staleness: Staleness,
+    /// Streamed fragments (`train.fragments`; a shard announcing another count is refused).
+    fragments: u32,
     mode: PullMode,
     heartbeat_ms: u64,
     clock: u64,
@@ -250,6 +252,7 @@ impl WorkerProtocol {
             rank,
             layout_hash,
             staleness,
+            fragments: 1,
             mode,
             heartbeat_ms: heartbeat_ms.max(1),
             clock: 0,
@@ -353,6 +356,14 @@ impl WorkerProtocol {
         self.transmits.push_back(Transmit::Control { shard, msg });
     }
 
+    /// Streams the model in `fragments` parts (`train.fragments`): a shard whose welcome announces another count is
+    /// refused ([`ProtocolError::FragmentsMismatch`]). Pushes are built by the caller, part by part; the protocol's
+    /// rounds are unchanged.
+    pub fn with_fragments(mut self, fragments: u32) -> Self {
+        self.fragments = fragments.max(1);
+        self
+    }
+
     /// `shard` welcomed us. Checks the welcome against the layout and our staleness bound, drops pending rounds a
     /// rejoin jumped over,
     /// resends the rest, adopts a higher clock (and schedules rejoins of the shards behind it), and asks for this
@@ -363,6 +374,13 @@ impl WorkerProtocol {
         welcome: &Welcome,
         now_ms: u64,
     ) -> Result<(), ProtocolError> {
+        if welcome.fragments != self.fragments {
+            return Err(ProtocolError::FragmentsMismatch {
+                shard: welcome.shard,
+                shard_fragments: welcome.fragments,
+                ours: self.fragments,
+            });
+        }
         if welcome.staleness != self.staleness.bound() {
             return Err(ProtocolError::StalenessMismatch {
                 shard: welcome.shard,

@@ -12,6 +12,7 @@ use tracing::warn;
 use tether_common::codec::CodecError;
 
 use crate::data::{Dataset, Partition};
+use crate::fragments::FragmentStream;
 use crate::model;
 use crate::step::{StepEngine, StepOutcome};
 use crate::threads::ComputePool;
@@ -44,6 +45,40 @@ pub(super) struct LocalRound {
 }
 
 impl Message for LocalRound {
+    type Result = Result<Computed, CodecError>;
+}
+
+/// Streamed fragments: `steps` inner steps on the worker's own model θ (no push; the round's pull is in flight).
+pub(super) struct Inner {
+    pub(super) first_step: u64,
+    pub(super) steps: u64,
+}
+
+/// What a round of inner steps measured: the mean loss of its finite steps and how many there were.
+pub(super) struct InnerDone {
+    pub(super) loss: f64,
+    pub(super) good: u64,
+}
+
+impl Message for Inner {
+    type Result = InnerDone;
+}
+
+/// Streamed fragments: bring the pulled model `params` in, then encode round `push`'s part into `frames`. `start`:
+/// θ and every anchor become `params` (the first pull); `reload`: shards that rolled back; `merge`: the round whose
+/// push this pull followed. `steps` are the inner steps the round covered (for push faults and the seed).
+pub(super) struct FragmentSync {
+    pub(super) params: Vec<f32>,
+    pub(super) start: bool,
+    pub(super) reload: Vec<usize>,
+    pub(super) merge: Option<u64>,
+    pub(super) push: Option<u64>,
+    pub(super) steps: std::ops::Range<u64>,
+    pub(super) loss: f32,
+    pub(super) frames: Vec<Vec<u8>>,
+}
+
+impl Message for FragmentSync {
     type Result = Result<Computed, CodecError>;
 }
 
@@ -80,11 +115,11 @@ impl Handler<Credit> for WorkerActor {
     type Result = ();
     fn handle(&mut self, msg: Credit, _: &mut Context<Self>) {
         // The frame was built by this worker, so it validates; a failure here is logged, never fatal.
-        let payload =
-            tether_common::protocol::access_push(&msg.frame).map(|f| f.payload().to_vec());
+        let payload = tether_common::protocol::access_push(&msg.frame)
+            .map(|f| (f.meta().clock, f.payload().to_vec()));
         match payload {
-            Ok(p) if !p.is_empty() => {
-                if let Err(e) = self.engine.credit_undelivered(msg.shard, &p) {
+            Ok((clock, p)) if !p.is_empty() => {
+                if let Err(e) = self.engine.credit_undelivered_part(msg.shard, clock, &p) {
                     warn!(shard = msg.shard, error = %e, "cannot credit an undelivered push");
                 }
             }
@@ -134,6 +169,8 @@ pub(super) struct WorkerActor {
     yb: Vec<u32>,
     /// θ of the local-step round in progress.
     theta: Vec<f32>,
+    /// θ and anchors of streamed fragments (`train.fragments` > 1).
+    stream: Option<FragmentStream>,
     /// The threads every step, round and evaluation runs on.
     pool: Arc<ComputePool>,
 }
@@ -161,8 +198,17 @@ impl WorkerActor {
             xb: vec![0.0; batch * features],
             yb: vec![0; batch],
             theta: Vec::new(),
+            stream: None,
             pool: Arc::new(pool),
         }
+    }
+}
+
+impl WorkerActor {
+    /// Streamed fragments (`train.fragments` > 1): rounds are [`Inner`] and [`FragmentSync`] on this stream.
+    pub(super) fn with_stream(mut self, stream: Option<FragmentStream>) -> Self {
+        self.stream = stream;
+        self
     }
 }
 
@@ -252,6 +298,92 @@ impl WorkerActor {
                 } else {
                     f32::NAN
                 },
+                grad_norm: 0.0,
+                finite,
+            },
+            params: msg.params,
+            frames: msg.frames,
+        })
+    }
+}
+
+impl Handler<Inner> for WorkerActor {
+    type Result = MessageResult<Inner>;
+    fn handle(&mut self, msg: Inner, _: &mut Context<Self>) -> Self::Result {
+        let pool = Arc::clone(&self.pool);
+        MessageResult(pool.install(|| self.inner(msg)))
+    }
+}
+
+impl Handler<FragmentSync> for WorkerActor {
+    type Result = Result<Computed, CodecError>;
+    fn handle(&mut self, msg: FragmentSync, _: &mut Context<Self>) -> Self::Result {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.fragment_sync(msg))
+    }
+}
+
+impl WorkerActor {
+    /// Streamed fragments: inner steps on θ (on the compute pool). Without a started stream nothing runs.
+    fn inner(&mut self, msg: Inner) -> InnerDone {
+        let (mut loss, mut good) = (0.0f64, 0u64);
+        let mut stream = match self.stream.take() {
+            Some(s) if s.started() => s,
+            other => {
+                self.stream = other;
+                return InnerDone { loss, good };
+            }
+        };
+        for step in msg.first_step..msg.first_step + msg.steps {
+            self.load_batch(step);
+            let o = self
+                .engine
+                .compute(step, stream.theta(), &self.xb, &self.yb);
+            // A non-finite inner gradient is dropped: that inner step does not happen.
+            if o.finite {
+                self.engine.inner_step(stream.theta_mut());
+                loss += f64::from(o.loss);
+                good += 1;
+            }
+        }
+        self.stream = Some(stream);
+        InnerDone {
+            loss: if good > 0 { loss / good as f64 } else { 0.0 },
+            good,
+        }
+    }
+
+    /// Streamed fragments: merge the pull, then encode the round's part (on the compute pool).
+    fn fragment_sync(&mut self, mut msg: FragmentSync) -> Result<Computed, CodecError> {
+        let Some(stream) = self.stream.as_mut() else {
+            return Err(CodecError::LengthMismatch {
+                expected: 0,
+                found: msg.params.len() as u64,
+            });
+        };
+        if msg.start || !stream.started() {
+            stream.start(&msg.params);
+        }
+        stream.reload(&msg.params, &msg.reload);
+        if let Some(c) = msg.merge {
+            stream.merge(&msg.params, c);
+        }
+        let mut finite = false;
+        if let Some(clock) = msg.push {
+            finite = msg.loss.is_finite() && stream.pseudo_gradient(clock, self.engine.grad_mut());
+            if finite {
+                self.engine.fault_push(msg.steps.clone());
+                for (k, out) in msg.frames.iter_mut().enumerate() {
+                    self.engine.encode_part(k, clock, msg.steps.start, out)?;
+                }
+                stream.pushed(clock);
+            } else if !stream.theta().iter().all(|t| t.is_finite()) {
+                stream.discard();
+            }
+        }
+        Ok(Computed {
+            outcome: StepOutcome {
+                loss: msg.loss,
                 grad_norm: 0.0,
                 finite,
             },

@@ -68,6 +68,14 @@ pub struct WorkerReport {
     pub compute_seconds: f64,
     /// Threads of this worker's compute pool.
     pub compute_threads: u32,
+    /// Largest round of pushes, bytes on the wire over all shards (the largest burst on the worker's uplink).
+    pub max_push_bytes: u64,
+    /// Largest pull, bytes on the wire over all shards (the largest burst on the worker's downlink).
+    pub max_pull_bytes: u64,
+    /// Inner steps of the next round as the link-aware policy last picked them (local-step rounds; else 0).
+    pub local_steps_picked: u32,
+    /// Why (`tether_worker::local_steps`), when `train.local_steps_max` lets the worker choose; else empty.
+    pub local_steps_reason: String,
     /// CPU seconds this worker's compute threads used (steps, rounds, evaluations).
     pub compute_cpu_seconds: f64,
     /// Each pull's wait, µs (request to a complete answer from every shard; the first `driver::LATENCY_SAMPLES`).
@@ -105,6 +113,9 @@ impl WorkerReport {
             pull_wait_seconds: self.pull_wait_seconds,
             compute_seconds: self.compute_seconds,
             compute_threads: self.compute_threads,
+            local_steps_picked: self.local_steps_picked,
+            max_push_bytes: self.max_push_bytes,
+            max_pull_bytes: self.max_pull_bytes,
             compute_cpu_seconds: self.compute_cpu_seconds,
             loss_scale: self.precision.map(|p| LossScale {
                 overflows: p.overflows,
