@@ -315,6 +315,7 @@ fn streamed_fragments_train_with_a_quarter_of_the_burst_and_rebuild_the_public_c
     cfg.train.local_steps = h;
     cfg.train.fragments = f;
     cfg.optimizer.outer.momentum = 0.5;
+    let n_params = tether::common::layout::model_layout(&cfg).unwrap().len();
     let whole: usize = {
         let layout = tether::common::layout::model_layout(&cfg).unwrap();
         (0..2)
@@ -348,6 +349,15 @@ fn streamed_fragments_train_with_a_quarter_of_the_burst_and_rebuild_the_public_c
         r.max_push_bytes as f64 <= 1.2 / f64::from(f) * whole as f64,
         "largest push {} B against a whole-model push of {whole} B",
         r.max_push_bytes
+    );
+    // Fresh shards offer their initial weights, which workers compute: no pull carries the whole model in f32 (4
+    // bytes per parameter: before, every worker's first pull, and the largest downlink burst), since a shard sends
+    // deltas only while they are smaller than that.
+    assert!(
+        r.max_pull_bytes < n_params as u64 * 4,
+        "largest pull {} B against the whole model's {} B in f32",
+        r.max_pull_bytes,
+        n_params * 4
     );
     assert_publics_rebuilt(&workers, &publics);
     // Measured: Fashion-MNIST 0.8166-0.8331 over 4 runs (whole-model rounds of 8: 0.839), digits 0.9167-0.9250 over

@@ -1,10 +1,12 @@
 //! Prometheus metrics (names fixed in docs/design.md §6): the server's and the worker's metric sets, registered in a
 //! `prometheus-client` registry, and a minimal HTTP exporter serving the text format at `/metrics`. Recording is a
 //! few atomic operations and never blocks; the exporter runs on its own task and only reads, with a bounded number of
-//! connections and a backing-off accept loop so that it never competes with the process it reports on.
+//! connections (idle ones make room for new ones, oldest first) and a backing-off accept loop, so that it never
+//! competes with the process it reports on and idle connections cannot lock a scraper out.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -15,7 +17,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, Semaphore};
 
 /// Label set `{reason="..."}` / `{kind="..."}`.
 pub type Labels = Vec<(&'static str, &'static str)>;
@@ -169,9 +171,11 @@ impl WorkerMetrics {
 
 /// Largest request head the exporter reads.
 const MAX_REQUEST: usize = 8192;
-/// Scrape connections served at once; one accepted beyond them is closed at once (and holds no descriptor).
+/// Connections still sending their request head, at most; one accepted beyond them closes the oldest of them.
 pub const MAX_SCRAPE_CONNECTIONS: usize = 16;
-/// A scraper must send its request head within this time of connecting.
+/// Connections being answered (request read, response being written), at most; one beyond them is closed at once.
+pub const MAX_ANSWERING: usize = 16;
+/// A scraper must send its request head within this time of connecting, and read the answer within as long again.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 /// The first pause of the accept loop after an error that is not about one connection.
 pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
@@ -208,17 +212,79 @@ pub fn accept_backoff(err: &std::io::Error, previous: Option<Duration>) -> Optio
     })
 }
 
+/// The connections still sending their request head, oldest first: the exporter's admission rule, without I/O.
+/// At most [`MAX_SCRAPE_CONNECTIONS`] wait; admitting one more evicts the oldest. An idle connection therefore
+/// holds its place only until that many newer ones arrive, and a scraper, which sends its request at once, is
+/// never locked out by connections that send nothing.
+#[derive(Debug, Default)]
+pub struct WaitingRoom {
+    next: u64,
+    queue: VecDeque<u64>,
+}
+
+impl WaitingRoom {
+    /// Admits a new connection: returns its ticket and the ticket of the oldest waiter it evicts, if any.
+    pub fn admit(&mut self) -> (u64, Option<u64>) {
+        let evicted = if self.queue.len() >= MAX_SCRAPE_CONNECTIONS {
+            self.queue.pop_front()
+        } else {
+            None
+        };
+        let ticket = self.next;
+        self.next += 1;
+        self.queue.push_back(ticket);
+        (ticket, evicted)
+    }
+
+    /// Marks `ticket` as done waiting (its request arrived, or it failed); false if it was already evicted.
+    pub fn leave(&mut self, ticket: u64) -> bool {
+        match self.queue.iter().position(|&t| t == ticket) {
+            Some(i) => {
+                self.queue.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Connections waiting now.
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// True when nobody waits.
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+}
+
+/// The waiting room and, for each waiter, the sender that evicts it (dropping it closes the connection).
+#[derive(Default)]
+struct Lobby {
+    room: WaitingRoom,
+    evict: std::collections::HashMap<u64, oneshot::Sender<()>>,
+}
+
+/// Locks the lobby; a poisoned lock (a panicking connection task) still holds consistent bookkeeping, since every
+/// critical section below is a few map and queue operations that cannot panic half-way.
+fn lock(lobby: &Mutex<Lobby>) -> std::sync::MutexGuard<'_, Lobby> {
+    lobby.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Serves `GET /metrics` on `addr` until the task is dropped; returns the bound address. At most
-/// [`MAX_SCRAPE_CONNECTIONS`] connections are served at once, each must send its request within
-/// [`REQUEST_DEADLINE`], and accept errors back off ([`accept_backoff`]), so neither idle connections nor a
-/// process out of descriptors make the exporter take descriptors or CPU from the shard it reports on.
+/// [`MAX_SCRAPE_CONNECTIONS`] connections wait for their request head (a new one evicts the oldest:
+/// [`WaitingRoom`]), each within [`REQUEST_DEADLINE`]; at most [`MAX_ANSWERING`] are answered at once, each
+/// within [`REQUEST_DEADLINE`]; accept errors back off ([`accept_backoff`]). So neither idle connections nor a
+/// process out of descriptors make the exporter take more than a few dozen descriptors or any CPU from the shard
+/// it reports on, and a scraper is answered while idle connections come and go.
 pub async fn serve(
     addr: SocketAddr,
     registry: Arc<Registry>,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let slots = Arc::new(Semaphore::new(MAX_SCRAPE_CONNECTIONS));
+    let answering = Arc::new(Semaphore::new(MAX_ANSWERING));
+    let lobby = Arc::new(Mutex::new(Lobby::default()));
     let task = tokio::spawn(async move {
         let mut backoff = None;
         loop {
@@ -238,36 +304,94 @@ pub async fn serve(
                     continue;
                 }
             };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                // Over the cap: closed at once, never queued.
-                drop(sock);
-                continue;
+            let (tx, rx) = oneshot::channel();
+            let ticket = {
+                let mut l = lock(&lobby);
+                let (ticket, evicted) = l.room.admit();
+                if let Some(old) = evicted {
+                    // Dropping the sender wakes the evicted task, which closes its connection.
+                    l.evict.remove(&old);
+                }
+                l.evict.insert(ticket, tx);
+                ticket
             };
-            let registry = registry.clone();
+            let (registry, lobby, answering) = (registry.clone(), lobby.clone(), answering.clone());
             tokio::spawn(async move {
-                answer(sock, &registry).await;
-                drop(slot);
+                let mut sock = sock;
+                let mut buf = [0u8; MAX_REQUEST];
+                let mut n = 0;
+                let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
+                let evicted = tokio::select! {
+                    biased;
+                    _ = read_head(&mut sock, &mut buf, &mut n, deadline) => false,
+                    _ = rx => true,
+                };
+                {
+                    let mut l = lock(&lobby);
+                    l.room.leave(ticket);
+                    l.evict.remove(&ticket);
+                }
+                // Answering holds a slot from here on; a connection that cannot get one is closed.
+                let Ok(_slot) = answering.try_acquire() else {
+                    return;
+                };
+                if evicted {
+                    // A waiter whose request has arrived (but was not read yet, because newer connections were
+                    // accepted first) is not idle: it is answered like the others. Only a silent one is closed.
+                    let Some(s) = with_pending_bytes(sock, n) else {
+                        return;
+                    };
+                    sock = s;
+                    read_head(&mut sock, &mut buf, &mut n, deadline).await;
+                }
+                if n == 0 {
+                    return;
+                }
+                let request = String::from_utf8_lossy(&buf[..n]);
+                let _ =
+                    tokio::time::timeout(REQUEST_DEADLINE, respond(&mut sock, &request, &registry))
+                        .await;
             });
         }
     });
     Ok((local, task))
 }
 
-/// Reads one request head (bounded in size and by [`REQUEST_DEADLINE`]) and answers it.
-async fn answer(mut sock: TcpStream, registry: &Registry) {
-    // Read the whole request head: closing a socket with unread request bytes makes the kernel answer with a reset,
-    // which the client sees instead of the response.
-    let mut buf = [0u8; MAX_REQUEST];
-    let mut n = 0;
-    let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
-    while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-        match tokio::time::timeout_at(deadline, sock.read(&mut buf[n..])).await {
+/// Reads one request head into `buf[*n..]`, bounded by `buf`'s size and by `deadline`, counting what it read in
+/// `n` (so that a read interrupted by eviction keeps its bytes). Reads the whole head: closing a socket with unread
+/// request bytes makes the kernel answer with a reset, which the client sees instead of the response.
+async fn read_head(
+    sock: &mut TcpStream,
+    buf: &mut [u8],
+    n: &mut usize,
+    deadline: tokio::time::Instant,
+) {
+    while *n < buf.len() && !buf[..*n].windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout_at(deadline, sock.read(&mut buf[*n..])).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
-            Ok(Ok(k)) => n += k,
+            Ok(Ok(k)) => *n += k,
         }
     }
-    let req = String::from_utf8_lossy(&buf[..n]);
-    let (status, body) = if req.starts_with("GET /metrics") {
+}
+
+/// `sock` back if its peer has sent something: `read` bytes already, or bytes waiting in the kernel (one
+/// non-blocking peek, made directly on the socket: the reactor may not have seen them yet).
+fn with_pending_bytes(sock: TcpStream, read: usize) -> Option<TcpStream> {
+    if read > 0 {
+        return Some(sock);
+    }
+    // `into_std` keeps the socket non-blocking, so the peek returns at once.
+    let std = sock.into_std().ok()?;
+    let mut b = [0u8; 1];
+    match std.peek(&mut b) {
+        Ok(k) if k > 0 => TcpStream::from_std(std).ok(),
+        _ => None,
+    }
+}
+
+/// Answers `request` (a request head) on `sock`: the metrics for `GET /metrics`, 404 for anything else.
+async fn respond(sock: &mut TcpStream, request: &str, registry: &Registry) {
+    let (status, body) = if request.starts_with("GET /metrics") {
         ("200 OK", render(registry))
     } else {
         ("404 Not Found", "not found\n".to_string())
@@ -280,7 +404,6 @@ async fn answer(mut sock: TcpStream, registry: &Registry) {
     let _ = sock.write_all(body.as_bytes()).await;
     let _ = sock.shutdown().await;
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -378,8 +501,34 @@ mod tests {
         body.starts_with("HTTP/1.1 200 OK").then_some(body)
     }
 
+    #[test]
+    fn the_waiting_room_evicts_the_oldest_waiter_and_forgets_those_that_left() {
+        let mut room = WaitingRoom::default();
+        let first: Vec<u64> = (0..MAX_SCRAPE_CONNECTIONS)
+            .map(|_| {
+                let (t, evicted) = room.admit();
+                assert_eq!(evicted, None);
+                t
+            })
+            .collect();
+        // One that sent its request leaves; the next one takes its place without evicting anybody.
+        assert!(room.leave(first[3]));
+        assert!(!room.leave(first[3]), "left twice");
+        assert_eq!(room.admit().1, None);
+        // The room is full again: each newcomer evicts the oldest waiter still there, skipping the one that left.
+        assert_eq!(room.admit().1, Some(first[0]));
+        assert_eq!(room.admit().1, Some(first[1]));
+        assert_eq!(room.admit().1, Some(first[2]));
+        assert_eq!(room.admit().1, Some(first[4]));
+        assert!(
+            !room.leave(first[0]),
+            "an evicted waiter cannot leave again"
+        );
+        assert_eq!(room.len(), MAX_SCRAPE_CONNECTIONS);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn idle_connections_beyond_the_cap_are_closed_at_once_and_a_scrape_still_answers() {
+    async fn idle_connections_make_room_oldest_first_and_a_scrape_is_answered_at_once() {
         let mut reg = Registry::default();
         ServerMetrics::register(&mut reg);
         let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), Arc::new(reg))
@@ -390,28 +539,61 @@ mod tests {
         for _ in 0..MAX_SCRAPE_CONNECTIONS + extra {
             idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
         }
-        let (closed, _held) = closed_by_server(idle, Duration::from_millis(500)).await;
+        let (closed, mut held) = closed_by_server(idle, Duration::from_millis(500)).await;
         assert_eq!(
             closed.iter().filter(|&&c| c).count(),
             extra,
-            "only the connections beyond the cap are closed at once: {closed:?}"
+            "only as many as came beyond the cap are closed: {closed:?}"
         );
         assert!(
-            closed[..MAX_SCRAPE_CONNECTIONS].iter().all(|&c| !c),
-            "{closed:?}"
+            closed[..extra].iter().all(|&c| c) && closed[extra..].iter().all(|&c| !c),
+            "the oldest are closed, the newest kept: {closed:?}"
         );
-        // The idle ones lose their slots at the request deadline; a scraper retrying gets its answer.
-        let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE + Duration::from_secs(5);
-        let mut answer = None;
-        while answer.is_none() && tokio::time::Instant::now() < deadline {
-            answer = scrape(addr).await;
-            if answer.is_none() {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+        // With the room full of idle connections (held open here), a scrape is answered well before their deadline.
+        let asked = tokio::time::Instant::now();
+        let body = scrape(addr)
+            .await
+            .expect("a scrape behind a full room of idle connections is answered");
+        assert!(
+            asked.elapsed() < REQUEST_DEADLINE / 2,
+            "{:?}",
+            asked.elapsed()
+        );
+        assert!(body.contains("tether_updates_applied_total"), "{body}");
+        // And it evicted the oldest idle connection still held.
+        let (closed, _held) =
+            closed_by_server(held.split_off(extra), Duration::from_millis(500)).await;
+        assert_eq!(closed.iter().filter(|&&c| c).count(), 1, "{closed:?}");
+        assert!(closed[0], "{closed:?}");
+        task.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_scrape_followed_at_once_by_a_burst_of_idle_connections_is_answered() {
+        let mut reg = Registry::default();
+        ServerMetrics::register(&mut reg);
+        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), Arc::new(reg))
+            .await
+            .unwrap();
+        let mut idle = Vec::new();
+        for round in 0..20 {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            // Enough newcomers to evict the scrape from the waiting room, however fast it was accepted.
+            for _ in 0..2 * MAX_SCRAPE_CONNECTIONS {
+                idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
             }
+            let mut body = String::new();
+            tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut body))
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: no answer in 2 s"))
+                .unwrap();
+            assert!(body.starts_with("HTTP/1.1 200 OK"), "round {round}: {body}");
+            idle.drain(..);
         }
         task.abort();
-        let body = answer.expect("no scrape answered after the idle connections' deadline");
-        assert!(body.contains("tether_updates_applied_total"), "{body}");
     }
 
     #[tokio::test]

@@ -47,6 +47,7 @@ async fn handle(conn: quinn::Connection, counters: Arc<Counters>) -> Result<(), 
         min_clock: 0,
         version: 0,
         clock: hello.clock,
+        initial: None,
     };
     control.send(&welcome.into()).await?;
     let limits = limits();

@@ -22,6 +22,11 @@ fn all_controls() -> Vec<Control> {
             min_clock: 17,
             version: 99,
             clock: 18,
+            initial: Some(InitialCut {
+                lineage: u64::MAX,
+                seed: 7,
+                crc32: 0xdead_beef,
+            }),
         }),
         Control::Welcome(Welcome {
             shard: 0,
@@ -32,6 +37,7 @@ fn all_controls() -> Vec<Control> {
             min_clock: 0,
             version: 0,
             clock: 0,
+            initial: None,
         }),
         Control::Heartbeat { clock: u64::MAX },
         Control::PullRequest {

@@ -14,7 +14,7 @@ use tether_common::codec::{CodecConfig, CodecError, Decoder, Rounding, Scheme};
 use tether_common::config::{OptimizerConfig, RollbackConfig, Staleness};
 use tether_common::layout::{fragment_part, Layout};
 use tether_common::numeric::sum_of_squares;
-use tether_common::protocol::{ErrorCode, PublicRef};
+use tether_common::protocol::{ErrorCode, InitialCut, PublicRef};
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
@@ -390,6 +390,11 @@ pub struct ShardCore {
     lineage: u64,
     /// Every push's step is multiplied by this (1/workers in local-step rounds).
     push_scale: f32,
+    /// The seed of the initial weights while they came from it (`None` once restored from a checkpoint).
+    init_seed: Option<u64>,
+    /// The initial cut offered in welcomes (see [`ShardCore::initial_cut`]): a promise that cut 0 of its lineage
+    /// is the initial weights.
+    initial: Option<InitialCut>,
     /// Loss-spike rollback, when enabled.
     rollback: Option<RollbackState>,
     /// Who may join and how long a member may hold the gate without progress.
@@ -461,6 +466,8 @@ impl ShardCore {
             pull_codec: default_pull_codec(),
             lineage: layout.hash() ^ u64::from(spec.shard),
             push_scale: 1.0,
+            init_seed: Some(spec.seed),
+            initial: None,
             rollback: None,
             membership: Membership::default(),
             weights,
@@ -653,11 +660,43 @@ impl ShardCore {
         self.public.as_ref()
     }
 
+    /// The initial cut a welcome offers, while one holds: the shard started fresh (not restored) and cut 0 of its
+    /// public copy's lineage is the initial weights (the copy not created yet at version 0, or created then). A
+    /// promise made here is kept: a public copy created later from other weights takes a new lineage
+    /// ([`answer_public`](Self::answer_public)), so a worker claiming the promised cut gets the whole copy.
+    pub fn initial_cut(&mut self) -> Option<InitialCut> {
+        let seed = self.init_seed?;
+        let holds = match &self.public {
+            Some(p) => self
+                .initial
+                .is_some_and(|i| i.lineage == p.newest().lineage),
+            None => self.version == 0 && self.initial.is_none_or(|i| i.lineage == self.lineage),
+        };
+        if !holds {
+            return None;
+        }
+        let lineage = self.lineage;
+        let weights = &self.weights;
+        Some(*self.initial.get_or_insert_with(|| InitialCut {
+            lineage,
+            seed,
+            crc32: InitialCut::checksum(weights),
+        }))
+    }
+
     /// Answers a delta pull from a worker holding `have`: takes a cut first when the policy wants one (see
     /// [`PublicCopy`]), then returns the newest cut and what to send. Call it only for a pull the SSP gate released.
     pub fn answer_public(&mut self, have: Option<PublicRef>) -> Result<PublicAnswer, CodecError> {
         let min_clock = self.clocks.min_clock();
         let live = self.clocks.live();
+        if self.public.is_none()
+            && (self.version != 0 || self.init_seed.is_none())
+            && self.initial.is_some_and(|i| i.lineage == self.lineage)
+        {
+            // A welcome promised that cut 0 of this lineage is the initial weights, and these are not: the copy
+            // made now starts a lineage of its own.
+            self.lineage = tether_common::splitmix::splitmix64(self.lineage);
+        }
         let public = match &mut self.public {
             Some(p) => p,
             None => self.public.insert(PublicCopy::new(
@@ -985,6 +1024,7 @@ impl ShardCore {
         self.weights = snap.weights;
         self.version = snap.version;
         self.restored = true;
+        self.init_seed = None;
         self.public = None;
         self.dirty = 0..self.weights.len();
         // Every clock was checked against MAX_CLOCK above, so these restores cannot fail.

@@ -620,3 +620,76 @@ fn a_snapshot_with_a_clock_beyond_the_maximum_is_refused_and_changes_nothing() {
         );
     }
 }
+
+/// The delta reply `p` answers a pull of worker 0 on connection 1 with, holding `have` at `clock`.
+fn delta_pull(
+    p: &mut ShardProtocol,
+    request: u64,
+    clock: u64,
+    have: Option<tether_common::protocol::PublicRef>,
+) -> tether_server::protocol::WireReply {
+    p.pull(1, 0, request, clock, PullMode::Delta { have }, 0)
+        .unwrap();
+    let answered: [Action; 1] = actions(p).try_into().unwrap();
+    let [Action::Answer { reply, .. }] = answered else {
+        panic!("the open gate answers at once");
+    };
+    reply
+}
+
+#[test]
+fn a_fresh_shard_offers_its_initial_cut_and_keeps_the_promise_once_its_weights_moved() {
+    use tether_common::protocol::{access_delta, DeltaKind, InitialCut, PublicRef};
+    let layout = flat_layout(N);
+    let mut init = vec![0.0f32; N];
+    layout.init_range(1, 0..N, &mut init);
+    // Fresh: the welcome names cut 0 of the public lineage, the seed and the CRC of the layout's initial values; a
+    // worker claiming that cut is told it holds the newest one.
+    let mut p = proto(Staleness::Bounded(0));
+    let offer = p
+        .hello(1, 0, 0, 0)
+        .unwrap()
+        .initial
+        .expect("a fresh shard offers its initial cut");
+    assert_eq!((offer.seed, offer.crc32), (1, InitialCut::checksum(&init)));
+    let claim = PublicRef {
+        lineage: offer.lineage,
+        seq: 0,
+    };
+    let r = delta_pull(&mut p, 1, 0, Some(claim));
+    assert_eq!(
+        access_delta(&body(&r), 0, N as u64).unwrap().kind(),
+        DeltaKind::NotModified
+    );
+    assert_eq!(r.public, Some(claim));
+    assert_eq!(p.public().unwrap().1, init, "cut 0 is the initial weights");
+    // The offer stays while cut 0 of that lineage is the initial weights.
+    assert_eq!(p.hello(1, 0, 0, 0).unwrap().initial, Some(offer));
+
+    // A push lands before any public copy exists: later welcomes offer nothing, and a worker claiming the promised
+    // cut gets the whole copy under another lineage (the copy is made from the moved weights).
+    let mut p = proto(Staleness::Bounded(0));
+    let offer = p.hello(1, 0, 0, 0).unwrap().initial.unwrap();
+    assert_eq!(push(&mut p, 1, 0, 0, &frame(0, 0)), Outcome::Applied);
+    assert_ne!(p.core().weights(), &init[..]);
+    assert_eq!(p.hello(1, 0, 1, 0).unwrap().initial, None);
+    let claim = PublicRef {
+        lineage: offer.lineage,
+        seq: 0,
+    };
+    let r = delta_pull(&mut p, 2, 1, Some(claim));
+    assert_eq!(
+        access_delta(&body(&r), 0, N as u64).unwrap().kind(),
+        DeltaKind::Full
+    );
+    assert_ne!(r.public.unwrap().lineage, offer.lineage);
+
+    // A shard resumed from a checkpoint (even one of version 0) offers nothing.
+    let snap = proto(Staleness::Bounded(0)).core().snapshot();
+    let mut c = core(Staleness::Bounded(0));
+    c.restore(snap, 0).unwrap();
+    assert_eq!(
+        ShardProtocol::new(c).hello(1, 0, 0, 0).unwrap().initial,
+        None
+    );
+}

@@ -174,6 +174,9 @@ pub struct DriverConfig {
     pub reconnect_deadline: Duration,
     /// The files of this worker's TLS identity, named when a shard refuses the handshake.
     pub tls_paths: TlsPaths,
+    /// The model's layout, to compute a fresh shard's initial weights instead of pulling them whole
+    /// ([`WorkerProtocol::with_initial`]); `None` pulls them.
+    pub initial: Option<std::sync::Arc<tether_common::layout::Layout>>,
 }
 
 impl DriverConfig {
@@ -225,6 +228,7 @@ impl DriverConfig {
             heartbeat: Self::heartbeat_period(cfg),
             reconnect_deadline,
             tls_paths,
+            initial: None,
         }
     }
 }
@@ -243,7 +247,8 @@ impl Driver {
                 cfg.mode,
                 cfg.heartbeat.as_millis() as u64,
             )
-            .with_fragments(cfg.fragments),
+            .with_fragments(cfg.fragments)
+            .with_initial_opt(cfg.initial),
             rank: cfg.rank,
             endpoint: cfg.endpoint,
             servers: cfg.servers,

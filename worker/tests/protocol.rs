@@ -41,6 +41,7 @@ fn welcome(shard: usize, clock: u64) -> Welcome {
         min_clock: clock,
         version: 0,
         clock,
+        initial: None,
     }
 }
 
@@ -833,4 +834,98 @@ fn deltas_that_overflow_the_copy_held_are_refused_and_the_copy_is_kept() {
         None,
         "but no longer trusted: the next pull asks for all of it"
     );
+}
+
+#[test]
+fn a_welcomes_initial_cut_is_computed_here_and_claimed_only_when_its_crc_matches() {
+    use std::sync::Arc;
+    use tether_common::layout::{Init, Layout, TensorSpec};
+    use tether_common::protocol::InitialCut;
+    let layout = Arc::new(Layout::new(vec![TensorSpec::new(
+        "w",
+        &[20],
+        Init::Uniform { bound: 0.5 },
+    )]));
+    let mut init = vec![0.0f32; 20];
+    layout.init_range(3, 0..20, &mut init);
+    let offer = |shard: usize, crc32: u32| Welcome {
+        initial: Some(InitialCut {
+            lineage: 7,
+            seed: 3,
+            crc32,
+        }),
+        ..welcome(shard, 0)
+    };
+    let good = InitialCut::checksum(&init[0..10]);
+    // Shard 1's CRC is not that of the values computed here (another libm, say): that copy is pulled whole.
+    let bad = InitialCut::checksum(&init[10..20]) ^ 1;
+    let mut s = WorkerProtocol::new(
+        3,
+        0xabc,
+        RANGES.to_vec(),
+        Staleness::Bounded(2),
+        PullMode::Delta { have: None },
+        HB,
+    )
+    .with_initial(layout.clone());
+    s.hello(0);
+    s.connected(0, &offer(0, good), 0).unwrap();
+    s.hello(1);
+    s.connected(1, &offer(1, bad), 0).unwrap();
+    drain(&mut s);
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let cut0 = Some(PublicRef { lineage: 7, seq: 0 });
+    assert_eq!(haves(&t), vec![(0, cut0), (1, None)]);
+    // "Not modified" from cut 0: the parameters are the initial weights, and nothing crossed the link for them.
+    let r = requests(&t);
+    let body = delta_reply(r[0].1, DeltaKind::NotModified, 0, 0, &[]);
+    let mut params = vec![9.0f32; 20];
+    assert_eq!(
+        s.handle_reply(0, FrameKind::Delta, &body, Some(&mut params)),
+        Ok(true)
+    );
+    assert_eq!(params[..10], init[..10]);
+    assert_eq!(s.public(0), cut0);
+    assert_eq!(s.stats().initial_cuts, 1);
+    // A link that already holds a copy keeps it; a worker pulling whole values, or without the layout, claims nothing.
+    s.disconnected(0);
+    s.hello(0);
+    s.connected(
+        0,
+        &Welcome {
+            initial: Some(InitialCut {
+                lineage: 8,
+                seed: 3,
+                crc32: good,
+            }),
+            ..welcome(0, 1)
+        },
+        5,
+    )
+    .unwrap();
+    assert_eq!(s.public(0), cut0);
+    for mut other in [
+        WorkerProtocol::new(
+            3,
+            0xabc,
+            RANGES.to_vec(),
+            Staleness::Bounded(2),
+            PullMode::Full(Precision::F32),
+            HB,
+        )
+        .with_initial(layout.clone()),
+        WorkerProtocol::new(
+            3,
+            0xabc,
+            RANGES.to_vec(),
+            Staleness::Bounded(2),
+            PullMode::Delta { have: None },
+            HB,
+        ),
+    ] {
+        other.hello(0);
+        other.connected(0, &offer(0, good), 0).unwrap();
+        assert_eq!(other.public(0), None);
+    }
 }

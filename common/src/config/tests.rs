@@ -463,8 +463,23 @@ fn a_combination_measured_to_diverge_gets_a_warning() {
         "{}",
         w[0]
     );
-    // The defaults, BSP rounds, a push every step, or momentum 0.5: no warning.
+    // The quickstart's sync (outer lr 1.4) with stale rounds trains badly too.
+    let sparse_sync = "[train]\nlocal_steps = 16\n[optimizer.outer]\nlr = 1.4\nmomentum = 0.5\n";
+    let c = Config::parse(
+        &format!("{MINIMAL}staleness = 3\n{sparse_sync}"),
+        Path::new("/"),
+    )
+    .unwrap();
+    let w = c.warnings();
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].contains("optimizer.outer.lr") && w[0].contains("0.67"),
+        "{}",
+        w[0]
+    );
+    // The defaults, BSP rounds, a push every step, or momentum 0.5 and lr <= 1: no warning.
     for text in [
+        format!("{MINIMAL}staleness = 0\n{sparse_sync}"),
         MINIMAL.to_string(),
         format!("{MINIMAL}staleness = 0\n{diverging}"),
         format!("{MINIMAL}staleness = 3\n[optimizer.outer]\nmomentum = 0.9\n"),

@@ -211,6 +211,33 @@ pub struct Welcome {
     pub version: u64,
     /// The worker's clock at this shard: the round its next push or skip must carry (≥ the hello's clock).
     pub clock: u64,
+    /// Set by a shard that started fresh (not resumed): cut 0 of its public copy is the layout's deterministic
+    /// initial weights, which a worker can compute instead of pulling them whole.
+    pub initial: Option<InitialCut>,
+}
+
+/// Cut 0 of a shard's public copy when it is the layout's initial weights (`Layout::init_range` with `seed` over
+/// the shard's range). A worker that computes those values and finds `crc32` of their little-endian bytes may claim
+/// to hold cut 0 of `lineage`; any other worker (or one whose values differ, say under another libm) pulls whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitialCut {
+    /// The public copy's lineage whose cut 0 these values are.
+    pub lineage: u64,
+    /// The seed of the initial weights.
+    pub seed: u64,
+    /// CRC-32 (IEEE) of the values as little-endian f32.
+    pub crc32: u32,
+}
+
+impl InitialCut {
+    /// CRC-32 (IEEE) of `values` as little-endian f32, as [`InitialCut::crc32`] holds it.
+    pub fn checksum(values: &[f32]) -> u32 {
+        let mut h = crc32fast::Hasher::new();
+        for v in values {
+            h.update(&v.to_le_bytes());
+        }
+        h.finalize()
+    }
 }
 
 impl From<Hello> for Control {

@@ -20,8 +20,8 @@ pub use bulk::{
     PushMeta,
 };
 pub use control::{
-    decode_control, encode_control, Control, Hello, Outcome, PublicRef, PullMode, Welcome,
-    MAX_CONTROL_BYTES,
+    decode_control, encode_control, Control, Hello, InitialCut, Outcome, PublicRef, PullMode,
+    Welcome, MAX_CONTROL_BYTES,
 };
 pub use delta::{
     access_delta, encode_delta_preamble, ArchivedDeltaHeader, DeltaHeader, DeltaKind, DeltaView,
@@ -36,8 +36,9 @@ pub use values::{check_finite_values, decode_values, encode_values};
 
 /// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`]. Version 4
 /// added the rollback `epoch` to pull replies and the `RolledBack` refusal; version 5 opens full and delta replies
-/// with the one [`ReplyHeader`] and adds [`ErrorCode::ConfigMismatch`].
-pub const PROTOCOL_VERSION: u32 = 6;
+/// with the one [`ReplyHeader`] and adds [`ErrorCode::ConfigMismatch`]; version 6 adds `Welcome::fragments`;
+/// version 7 adds `Welcome::initial`.
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";

@@ -382,6 +382,7 @@ impl ShardProtocol {
             min_clock: self.core.clocks().min_clock(),
             version: self.core.version(),
             clock,
+            initial: self.core.initial_cut(),
         })
     }
 

@@ -155,6 +155,8 @@ pub struct ProtocolStats {
     pub gap_skips: u64,
     /// Rounds resent because a shard found them too far ahead of its minimum clock.
     pub held_back: u64,
+    /// Shard copies held from their initial cut, computed here instead of pulled whole.
+    pub initial_cuts: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -233,6 +235,9 @@ pub struct WorkerProtocol {
     /// The loss of our latest round: gap skip markers report it, so the shards' spike detectors see a value of this
     /// run rather than a made-up one.
     last_loss: f32,
+    /// The model's layout, when this worker computes a fresh shard's initial weights instead of pulling them
+    /// ([`with_initial`](Self::with_initial)).
+    initial: Option<std::sync::Arc<tether_common::layout::Layout>>,
 }
 
 impl WorkerProtocol {
@@ -278,6 +283,7 @@ impl WorkerProtocol {
             events: VecDeque::new(),
             stats: ProtocolStats::default(),
             replica: Replica::default(),
+            initial: None,
             now_ms: 0,
             last_loss: 0.0,
         };
@@ -364,6 +370,23 @@ impl WorkerProtocol {
         self
     }
 
+    /// Computes a fresh shard's initial weights from `layout` instead of pulling them whole: with delta pulls, a
+    /// welcome that offers its initial cut ([`tether_common::protocol::InitialCut`]) to a link holding no copy makes
+    /// the link hold cut 0 once the values computed here match the cut's CRC. The first pull then carries only what
+    /// changed since. `layout` must be the one the layout hash names.
+    pub fn with_initial(self, layout: std::sync::Arc<tether_common::layout::Layout>) -> Self {
+        self.with_initial_opt(Some(layout))
+    }
+
+    /// [`with_initial`](Self::with_initial) when `layout` is given; pulls the initial weights whole when `None`.
+    pub fn with_initial_opt(
+        mut self,
+        layout: Option<std::sync::Arc<tether_common::layout::Layout>>,
+    ) -> Self {
+        self.initial = layout;
+        self
+    }
+
     /// `shard` welcomed us. Checks the welcome against the layout and our staleness bound, drops pending rounds a
     /// rejoin jumped over,
     /// resends the rest, adopts a higher clock (and schedules rejoins of the shards behind it), and asks for this
@@ -428,6 +451,7 @@ impl WorkerProtocol {
                 "shard welcomed us below our clock: filling the gap with skip markers"
             );
         }
+        self.adopt_initial(shard, welcome);
         let link = &mut self.links[shard];
         link.retry = false;
         link.up = true;
@@ -558,6 +582,33 @@ impl WorkerProtocol {
     /// A pull reply arrived from `shard` while no pull is in progress: it answers nothing asked now; counted, dropped.
     pub fn stray_reply(&mut self) {
         self.stats.stale_replies += 1;
+    }
+
+    /// Holds cut 0 of `shard`'s public copy when its welcome offers the initial cut, this worker pulls deltas,
+    /// holds no copy of the shard and computes the same values (see [`with_initial`](Self::with_initial)).
+    fn adopt_initial(&mut self, shard: usize, welcome: &Welcome) {
+        let (Some(layout), Some(initial), PullMode::Delta { .. }) =
+            (&self.initial, &welcome.initial, self.mode)
+        else {
+            return;
+        };
+        let link = &mut self.links[shard];
+        if link.public.is_some() {
+            return;
+        }
+        let range = (link.range.0 as usize, link.range.1 as usize);
+        if self.replica.adopt_initial(layout, initial, range) {
+            link.public = Some(PublicRef {
+                lineage: initial.lineage,
+                seq: 0,
+            });
+            self.stats.initial_cuts += 1;
+        } else {
+            tracing::warn!(
+                shard,
+                "the initial weights computed here differ from the shard's: pulling them whole"
+            );
+        }
     }
 
     /// The public copy of `shard` this worker holds (delta pulls).

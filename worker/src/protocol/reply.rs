@@ -14,7 +14,7 @@ use rkyv::util::AlignedVec;
 use tether_common::codec::Decoder;
 use tether_common::protocol::{
     access_delta, access_params, check_finite_values, decode_values, DeltaKind, DeltaView,
-    ErrorCode, ProtocolError, PublicRef, ReplyHeader,
+    ErrorCode, InitialCut, ProtocolError, PublicRef, ReplyHeader,
 };
 
 /// A pull reply as the protocol judges it: its header and, for a delta reply, the public cut it leaves the worker
@@ -39,6 +39,27 @@ impl Replica {
     /// The public copies this worker holds, indexed like the model (empty before the first delta reply).
     pub fn values(&self) -> &[f32] {
         &self.public
+    }
+
+    /// Writes the initial weights of `layout` with `initial`'s seed over `range` into the copy and returns whether
+    /// they are the shard's cut 0 (their CRC is the one the shard announced). On false the values written are not
+    /// held by anyone: the caller must not claim them, and the next whole reply overwrites them.
+    pub fn adopt_initial(
+        &mut self,
+        layout: &tether_common::layout::Layout,
+        initial: &InitialCut,
+        range: (usize, usize),
+    ) -> bool {
+        let (start, end) = range;
+        if end > layout.len() || start > end {
+            return false;
+        }
+        if self.public.len() < end {
+            self.public.resize(end, 0.0);
+        }
+        let copy = &mut self.public[start..end];
+        layout.init_range(initial.seed, start..end, copy);
+        InitialCut::checksum(copy) == initial.crc32
     }
 
     /// Checks that a delta reply rebuilds the public copy of `range` (the copy held, named `held`, plus the reply's

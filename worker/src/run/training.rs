@@ -108,17 +108,21 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     let addr = WorkerActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
     let endpoint =
         client_endpoint(&opts.tls, &TransportTuning::default()).map_err(WorkerError::Endpoint)?;
-    let driver = Driver::new(DriverConfig::for_config(
-        cfg,
-        opts.rank,
-        endpoint,
-        opts.servers.clone(),
-        opts.server_names.clone(),
-        ranges,
-        layout.hash(),
-        opts.reconnect_deadline,
-        opts.tls.paths.clone(),
-    ));
+    let driver = Driver::new(DriverConfig {
+        // A fresh shard's initial weights are computed here from the layout instead of pulled whole.
+        initial: Some(std::sync::Arc::new(layout.clone())),
+        ..DriverConfig::for_config(
+            cfg,
+            opts.rank,
+            endpoint,
+            opts.servers.clone(),
+            opts.server_names.clone(),
+            ranges,
+            layout.hash(),
+            opts.reconnect_deadline,
+            opts.tls.paths.clone(),
+        )
+    });
     let report = WorkerReport {
         rank: opts.rank,
         ..WorkerReport::default()
