@@ -263,7 +263,9 @@ impl Sim {
                     faults.staleness,
                     pull_mode(&faults),
                     HEARTBEAT_MS,
-                ),
+                )
+                // Fresh shards' initial cuts are computed, not pulled (a restored shard offers none).
+                .with_initial(std::sync::Arc::new(layout.clone())),
                 incarnation: 0,
                 phase: Phase::Pulling,
                 conns: vec![None; SHARDS],
@@ -448,7 +450,8 @@ impl Sim {
             self.faults.staleness,
             pull_mode(&self.faults),
             HEARTBEAT_MS,
-        );
+        )
+        .with_initial(std::sync::Arc::new(self.layout.clone()));
         sw.phase = Phase::Pulling;
         sw.connecting = vec![false; SHARDS];
         self.note(format!("worker {w} restarted"));
