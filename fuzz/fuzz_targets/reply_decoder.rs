@@ -200,6 +200,7 @@ impl World {
                             min_clock: hello.clock,
                             version: 0,
                             clock: hello.clock,
+                            initial: None,
                         };
                         self.s
                             .connected(shard, &welcome, self.now)
