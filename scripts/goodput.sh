@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Goodput under a failure schedule (issue 24, deliverable 4), on the release binaries (build them first:
+# `cargo build --release -p tether-server -p tether-worker`). A real cluster of 2 shard and 4 worker processes on
+# 127.0.0.1 trains the MLP on Fashion-MNIST with the quickstart's sync (BSP rounds of 16 local steps, topk2 both
+# ways, outer lr 1.4, momentum 0.5), first undisturbed, then once per period T with a random process among workers
+# 1-3 and the two shards SIGKILLed every T seconds and started again 1 s later (a shard with --resume from its
+# newest checkpoint, a worker with the same rank), and once with shard 1 killed 8 s in and never started again.
+# Rank 0 is never killed: its run report's accuracy curve gives the time to the target.
+#
+#   scripts/goodput.sh [T ...]          periods in seconds (default: 30 10 5)
+#
+# Knobs: BIN (default target/release), EPOCHS (30), TARGET (0.885), LIMIT (300: seconds a run may take before it is
+# stopped and counted as not reaching the target), SEED (the victims' order; default 1).
+# Prints one line per run and a table: time to the target and rank 0's whole run, each with its goodput (the
+# undisturbed run's time / this run's), and the final accuracy. A run whose rank 0 wrote no report (it gave up on a
+# shard that never came back) shows dashes.
+set -euo pipefail
+BIN=${BIN:-$(cd "$(dirname "$0")/.." && pwd)/target/release}
+EPOCHS=${EPOCHS:-30}
+TARGET=${TARGET:-0.885}
+LIMIT=${LIMIT:-300}
+RANDOM=${SEED:-1}
+periods=("$@")
+[ ${#periods[@]} -gt 0 ] || periods=(30 10 5)
+for b in tether-server tether-worker; do
+  [ -x "$BIN/$b" ] || { echo "goodput: $BIN/$b is missing (cargo build --release -p $b)" >&2; exit 2; }
+done
+D=$(mktemp -d)
+cleanup() { kill -9 $(jobs -p) 2>/dev/null || true; rm -rf "$D"; }
+trap cleanup EXIT
+"$BIN/tether-server" keygen --out "$D/certs" --servers 2 --workers 4 >/dev/null
+results="$D/results.tsv"
+
+# run NAME MODE [T]: one cluster in $D/NAME; MODE is none, every (kill a random process every T s) or shard (kill
+# shard 1 once, 8 s in, never restart it).
+run() {
+  local name=$1 mode=$2 period=${3:-0}
+  local dir="$D/$name"
+  mkdir -p "$dir"
+  local p0=$((20000 + RANDOM % 20000))
+  cat > "$dir/cluster.toml" <<CONF
+[cluster]
+servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
+workers = 4
+staleness = 0
+tls_dir = "$D/certs"
+[model]
+kind = "mlp"
+hidden = [256, 128]
+[data]
+dataset = "fashion-mnist"
+[train]
+batch = 128
+epochs = $EPOCHS
+eval_every = 100
+local_steps = 16
+[optimizer]
+kind = "adam"
+lr = 1e-3
+[optimizer.outer]
+lr = 1.4
+momentum = 0.5
+[compression]
+scheme = "topk2"
+pull_scheme = "topk2"
+bucket = 4096
+keep = 16
+[checkpoint]
+dir = "$dir/ckpt"
+every_updates = 40
+keep = 3
+CONF
+  declare -A pid
+  start() { # start VICTIM [--resume]
+    local v=$1
+    case $v in
+      s*) (cd "$dir" && exec "$BIN/tether-server" --config cluster.toml --shard "${v#s}" --exit-after-workers 4 \
+             --report "server-${v#s}.json" ${2:-} >> "$v.log" 2>&1) & ;;
+      w*) (cd "$dir" && exec "$BIN/tether-worker" --config cluster.toml --rank "${v#w}" --report "worker-${v#w}.json" \
+             >> "$v.log" 2>&1) & ;;
+    esac
+    pid[$v]=$!
+  }
+  start s0; start s1
+  sleep 0.5
+  for r in 0 1 2 3; do start "w$r"; done
+  local t0=$SECONDS kills=0 next=$period
+  [ "$mode" = shard ] && next=8
+  while kill -0 "${pid[w0]}" 2>/dev/null; do
+    if [ $((SECONDS - t0)) -ge "$LIMIT" ]; then
+      echo "goodput: $name stopped after $LIMIT s"
+      break
+    fi
+    if [ "$mode" != none ] && [ $((SECONDS - t0)) -ge "$next" ]; then
+      local victims=(w1 w2 w3 s0 s1) v
+      if [ "$mode" = shard ]; then v=s1; else v=${victims[$((RANDOM % 5))]}; fi
+      kill -9 "${pid[$v]}" 2>/dev/null || true
+      kills=$((kills + 1))
+      if [ "$mode" = shard ]; then
+        next=$((LIMIT + 1))
+      else
+        sleep 1
+        if [ "${v:0:1}" = s ]; then start "$v" --resume; else start "$v"; fi
+        next=$((next + period))
+      fi
+    fi
+    sleep 0.2
+  done
+  local wall=$((SECONDS - t0))
+  for v in "${!pid[@]}"; do kill -9 "${pid[$v]}" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  python3 - "$dir/worker-0.json" "$name" "$kills" "$wall" "$TARGET" >> "$results" <<'PY'
+import json, sys
+path, name, kills, wall, target = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+try:
+    r = json.load(open(path))
+except (OSError, ValueError):
+    print(f"{name}\t{kills}\t-\t-\t-")
+    sys.exit()
+hit = next((t for _, t, a in r.get("accuracy_curve", []) if a >= target), None)
+print(f"{name}\t{kills}\t{'-' if hit is None else f'{hit:.1f}'}\t{r['final_test_accuracy']:.4f}\t{r['wall_seconds']:.1f}")
+PY
+  tail -1 "$results" | awk -F'\t' '{ printf "goodput: %-16s kills %2s  time to target %6s s  final accuracy %s  rank 0 wall %s s\n", $1, $2, $3, $4, $5 }'
+}
+
+# Bash reports each SIGKILLed job on stderr ("Killed"); those lines are the schedule itself, not errors.
+run undisturbed none 2>/dev/null
+for t in "${periods[@]}"; do run "kill-every-${t}s" every "$t" 2>/dev/null; done
+run shard-lost shard 2>/dev/null
+echo
+python3 - "$results" "$TARGET" <<'PY'
+import sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
+base, base_wall = rows[0][2], rows[0][4]
+ratio = lambda a, b: "-" if "-" in (a, b) else f"{float(a) / float(b):.2f}"
+print(f"| run | kills | time to {sys.argv[2]} (s) | goodput to the target | rank 0's whole run (s) | goodput over the run "
+      "| final accuracy (rank 0) |")
+print("|---|---|---|---|---|---|---|")
+for name, kills, hit, acc, wall in rows:
+    print(f"| {name} | {kills} | {hit} | {ratio(base, hit)} | {wall} | {ratio(base_wall, wall)} | {acc} |")
+PY
