@@ -212,19 +212,29 @@ pub fn accept_backoff(err: &std::io::Error, previous: Option<Duration>) -> Optio
     })
 }
 
-/// The connections still sending their request head, oldest first: the exporter's admission rule, without I/O.
-/// At most [`MAX_SCRAPE_CONNECTIONS`] wait; admitting one more evicts the oldest. An idle connection therefore
-/// holds its place only until that many newer ones arrive, and a scraper, which sends its request at once, is
-/// never locked out by connections that send nothing.
-#[derive(Debug, Default)]
-pub struct WaitingRoom {
+/// The connections still sending their request head, oldest first, each with what the caller keeps for it (the
+/// exporter: the sender that closes it): the admission rule, without I/O. At most [`MAX_SCRAPE_CONNECTIONS`] wait;
+/// admitting one more evicts the oldest. An idle connection therefore holds its place only until that many newer
+/// ones arrive, and a scraper, which sends its request at once, is never locked out by connections that send
+/// nothing.
+#[derive(Debug)]
+pub struct WaitingRoom<T> {
     next: u64,
-    queue: VecDeque<u64>,
+    queue: VecDeque<(u64, T)>,
 }
 
-impl WaitingRoom {
-    /// Admits a new connection: returns its ticket and the ticket of the oldest waiter it evicts, if any.
-    pub fn admit(&mut self) -> (u64, Option<u64>) {
+impl<T> Default for WaitingRoom<T> {
+    fn default() -> Self {
+        Self {
+            next: 0,
+            queue: VecDeque::new(),
+        }
+    }
+}
+
+impl<T> WaitingRoom<T> {
+    /// Admits a new connection holding `value`: returns its ticket and the oldest waiter it evicts, if any.
+    pub fn admit(&mut self, value: T) -> (u64, Option<(u64, T)>) {
         let evicted = if self.queue.len() >= MAX_SCRAPE_CONNECTIONS {
             self.queue.pop_front()
         } else {
@@ -232,19 +242,15 @@ impl WaitingRoom {
         };
         let ticket = self.next;
         self.next += 1;
-        self.queue.push_back(ticket);
+        self.queue.push_back((ticket, value));
         (ticket, evicted)
     }
 
-    /// Marks `ticket` as done waiting (its request arrived, or it failed); false if it was already evicted.
-    pub fn leave(&mut self, ticket: u64) -> bool {
-        match self.queue.iter().position(|&t| t == ticket) {
-            Some(i) => {
-                self.queue.remove(i);
-                true
-            }
-            None => false,
-        }
+    /// `ticket` is done waiting (its request arrived, or it failed): returns its value, or `None` if it was already
+    /// evicted.
+    pub fn leave(&mut self, ticket: u64) -> Option<T> {
+        let i = self.queue.iter().position(|(t, _)| *t == ticket)?;
+        self.queue.remove(i).map(|(_, v)| v)
     }
 
     /// Connections waiting now.
@@ -258,17 +264,10 @@ impl WaitingRoom {
     }
 }
 
-/// The waiting room and, for each waiter, the sender that evicts it (dropping it closes the connection).
-#[derive(Default)]
-struct Lobby {
-    room: WaitingRoom,
-    evict: std::collections::HashMap<u64, oneshot::Sender<()>>,
-}
-
-/// Locks the lobby; a poisoned lock (a panicking connection task) still holds consistent bookkeeping, since every
-/// critical section below is a few map and queue operations that cannot panic half-way.
-fn lock(lobby: &Mutex<Lobby>) -> std::sync::MutexGuard<'_, Lobby> {
-    lobby.lock().unwrap_or_else(|p| p.into_inner())
+/// Locks the waiting room; a poisoned lock (a panicking connection task) still holds consistent bookkeeping, since
+/// every critical section below is one queue operation that cannot panic half-way.
+fn lock<T>(room: &Mutex<WaitingRoom<T>>) -> std::sync::MutexGuard<'_, WaitingRoom<T>> {
+    room.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Serves `GET /metrics` on `addr` until the task is dropped; returns the bound address. At most
@@ -284,7 +283,8 @@ pub async fn serve(
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let answering = Arc::new(Semaphore::new(MAX_ANSWERING));
-    let lobby = Arc::new(Mutex::new(Lobby::default()));
+    // Each waiter's sender: dropping it (on eviction) wakes the waiter's task, which closes its connection.
+    let room = Arc::new(Mutex::new(WaitingRoom::<oneshot::Sender<()>>::default()));
     let task = tokio::spawn(async move {
         let mut backoff = None;
         loop {
@@ -305,17 +305,9 @@ pub async fn serve(
                 }
             };
             let (tx, rx) = oneshot::channel();
-            let ticket = {
-                let mut l = lock(&lobby);
-                let (ticket, evicted) = l.room.admit();
-                if let Some(old) = evicted {
-                    // Dropping the sender wakes the evicted task, which closes its connection.
-                    l.evict.remove(&old);
-                }
-                l.evict.insert(ticket, tx);
-                ticket
-            };
-            let (registry, lobby, answering) = (registry.clone(), lobby.clone(), answering.clone());
+            let (ticket, evicted) = lock(&room).admit(tx);
+            drop(evicted);
+            let (registry, room, answering) = (registry.clone(), room.clone(), answering.clone());
             tokio::spawn(async move {
                 let mut sock = sock;
                 let mut buf = [0u8; MAX_REQUEST];
@@ -326,11 +318,7 @@ pub async fn serve(
                     _ = read_head(&mut sock, &mut buf, &mut n, deadline) => false,
                     _ = rx => true,
                 };
-                {
-                    let mut l = lock(&lobby);
-                    l.room.leave(ticket);
-                    l.evict.remove(&ticket);
-                }
+                drop(lock(&room).leave(ticket));
                 // Answering holds a slot from here on; a connection that cannot get one is closed.
                 let Ok(_slot) = answering.try_acquire() else {
                     return;
@@ -505,23 +493,24 @@ mod tests {
     fn the_waiting_room_evicts_the_oldest_waiter_and_forgets_those_that_left() {
         let mut room = WaitingRoom::default();
         let first: Vec<u64> = (0..MAX_SCRAPE_CONNECTIONS)
-            .map(|_| {
-                let (t, evicted) = room.admit();
+            .map(|k| {
+                let (t, evicted) = room.admit(k);
                 assert_eq!(evicted, None);
                 t
             })
             .collect();
-        // One that sent its request leaves; the next one takes its place without evicting anybody.
-        assert!(room.leave(first[3]));
-        assert!(!room.leave(first[3]), "left twice");
-        assert_eq!(room.admit().1, None);
+        // One that sent its request leaves with its value; the next one takes its place without evicting anybody.
+        assert_eq!(room.leave(first[3]), Some(3));
+        assert_eq!(room.leave(first[3]), None, "left twice");
+        assert_eq!(room.admit(100).1, None);
         // The room is full again: each newcomer evicts the oldest waiter still there, skipping the one that left.
-        assert_eq!(room.admit().1, Some(first[0]));
-        assert_eq!(room.admit().1, Some(first[1]));
-        assert_eq!(room.admit().1, Some(first[2]));
-        assert_eq!(room.admit().1, Some(first[4]));
-        assert!(
-            !room.leave(first[0]),
+        assert_eq!(room.admit(101).1, Some((first[0], 0)));
+        assert_eq!(room.admit(102).1, Some((first[1], 1)));
+        assert_eq!(room.admit(103).1, Some((first[2], 2)));
+        assert_eq!(room.admit(104).1, Some((first[4], 4)));
+        assert_eq!(
+            room.leave(first[0]),
+            None,
             "an evicted waiter cannot leave again"
         );
         assert_eq!(room.len(), MAX_SCRAPE_CONNECTIONS);
