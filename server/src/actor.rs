@@ -492,7 +492,8 @@ impl Handler<CheckpointNow> for ShardActor {
     }
 }
 
-/// Uploads the checkpoint at `path` (one upload at a time); without `keep_local`, removes the local copy afterwards.
+/// Uploads the checkpoint at `path` (one upload at a time); without `keep_local`, removes the local copy afterwards,
+/// and any older one an earlier failed upload left behind (the store now holds a newer checkpoint).
 async fn upload(
     remote: Arc<RemoteStore>,
     lock: Arc<tokio::sync::Mutex<()>>,
@@ -512,8 +513,23 @@ async fn upload(
                 "checkpoint uploaded"
             );
             if !keep_local {
-                if let Err(e) = std::fs::remove_dir_all(&path) {
-                    warn!(shard, version, error = %e, "cannot remove the local copy after its upload");
+                let older = path
+                    .parent()
+                    .and_then(|dir| std::fs::read_dir(dir).ok())
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Result::ok)
+                    .filter(|e| {
+                        e.file_name()
+                            .to_str()
+                            .and_then(crate::checkpoint::parse_version_dir)
+                            .is_some_and(|v| v < version)
+                    })
+                    .map(|e| e.path());
+                for p in std::iter::once(path.clone()).chain(older) {
+                    if let Err(e) = std::fs::remove_dir_all(&p) {
+                        warn!(shard, version, path = %p.display(), error = %e, "cannot remove a local copy after an upload");
+                    }
                 }
             }
         }
