@@ -9,7 +9,7 @@
 //! not depend on H: a round pushes one pseudo-gradient and pulls one delta whatever H is) and picks the smallest H for which communication is at most
 //! [`COMM_SHARE`] of the round, `c ≤ share · (c + H·t)`, i.e. `H = ceil(c·(1 − share) / (share·t))`, clamped to
 //! `[local_steps, local_steps_max]` and to at most twice the current H per round. The first round (connection set-up,
-//! the first whole pull) is not counted.
+//! the first pull, whole unless the worker computed the shard's initial cut) is not counted.
 
 use std::time::Duration;
 
