@@ -137,6 +137,8 @@ pub struct ShardActor {
     writing: bool,
     metrics: Option<ServerMetrics>,
     tick_ms: u64,
+    /// The grace-window deadline a one-shot timer is armed for (quorum rounds).
+    grace_armed: Option<u64>,
     /// The core's rollback epoch when last looked at (for the rollback counter).
     epoch: u64,
 }
@@ -179,6 +181,7 @@ impl ShardActor {
             writing: false,
             metrics,
             tick_ms: (worker_timeout_ms / 4).clamp(10, 1000),
+            grace_armed: None,
             epoch: 0,
         }
     }
@@ -327,36 +330,60 @@ impl Actor for ShardActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         let tick = std::time::Duration::from_millis(self.tick_ms);
-        ctx.run_interval(tick, |act, _| {
-            let now = act.now_ms();
-            let evicted = act.proto.tick(now);
-            if !evicted.is_empty() {
-                warn!(
-                    shard = act.proto.shard(),
-                    ?evicted,
-                    "evicted silent workers"
-                );
-                act.update_live();
+        ctx.run_interval(tick, |act, ctx| act.on_tick(ctx));
+    }
+}
+
+impl ShardActor {
+    /// The periodic sweep (and the grace-window timer): evictions, rounds whose grace ended, requesters gone.
+    fn on_tick(&mut self, ctx: &mut Context<Self>) {
+        let now = self.now_ms();
+        let evicted = self.proto.tick(now);
+        if !evicted.is_empty() {
+            warn!(
+                shard = self.proto.shard(),
+                ?evicted,
+                "evicted silent workers"
+            );
+            self.update_live();
+        }
+        // Requesters that went away free their slots.
+        let gone: Vec<u64> = self
+            .waiting
+            .iter()
+            .filter(|(_, (_, tx))| tx.is_closed())
+            .map(|(t, _)| *t)
+            .collect();
+        for t in gone {
+            self.waiting.remove(&t);
+            self.proto.cancel(t);
+        }
+        self.run_actions();
+        self.arm_grace(ctx);
+    }
+
+    /// Arms a one-shot timer for the open round's grace window (quorum rounds) unless one at or before it is armed.
+    fn arm_grace(&mut self, ctx: &mut Context<Self>) {
+        let Some(deadline) = self.proto.poll_timeout() else {
+            return;
+        };
+        if self.grace_armed.is_some_and(|armed| armed <= deadline) {
+            return;
+        }
+        self.grace_armed = Some(deadline);
+        let wait = deadline.saturating_sub(self.now_ms());
+        ctx.run_later(std::time::Duration::from_millis(wait), move |act, ctx| {
+            if act.grace_armed == Some(deadline) {
+                act.grace_armed = None;
             }
-            // Requesters that went away free their slots.
-            let gone: Vec<u64> = act
-                .waiting
-                .iter()
-                .filter(|(_, (_, tx))| tx.is_closed())
-                .map(|(t, _)| *t)
-                .collect();
-            for t in gone {
-                act.waiting.remove(&t);
-                act.proto.cancel(t);
-            }
-            act.run_actions();
+            act.on_tick(ctx);
         });
     }
 }
 
 impl Handler<Hello> for ShardActor {
     type Result = Result<Welcome, ShardError>;
-    fn handle(&mut self, msg: Hello, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Hello, ctx: &mut Context<Self>) -> Self::Result {
         let now = self.now_ms();
         let joined = self.proto.hello(msg.conn, msg.worker, msg.clock, now);
         if joined.is_ok() {
@@ -370,6 +397,7 @@ impl Handler<Hello> for ShardActor {
             self.update_live();
         }
         self.run_actions();
+        self.arm_grace(ctx);
         joined
     }
 }
@@ -384,11 +412,12 @@ impl Handler<Heartbeat> for ShardActor {
 
 impl Handler<Goodbye> for ShardActor {
     type Result = ();
-    fn handle(&mut self, msg: Goodbye, _: &mut Context<Self>) {
+    fn handle(&mut self, msg: Goodbye, ctx: &mut Context<Self>) {
         let now = self.now_ms();
         self.proto.goodbye(msg.conn, msg.worker, msg.clock, now);
         self.update_live();
         self.run_actions();
+        self.arm_grace(ctx);
     }
 }
 
@@ -436,6 +465,7 @@ impl Handler<ApplyPush> for ShardActor {
             debug!(shard = self.proto.shard(), worker = meta.worker, clock = meta.clock, error = %e, "push refused");
         }
         self.run_actions();
+        self.arm_grace(ctx);
         if matches!(applied, Ok(Some(_))) {
             self.maybe_checkpoint(ctx);
         }

@@ -31,6 +31,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use tether_common::config::Staleness;
 
+use crate::quorum::{QuorumSettings, RoundCloser, Settled};
+
 /// The largest clock the table holds or a peer may claim. Far beyond any real run (2^48 rounds), it keeps every
 /// `clock + 1` and `clock + s + 1` on peer-supplied values inside u64.
 pub const MAX_CLOCK: u64 = 1 << 48;
@@ -94,6 +96,10 @@ pub struct ClockTable {
     min: u64,
     /// The join value with nobody live: the last minimum over at least two live workers (see the invariants).
     floor: u64,
+    /// Which rounds are closed (quorum rounds); with the default quorum the gate is `min` itself.
+    rounds: RoundCloser,
+    /// The latest `now_ms` seen, for changes that carry no time (a leave).
+    now_ms: u64,
 }
 
 impl ClockTable {
@@ -107,7 +113,48 @@ impl ClockTable {
             live: 0,
             min: 0,
             floor: 0,
+            rounds: RoundCloser::new(QuorumSettings::all(timeout_ms)),
+            now_ms: 0,
         }
+    }
+
+    /// Sets how rounds close (`cluster.quorum`, `cluster.grace_factor`; see [`crate::quorum`]).
+    pub fn set_quorum(&mut self, settings: QuorumSettings) {
+        self.rounds.set_settings(settings);
+        self.settle(self.now_ms);
+    }
+
+    /// The quorum state: settings, grace window, quorum closes.
+    pub fn rounds(&self) -> &RoundCloser {
+        &self.rounds
+    }
+
+    /// Where the SSP gate stands: `m`, or with quorum rounds the first round not yet closed, which may be above `m`
+    /// (the workers below it are laggards nobody waits for). The floor when nobody is live.
+    pub fn gate(&self) -> u64 {
+        if self.live == 0 {
+            self.floor
+        } else {
+            self.rounds.gate(self.min)
+        }
+    }
+
+    /// When the open round's grace window ends (call [`settle`](Self::settle) then); `None` when no round waits on
+    /// one.
+    pub fn deadline(&self) -> Option<u64> {
+        self.rounds.deadline()
+    }
+
+    /// Closes the rounds that may close at `now_ms` (a no-op with the default quorum beyond following `m`). Every
+    /// change that carries a time calls it; the shell calls it again at [`deadline`](Self::deadline).
+    pub fn settle(&mut self, now_ms: u64) -> Settled {
+        self.now_ms = self.now_ms.max(now_ms);
+        let live = self
+            .rows
+            .values()
+            .filter(|row| row.live)
+            .map(|row| row.clock);
+        self.rounds.settle(live, self.min, self.now_ms)
     }
 
     /// The staleness bound this table enforces.
@@ -120,13 +167,10 @@ impl ClockTable {
         self.timeout_ms
     }
 
-    /// The clock a newcomer joins at now: `m` while some worker is live, the floor otherwise.
+    /// The clock a newcomer joins at now: the gate (`m`, or the open quorum round) while some worker is live, the
+    /// floor otherwise.
     pub fn join_value(&self) -> u64 {
-        if self.live == 0 {
-            self.floor
-        } else {
-            self.min
-        }
+        self.gate()
     }
 
     /// The floor: the clock newcomers join at when nobody is live (see the module's invariants).
@@ -159,7 +203,7 @@ impl ClockTable {
         match self.staleness {
             Staleness::Unbounded => true,
             Staleness::Bounded(s) => {
-                self.live == 0 || clock <= self.min.saturating_add(u64::from(s) + 1)
+                self.live == 0 || clock <= self.gate().saturating_add(u64::from(s) + 1)
             }
         }
     }
@@ -184,6 +228,7 @@ impl ClockTable {
             self.live += 1;
         }
         self.recompute_min();
+        self.settle(now_ms);
         clock
     }
 
@@ -198,6 +243,7 @@ impl ClockTable {
                 row.clock = claim;
             }
             self.recompute_min();
+            self.settle(now_ms);
             return claim;
         }
         joined
@@ -237,6 +283,7 @@ impl ClockTable {
         if was_min {
             self.recompute_min();
         }
+        self.settle(now_ms);
         Ok(())
     }
 
@@ -246,6 +293,7 @@ impl ClockTable {
             if row.live {
                 self.live -= 1;
                 self.recompute_min();
+                self.settle(self.now_ms);
             }
         }
     }
@@ -263,16 +311,18 @@ impl ClockTable {
         if !evicted.is_empty() {
             self.live -= evicted.len();
             self.recompute_min();
+            self.settle(now_ms);
         }
         evicted
     }
 
-    /// Evicts every live worker that sits at the minimum clock and has not moved for `progress_timeout_ms`
-    /// (`now_ms − progressed ≥ progress_timeout_ms`) while some other live worker is ahead of it, and returns them
-    /// in ascending order. The caller decides when this applies (a pull waiting on the gate): a member that only
-    /// heartbeats cannot hold the gate for ever. Evicted workers keep their rows, like silent ones.
+    /// Evicts every live worker that holds the gate (its clock is [`gate`](Self::gate): `m`, or the open quorum
+    /// round) and has not moved for `progress_timeout_ms` (`now_ms − progressed ≥ progress_timeout_ms`) while some
+    /// other live worker is ahead of it, and returns them in ascending order. The caller decides when this applies
+    /// (a pull waiting on the gate): a member that only heartbeats cannot hold the gate for ever. Evicted workers
+    /// keep their rows, like silent ones.
     pub fn evict_stalled(&mut self, now_ms: u64, progress_timeout_ms: u64) -> Vec<u32> {
-        let m = self.min;
+        let m = self.gate();
         let ahead = self.rows.values().any(|row| row.live && row.clock > m);
         if self.live == 0 || !ahead {
             return Vec::new();
@@ -290,6 +340,7 @@ impl ClockTable {
         if !evicted.is_empty() {
             self.live -= evicted.len();
             self.recompute_min();
+            self.settle(now_ms);
         }
         evicted
     }
@@ -347,7 +398,7 @@ impl ClockTable {
         match self.staleness {
             Staleness::Unbounded => true,
             Staleness::Bounded(s) => {
-                self.live == 0 || self.min >= pull_clock.saturating_sub(u64::from(s))
+                self.live == 0 || self.gate() >= pull_clock.saturating_sub(u64::from(s))
             }
         }
     }
@@ -357,7 +408,7 @@ impl ClockTable {
         if self.live == 0 {
             0
         } else {
-            worker_clock.saturating_sub(self.min)
+            worker_clock.saturating_sub(self.gate())
         }
     }
 
@@ -382,6 +433,8 @@ impl ClockTable {
             self.live += 1;
         }
         self.recompute_min();
+        self.now_ms = self.now_ms.max(now_ms);
+        self.rounds.reset(self.min);
         Ok(())
     }
 

@@ -17,6 +17,7 @@ pub mod norm_guard;
 pub use tether_common::optim;
 pub mod protocol;
 pub mod public;
+pub mod quorum;
 pub mod remote;
 pub mod rollback;
 pub mod shard;

@@ -25,6 +25,7 @@ use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
 use crate::norm_guard::GuardSettings;
+use crate::quorum::QuorumSettings;
 use crate::remote::RemoteStore;
 use crate::shard::{Membership, ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
@@ -216,6 +217,11 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     core.set_membership(Membership {
         workers: Some(cfg.cluster.workers),
         progress_timeout_ms: cfg.cluster.progress_timeout_ms,
+    });
+    core.set_quorum(QuorumSettings {
+        quorum: cfg.cluster.quorum,
+        grace_factor: cfg.cluster.grace_factor,
+        grace_max_ms: cfg.cluster.worker_timeout_ms,
     });
     let range = core.range();
     let limits =

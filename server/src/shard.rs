@@ -687,7 +687,8 @@ impl ShardCore {
     /// Answers a delta pull from a worker holding `have`: takes a cut first when the policy wants one (see
     /// [`PublicCopy`]), then returns the newest cut and what to send. Call it only for a pull the SSP gate released.
     pub fn answer_public(&mut self, have: Option<PublicRef>) -> Result<PublicAnswer, CodecError> {
-        let min_clock = self.clocks.min_clock();
+        // The gate, not `m`: with quorum rounds a laggard must not keep the copy from being cut each round.
+        let min_clock = self.clocks.gate();
         let live = self.clocks.live();
         if self.public.is_none()
             && (self.version != 0 || self.init_seed.is_none())
@@ -809,6 +810,18 @@ impl ShardCore {
             self.settle_rounds();
         }
         evicted
+    }
+
+    /// Sets how rounds close: the quorum and the grace window (the node sets them from `[cluster]`; see
+    /// [`crate::quorum`]).
+    pub fn set_quorum(&mut self, settings: crate::quorum::QuorumSettings) {
+        self.clocks.set_quorum(settings);
+    }
+
+    /// Closes the rounds whose grace window ended by `now_ms` (the shell calls it at
+    /// [`ClockTable::deadline`]); returns how many closed.
+    pub fn settle(&mut self, now_ms: u64) -> u64 {
+        self.clocks.settle(now_ms).closed
     }
 
     /// Evicts the workers at the minimum clock that made no progress for the progress deadline (call it while a

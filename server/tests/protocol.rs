@@ -693,3 +693,164 @@ fn a_fresh_shard_offers_its_initial_cut_and_keeps_the_promise_once_its_weights_m
         None
     );
 }
+
+fn quorum_proto(quorum: u32) -> ShardProtocol {
+    let mut c = core(Staleness::Bounded(0));
+    c.set_quorum(tether_server::quorum::QuorumSettings {
+        quorum,
+        grace_factor: 1.0,
+        grace_max_ms: TIMEOUT,
+    });
+    ShardProtocol::new(c)
+}
+
+/// A push of `worker` (connection = rank + 1) at `now_ms`.
+fn push_at(p: &mut ShardProtocol, worker: u32, clock: u64, now_ms: u64) -> Outcome {
+    let payload = frame(worker, clock);
+    let round = Round::Push(Push {
+        worker,
+        clock,
+        shard: 0,
+        range: (0, N as u64),
+        read_version: 0,
+        payload: &payload,
+    });
+    p.round(u64::from(worker) + 1, round, now_ms).0
+}
+
+fn answered(p: &mut ShardProtocol) -> Vec<(u32, u64)> {
+    actions(p)
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::Answer { pull, .. } => Some((pull.worker, pull.clock)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_quorum_round_closes_after_its_grace_window_and_the_late_push_is_applied_in_the_next() {
+    // BSP, three workers, a quorum of two. Worker 2 is slow in round 0.
+    let mut p = quorum_proto(2);
+    for w in 0..3u32 {
+        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
+    }
+    assert_eq!(push_at(&mut p, 0, 0, 10), Outcome::Applied);
+    p.pull(1, 0, 1, 1, F32, 10).unwrap();
+    assert_eq!(push_at(&mut p, 1, 0, 20), Outcome::Applied);
+    p.pull(2, 1, 1, 1, F32, 20).unwrap();
+    // The quorum pushed at 20 ms; with no round time known the window is the eviction timeout.
+    let early = answered(&mut p);
+    assert!(
+        early.is_empty(),
+        "the round waits out its grace: {early:?} gate {}",
+        p.core().clocks().gate()
+    );
+    assert_eq!(p.poll_timeout(), Some(20 + TIMEOUT));
+    // Everyone is alive (they heartbeat); worker 2 is only slow.
+    for w in 0..3u32 {
+        p.heartbeat(u64::from(w) + 1, w, 900);
+    }
+    p.tick(20 + TIMEOUT - 1);
+    assert!(answered(&mut p).is_empty());
+    let before = bits(&p);
+    assert!(p.tick(20 + TIMEOUT).is_empty(), "nobody is evicted");
+    assert_eq!(answered(&mut p), vec![(0, 1), (1, 1)]);
+    assert_eq!(p.core().clocks().gate(), 1);
+    assert_eq!(bits(&p), before, "closing a round changes no weight");
+    // Worker 2's late push of round 0 is applied, not dropped, and its pull passes at once.
+    let version = p.version();
+    assert_eq!(push_at(&mut p, 2, 0, 1100), Outcome::Applied);
+    assert_eq!(p.version(), version + 1);
+    p.pull(3, 2, 1, 1, F32, 1100).unwrap();
+    assert_eq!(answered(&mut p), vec![(2, 1)]);
+    // Worker 2 is back at the open round (1): round 1 waits for it again, within the grace window.
+    push_at(&mut p, 0, 1, 1200);
+    p.pull(1, 0, 2, 2, F32, 1200).unwrap();
+    push_at(&mut p, 1, 1, 1300);
+    assert!(answered(&mut p).is_empty());
+    assert!(p.poll_timeout().is_some());
+    push_at(&mut p, 2, 1, 1400);
+    assert_eq!(answered(&mut p), vec![(0, 2)]);
+    assert_eq!(p.poll_timeout(), None);
+    assert_eq!(p.core().clocks().rounds().left_behind_total(), 1);
+}
+
+#[test]
+fn a_worker_behind_the_open_round_holds_no_round() {
+    // Worker 2 dies in round 0. After the first grace window it is behind the open round, so round 1 closes as soon
+    // as the two others pushed it, with no grace window at all.
+    let mut p = quorum_proto(2);
+    for w in 0..3u32 {
+        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
+    }
+    push_at(&mut p, 0, 0, 10);
+    push_at(&mut p, 1, 0, 20);
+    for w in 0..3u32 {
+        p.heartbeat(u64::from(w) + 1, w, 900);
+    }
+    p.tick(20 + TIMEOUT);
+    assert_eq!(p.core().clocks().gate(), 1);
+    push_at(&mut p, 0, 1, 1100);
+    p.pull(1, 0, 2, 2, F32, 1100).unwrap();
+    push_at(&mut p, 1, 1, 1150);
+    assert_eq!(answered(&mut p), vec![(0, 2)]);
+    assert_eq!(p.poll_timeout(), None);
+    assert_eq!(p.core().clocks().clock_of(2), Some(0));
+}
+
+#[test]
+fn with_the_default_quorum_a_silent_worker_holds_the_round_until_it_is_evicted() {
+    let mut p = quorum_proto(0);
+    for w in 0..3u32 {
+        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
+    }
+    push_at(&mut p, 0, 0, 10);
+    push_at(&mut p, 1, 0, 20);
+    p.pull(1, 0, 1, 1, F32, 20).unwrap();
+    assert_eq!(
+        p.poll_timeout(),
+        None,
+        "no grace window with every worker as the quorum"
+    );
+    p.heartbeat(1, 0, TIMEOUT - 10);
+    p.heartbeat(2, 1, TIMEOUT - 10);
+    p.tick(TIMEOUT - 1);
+    assert!(answered(&mut p).is_empty());
+    assert_eq!(p.tick(TIMEOUT), vec![2]);
+    assert_eq!(answered(&mut p), vec![(0, 1)]);
+}
+
+#[test]
+fn the_grace_window_learns_the_round_time() {
+    // Rounds of 100 ms with everyone on time, then worker 2 goes silent: its round closes 50 ms (0.5 × 100) after
+    // the quorum, long before the eviction timeout.
+    let mut p = ShardProtocol::new({
+        let mut c = core(Staleness::Bounded(0));
+        c.set_quorum(tether_server::quorum::QuorumSettings {
+            quorum: 2,
+            grace_factor: 0.5,
+            grace_max_ms: TIMEOUT,
+        });
+        c
+    });
+    for w in 0..3u32 {
+        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
+    }
+    let mut now = 0;
+    for round in 0..5u64 {
+        now += 100;
+        for w in 0..3u32 {
+            assert_eq!(push_at(&mut p, w, round, now), Outcome::Applied);
+        }
+    }
+    assert_eq!(p.core().clocks().gate(), 5);
+    assert_eq!(p.core().clocks().rounds().grace_ms(), 50);
+    now += 100;
+    push_at(&mut p, 0, 5, now);
+    push_at(&mut p, 1, 5, now);
+    p.pull(1, 0, 6, 6, F32, now).unwrap();
+    assert_eq!(p.poll_timeout(), Some(now + 50));
+    p.tick(now + 50);
+    assert_eq!(answered(&mut p), vec![(0, 6)]);
+}

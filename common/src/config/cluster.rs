@@ -100,6 +100,13 @@ pub struct ClusterConfig {
     /// on the SSP gate is evicted like a silent one (default 120000; at least `worker_timeout_ms`): a member that
     /// heartbeats but never pushes cannot hold the gate for ever.
     pub progress_timeout_ms: u64,
+    /// Quorum rounds: a round closes once this many live workers pushed it and the grace window passed, without
+    /// waiting for the rest; their late pushes are applied in the next round (default 0: every live worker, plain
+    /// SSP; at most `workers`).
+    pub quorum: u32,
+    /// The grace window after a round's quorum is reached, as a multiple of the median recent round time (default
+    /// 0.5; within 5 ms and `worker_timeout_ms`; used only with `quorum` > 0).
+    pub grace_factor: f32,
     /// Directory of the node's TLS bundle (default "certs"): keygen's output folder holding `server-K/` and
     /// `worker-R/` bundles, or one node's own bundle mounted alone.
     pub tls_dir: PathBuf,
@@ -117,6 +124,8 @@ impl Default for ClusterConfig {
             worker_timeout_ms: 5000,
             heartbeat_ms: 500,
             progress_timeout_ms: 120_000,
+            quorum: 0,
+            grace_factor: 0.5,
             tls_dir: PathBuf::from("certs"),
             revoked: Vec::new(),
         }

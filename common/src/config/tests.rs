@@ -489,3 +489,22 @@ fn a_combination_measured_to_diverge_gets_a_warning() {
         assert!(c.warnings().is_empty(), "{text}: {:?}", c.warnings());
     }
 }
+
+#[test]
+fn a_quorum_beyond_the_workers_or_a_bad_grace_factor_is_refused_naming_the_key() {
+    let parse = |extra: &str| {
+        Config::parse(
+            &format!("[cluster]\nservers=[\"a:1\"]\nworkers = 4\n{extra}\n"),
+            Path::new("/"),
+        )
+    };
+    let e = parse("quorum = 5").unwrap_err();
+    assert!(e.to_string().contains("cluster.quorum"), "{e}");
+    for g in ["0.0", "-1.0", "101.0", "nan"] {
+        let e = parse(&format!("quorum = 3\ngrace_factor = {g}")).unwrap_err();
+        assert!(e.to_string().contains("cluster.grace_factor"), "{g}: {e}");
+    }
+    let ok = parse("quorum = 4\ngrace_factor = 2.0").unwrap();
+    assert_eq!((ok.cluster.quorum, ok.cluster.grace_factor), (4, 2.0));
+    assert_eq!(parse("").unwrap().cluster.quorum, 0);
+}

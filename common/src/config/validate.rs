@@ -62,6 +62,19 @@ impl Config {
                 "must be at least cluster.worker_timeout_ms (honest rounds may be slow)",
             );
         }
+        if self.cluster.quorum > self.cluster.workers {
+            return bad(
+                "cluster.quorum",
+                &format!(
+                    "{} is more than cluster.workers ({}): no round could ever close",
+                    self.cluster.quorum, self.cluster.workers
+                ),
+            );
+        }
+        let g = self.cluster.grace_factor;
+        if !(g.is_finite() && g > 0.0 && g <= 100.0) {
+            return bad("cluster.grace_factor", "must be in (0, 100]");
+        }
         if let Some(s) = self
             .cluster
             .revoked

@@ -314,7 +314,7 @@ impl ShardProtocol {
             request: pull.request,
             clock: pull.clock,
             version: self.core.version(),
-            min_clock: self.core.clocks().min_clock(),
+            min_clock: self.core.clocks().gate(),
             epoch: self.core.epoch(),
             range_start: range.start,
             range_end: range.end,
@@ -379,7 +379,7 @@ impl ShardProtocol {
             range_end: range.end,
             staleness: self.core.clocks().staleness().bound(),
             fragments: self.core.fragments(),
-            min_clock: self.core.clocks().min_clock(),
+            min_clock: self.core.clocks().gate(),
             version: self.core.version(),
             clock,
             initial: self.core.initial_cut(),
@@ -611,9 +611,12 @@ impl ShardProtocol {
             self.maybe_leave(w, now_ms);
         }
         let mut evicted = self.core.evict_silent(now_ms);
-        let m = self.core.clocks().min_clock();
+        if self.core.settle(now_ms) > 0 {
+            self.release_ready();
+        }
+        let m = self.core.clocks().gate();
         let clocks = self.core.clocks();
-        // A pull of a worker ahead of the minimum waits on the gate: whoever sits at the minimum holds it.
+        // A pull of a worker ahead of the gate waits on it: whoever sits at the gate holds it.
         let gate_held = self
             .parked
             .iter()
@@ -643,6 +646,12 @@ impl ShardProtocol {
             self.release_ready();
         }
         evicted
+    }
+
+    /// When [`tick`](Self::tick) must run next for a round's grace window to end on time (quorum rounds); `None`
+    /// when no round waits on one. The shell arms a timer for it besides its periodic tick.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.core.clocks().deadline()
     }
 
     fn refuse_parked(&mut self, which: impl Fn(&Parked) -> bool, error: ShardError) {
