@@ -134,8 +134,10 @@ impl ClockTable {
     pub fn gate(&self) -> u64 {
         if self.live == 0 {
             self.floor
-        } else {
+        } else if self.rounds.is_partial() {
             self.rounds.gate(self.min)
+        } else {
+            self.min
         }
     }
 
@@ -149,6 +151,11 @@ impl ClockTable {
     /// change that carries a time calls it; the shell calls it again at [`deadline`](Self::deadline).
     pub fn settle(&mut self, now_ms: u64) -> Settled {
         self.now_ms = self.now_ms.max(now_ms);
+        if self.live == 0 {
+            // Nobody is live: the next member joins at the floor, and rounds close again from there.
+            self.rounds.reset(self.floor);
+            return Settled::default();
+        }
         let live = self
             .rows
             .values()
@@ -167,10 +174,14 @@ impl ClockTable {
         self.timeout_ms
     }
 
-    /// The clock a newcomer joins at now: the gate (`m`, or the open quorum round) while some worker is live, the
-    /// floor otherwise.
+    /// The clock a newcomer joins at now: `m` while some worker is live, the floor otherwise. Not the gate: with
+    /// quorum rounds one member (a quorum of 1) could run the gate up alone, and newcomers would jump over rounds.
     pub fn join_value(&self) -> u64 {
-        self.gate()
+        if self.live == 0 {
+            self.floor
+        } else {
+            self.min
+        }
     }
 
     /// The floor: the clock newcomers join at when nobody is live (see the module's invariants).

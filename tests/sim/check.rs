@@ -34,7 +34,8 @@ impl Sim {
                 ));
             }
         }
-        let mut min_progress = u64::MAX;
+        let need = bound(self.faults.staleness).map(|s| clock.saturating_sub(s));
+        let mut progresses = Vec::with_capacity(live.len());
         for &(w, from) in live {
             // Rounds of w present from its join on, reading the weights (and the skip markers the shard took).
             let mut progress = from;
@@ -47,20 +48,65 @@ impl Sim {
             {
                 progress += 1;
             }
-            min_progress = min_progress.min(progress);
-            if let Some(s) = bound(self.faults.staleness) {
-                let need = clock.saturating_sub(s);
+            progresses.push(progress);
+            if let Some(need) = need.filter(|_| self.faults.quorum == 0) {
                 if progress < need {
                     return Err(format!(
-                        "read guarantee broken: shard {k} answered worker {reader}'s pull at clock {clock} (s={s}) \
-                         but worker {w}'s rounds {progress}..{need} are missing (joined at {from})"
+                        "read guarantee broken: shard {k} answered worker {reader}'s pull at clock {clock} (s={}) \
+                         but worker {w}'s rounds {progress}..{need} are missing (joined at {from})",
+                        clock - need
                     ));
                 }
             }
         }
-        if min_progress != u64::MAX {
-            self.max_lead = self.max_lead.max(clock.saturating_sub(min_progress));
+        if progresses.is_empty() {
+            return Ok(());
         }
+        // With quorum rounds the guarantee holds for a quorum: at least `min(q, live)` workers' rounds up to
+        // `clock − s` are all in the values. A round closed while more members were live stays closed when some are
+        // evicted later, so every worker that ever joined counts (its rounds stay in the weights); the others are
+        // late, and their rounds come in later (nothing lost is checked separately). Without a quorum this is the
+        // per-member check above.
+        let q = match self.faults.quorum {
+            0 => progresses.len(),
+            q => (q as usize).min(progresses.len()),
+        };
+        let mut all = progresses.clone();
+        if self.faults.quorum > 0 {
+            for w in (0..WORKERS).filter(|w| !live.iter().any(|(l, _)| l == w)) {
+                if let Some(&from) = self.shards[k].joined_at.get(&w) {
+                    let mut progress = from;
+                    while progress < SLOTS
+                        && (values[slot(w, progress)] == 1.0
+                            || self.shards[k]
+                                .skipped
+                                .get(&w)
+                                .is_some_and(|s| s.contains(&progress)))
+                    {
+                        progress += 1;
+                    }
+                    all.push(progress);
+                }
+            }
+            // The hostile member counts towards a quorum like any member; its rounds own no slots, so its progress is
+            // the highest clock its row held (it may have said goodbye since).
+            if self.faults.hostile {
+                all.push(self.shards[k].hostile_high);
+            }
+        }
+        all.sort_unstable_by(|a, b| b.cmp(a));
+        let quorum_progress = all[q - 1];
+        if let Some(need) = need {
+            if quorum_progress < need {
+                return Err(format!(
+                    "quorum read guarantee broken: shard {k} answered worker {reader}'s pull at clock {clock} but only \
+                     {} workers hold every round up to {need} (quorum {q} of {} live; progress {all:?})",
+                    all.iter().filter(|p| **p >= need).count(),
+                    progresses.len()
+                ));
+            }
+        }
+        self.max_lead = self.max_lead.max(clock.saturating_sub(quorum_progress));
         Ok(())
     }
 

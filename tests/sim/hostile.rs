@@ -194,6 +194,7 @@ impl Sim {
                 return Ok(None);
             }
         };
+        self.observe_quorum(shard);
         self.note(format!(
             "hostile joined s{shard} at {} (claimed {claim}, conn {conn})",
             welcome.clock

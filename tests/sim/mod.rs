@@ -48,6 +48,7 @@ use tether::common::layout::Layout;
 use tether::common::protocol::{Precision, PullMode};
 use tether::common::testing::{flat_layout, sgd, TestRng};
 use tether::server::protocol::{ConnId, ShardProtocol};
+use tether::server::quorum::QuorumSettings;
 use tether::server::shard::{Membership, ShardCore, ShardSpec};
 use tether::worker::protocol::WorkerProtocol;
 
@@ -124,6 +125,12 @@ struct SimShard {
     /// The highest clock an honest worker reached on this shard (a round taken, or a welcome): the join value of a
     /// newcomer nobody else is live with may not exceed it.
     honest_high: u64,
+    /// The highest q-th most advanced live clock seen since the shard (re)started, read from the table's rows after
+    /// every protocol call: no round above it can have closed (quorum schedules; the minimum without one).
+    quorum_high: u64,
+    /// The highest clock the hostile member's row held since the shard (re)started: it counts towards quorums
+    /// while live, and its row is gone after a goodbye while the rounds it helped close stay closed.
+    hostile_high: u64,
 }
 
 /// The simulated world: N workers, M shards, the network between them, and the checker's records.
@@ -144,6 +151,8 @@ pub struct Sim {
     log: Vec<String>,
     used_replies: u64,
     max_lead: u64,
+    /// Pushes applied for a round the shard had already closed (quorum rounds: merged into the open one).
+    late_merges: u64,
     /// Whether each event is followed by the next part of the random script drawn from the seed.
     random: bool,
     /// Every push frame a shard received: (worker, shard, clock, bytes).
@@ -164,14 +173,34 @@ fn layout() -> Layout {
     flat_layout(SHARDS * WORKERS * SLOTS as usize)
 }
 
-/// A shard core of this world: its spec, and the configured ranks (the honest workers and the hostile member).
-fn shard_core(layout: &Layout, shard: usize, staleness: Staleness) -> ShardCore {
-    let mut core = ShardCore::new(layout, &spec(shard, staleness));
+/// A shard core of this world: its spec, the configured ranks (the honest workers and the hostile member) and how
+/// its rounds close.
+fn shard_core(layout: &Layout, shard: usize, faults: &Faults) -> ShardCore {
+    let mut core = ShardCore::new(layout, &spec(shard, faults.staleness));
     core.set_membership(Membership {
         workers: Some(WORKERS as u32 + 1),
         progress_timeout_ms: u64::MAX,
     });
+    core.set_quorum(QuorumSettings {
+        quorum: faults.quorum,
+        grace_factor: GRACE_FACTOR,
+        grace_max_ms: TIMEOUT_MS,
+    });
     core
+}
+
+/// The grace window of quorum schedules, as a multiple of the median round time.
+pub const GRACE_FACTOR: f32 = 0.5;
+
+/// The quorum's generator of `seed`: a third of the schedules close rounds at a quorum of 1 or 2 of the 3 workers.
+/// Drawn apart from the fault mix, so the schedules without a quorum are the same as before quorums existed.
+fn quorum_of(seed: u64) -> u32 {
+    let mut rng = TestRng::new(seed ^ 0x0c0a_11e0_0000_0000);
+    if rng.chance(333) {
+        1 + rng.below(2) as u32
+    } else {
+        0
+    }
 }
 
 fn spec(shard: usize, staleness: Staleness) -> ShardSpec {
@@ -226,6 +255,7 @@ impl Sim {
         let mut faults = Faults::draw(&mut rng);
         // Drawn from the hostile member's own generator: the schedules without it are the same as before it existed.
         faults.hostile = hostile_rng(seed).chance(300);
+        faults.quorum = quorum_of(seed);
         Sim::build(rng, faults, seed)
     }
 
@@ -277,7 +307,7 @@ impl Sim {
             .collect();
         let shards = (0..SHARDS)
             .map(|k| {
-                let mut core = shard_core(&layout, k, faults.staleness);
+                let mut core = shard_core(&layout, k, &faults);
                 core.set_public(lossless(), rng.next_u64());
                 let snapshot = core.snapshot();
                 SimShard {
@@ -292,6 +322,8 @@ impl Sim {
                     newest_conn: BTreeMap::new(),
                     evictions: 0,
                     honest_high: 0,
+                    quorum_high: 0,
+                    hostile_high: 0,
                 }
             })
             .collect();
@@ -317,6 +349,7 @@ impl Sim {
             log: Vec::new(),
             used_replies: 0,
             max_lead: 0,
+            late_merges: 0,
             random: true,
             pushes: Vec::new(),
             sent: Vec::new(),
@@ -385,12 +418,15 @@ impl Sim {
     }
 
     fn restart_shard(&mut self, k: usize) {
-        let mut core = shard_core(&self.layout, k, self.faults.staleness);
+        let mut core = shard_core(&self.layout, k, &self.faults);
         core.restore(self.shards[k].snapshot.clone(), self.now)
             .expect("a snapshot of this shard restores");
         core.set_public(lossless(), self.rng.next_u64());
         // The restored table's rows are live as of now; their join points are what the snapshot holds.
         self.shards[k].proto = Some(ShardProtocol::new(core));
+        self.shards[k].quorum_high = 0;
+        self.shards[k].hostile_high = 0;
+        self.observe_quorum(k);
         for w in 0..WORKERS {
             self.shards[k].last_heard.insert(w, self.now);
         }
@@ -544,7 +580,12 @@ impl Sim {
         if tick <= t {
             self.now = tick;
             for w in 0..WORKERS {
-                if !matches!(self.workers[w].phase, Phase::Crashed | Phase::Done) {
+                // A done worker whose rounds a shard's crash rolled back after its goodbye reconnects and resends
+                // them; it keeps its timers until they are settled again.
+                let sw = &self.workers[w];
+                let idle = sw.phase == Phase::Crashed
+                    || (sw.phase == Phase::Done && sw.protocol.settled());
+                if !idle {
                     self.workers[w].protocol.handle_timeout(tick);
                     self.drain_worker(w);
                 }
@@ -552,6 +593,7 @@ impl Sim {
             for k in 0..SHARDS {
                 if let Some(p) = self.shards[k].proto.as_mut() {
                     p.tick(tick);
+                    self.observe_quorum(k);
                     self.drain_shard(k)?;
                 }
             }
@@ -612,6 +654,7 @@ impl Sim {
                 }
                 let high = &mut self.shards[shard].honest_high;
                 *high = (*high).max(welcome.clock);
+                self.observe_quorum(shard);
                 self.shards[shard].joined_at.insert(worker, welcome.clock);
                 self.shards[shard].last_heard.insert(worker, self.now);
                 self.shards[shard].newest_conn.insert(worker, conn);
@@ -703,6 +746,7 @@ impl Sim {
                 self.workers[w].protocol.goodbye(now);
                 self.drain_worker(w);
                 self.workers[w].phase = Phase::Done;
+                self.note(format!("worker {w} done"));
             }
         }
         if self.random && !self.finished() {
@@ -866,6 +910,44 @@ impl Sim {
     /// The largest clock lead read from the weights in a used reply.
     pub fn max_lead(&self) -> u64 {
         self.max_lead
+    }
+
+    /// The q-th most advanced live clock of shard `k` now (the minimum without a quorum), read from its table's rows;
+    /// `None` when nobody is live or the shard is down.
+    pub(super) fn quorum_clock(&self, k: usize) -> Option<u64> {
+        let p = self.shards[k].proto.as_ref()?;
+        let mut clocks: Vec<u64> = p.core().clocks().clocks().map(|(_, c)| c).collect();
+        clocks.sort_unstable_by(|a, b| b.cmp(a));
+        let q = match self.faults.quorum {
+            0 => clocks.len(),
+            q => (q as usize).min(clocks.len()),
+        };
+        clocks.get(q.checked_sub(1)?).copied()
+    }
+
+    /// Records shard `k`'s quorum clock after a protocol call (see `SimShard::quorum_high`).
+    pub(super) fn observe_quorum(&mut self, k: usize) {
+        if let Some(c) = self.quorum_clock(k) {
+            let high = &mut self.shards[k].quorum_high;
+            *high = (*high).max(c);
+        }
+        let hostile = self.shards[k].proto.as_ref().and_then(|p| {
+            let clocks = p.core().clocks();
+            clocks
+                .clocks()
+                .chain(clocks.evicted())
+                .find(|(w, _)| *w == hostile::HOSTILE as u32)
+                .map(|(_, c)| c)
+        });
+        if let Some(c) = hostile {
+            let high = &mut self.shards[k].hostile_high;
+            *high = (*high).max(c);
+        }
+    }
+
+    /// Pushes applied after the shard had closed their round (quorum schedules).
+    pub fn late_merges(&self) -> u64 {
+        self.late_merges
     }
 
     /// Every push frame a shard received, in arrival order: (worker, shard, clock, bytes).

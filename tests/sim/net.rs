@@ -267,6 +267,7 @@ impl Sim {
     }
 
     pub(super) fn drain_shard(&mut self, k: usize) -> Result<(), String> {
+        self.observe_quorum(k);
         loop {
             let Some(action) = self.shards[k].proto.as_mut().and_then(|p| p.poll_action()) else {
                 return Ok(());
@@ -382,23 +383,38 @@ impl Sim {
         let frame = access_push(&bytes).map_err(|e| format!("a bad frame was built: {e}"))?;
         let meta = frame.meta();
         self.pushes.push((w, k, meta.clock, bytes.clone()));
+        let Some(proto) = self.shards[k].proto.as_ref() else {
+            return Ok(());
+        };
+        // The rounds a push may be ahead of are counted from the q-th most advanced live clock (the minimum without
+        // a quorum) read from the table's rows, or the highest it reached since the shard started (a round closed
+        // then stays closed when members leave): never from the gate the shard computed.
+        let live_before = proto.core().clocks().live();
+        let min_before = match self.faults.quorum {
+            0 => proto.core().clocks().min_clock(),
+            _ => self
+                .quorum_clock(k)
+                .unwrap_or(0)
+                .max(self.shards[k].quorum_high),
+        };
         let Some(proto) = self.shards[k].proto.as_mut() else {
             return Ok(());
         };
-        let (min_before, live_before) = (
-            proto.core().clocks().min_clock(),
-            proto.core().clocks().live(),
-        );
+        let gate_before = proto.core().clocks().gate();
         let (outcome, _) = proto.round(conn, Round::from_frame(frame), now);
+        self.observe_quorum(k);
         if outcome == Outcome::Applied {
             if let Some(s) = bound(self.faults.staleness) {
                 if live_before > 0 && meta.clock > min_before + s + 1 {
                     return Err(format!(
-                        "shard {k} applied w{w}'s round {} more than s + 1 = {} ahead of the minimum clock {min_before}",
+                        "shard {k} applied w{w}'s round {} more than s + 1 = {} ahead of the quorum's clock {min_before}",
                         meta.clock,
                         s + 1
                     ));
                 }
+            }
+            if !meta.skip && live_before > 0 && meta.clock < gate_before {
+                self.late_merges += 1;
             }
             if self.shards[k].newest_conn.get(&w) != Some(&conn) {
                 return Err(format!(

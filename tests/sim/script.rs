@@ -40,6 +40,8 @@ pub struct Faults {
     pub delta: bool,
     /// A hostile member joins the shards (see `hostile.rs`); drawn from the hostile member's own generator.
     pub hostile: bool,
+    /// Quorum rounds: pushes that close a round (0 = every live worker); drawn from the quorum's own generator.
+    pub quorum: u32,
 }
 
 impl Faults {
@@ -66,6 +68,7 @@ impl Faults {
             late_per_mille: 500,
             delta: rng.chance(500),
             hostile: false,
+            quorum: 0,
         }
     }
 
@@ -87,6 +90,7 @@ impl Faults {
             late_per_mille: 500,
             delta: false,
             hostile: false,
+            quorum: 0,
         }
     }
 }
