@@ -10,7 +10,10 @@
 #   scripts/goodput.sh [T ...]          periods in seconds (default: 30 10 5)
 #
 # Knobs: BIN (default target/release), EPOCHS (30), TARGET (0.885), LIMIT (300: seconds a run may take before it is
-# stopped and counted as not reaching the target), SEED (the victims' order; default 1).
+# stopped and counted as not reaching the target), SEED (the victims' order; default 1), QUORUM (cluster.quorum,
+# default 0: every live worker) and GRACE (cluster.grace_factor, default 0.5).
+# A shard's recovery time is measured from its kill to the first update its restarted process applies (polled on
+# its /metrics every 20 ms); the table gives the median and the largest.
 # Prints one line per run and a table: time to the target and rank 0's whole run, each with its goodput (the
 # undisturbed run's time / this run's), and the final accuracy. A run whose rank 0 wrote no report (it gave up on a
 # shard that never came back) shows dashes.
@@ -20,6 +23,8 @@ EPOCHS=${EPOCHS:-30}
 TARGET=${TARGET:-0.885}
 LIMIT=${LIMIT:-300}
 RANDOM=${SEED:-1}
+QUORUM=${QUORUM:-0}
+GRACE=${GRACE:-0.5}
 periods=("$@")
 [ ${#periods[@]} -gt 0 ] || periods=(30 10 5)
 for b in tether-server tether-worker; do
@@ -30,6 +35,21 @@ cleanup() { kill -9 $(jobs -p) 2>/dev/null || true; rm -rf "$D"; }
 trap cleanup EXIT
 "$BIN/tether-server" keygen --out "$D/certs" --servers 2 --workers 4 >/dev/null
 results="$D/results.tsv"
+
+# recovery KILLED_MS PORT: prints the milliseconds from a shard's kill to the first update its restarted process
+# applied (tether_updates_applied_total > 0 on its /metrics), or nothing after 60 s or once the run is over.
+recovery() {
+  local killed=$1 port=$2 i
+  for i in $(seq 3000); do
+    [ -e "$dir/done" ] && return
+    if curl -s --max-time 1 "http://127.0.0.1:$port/metrics" 2>/dev/null \
+        | awk '$1 == "tether_updates_applied_total" && $2 > 0 { found = 1 } END { exit !found }'; then
+      echo $(( $(date +%s%3N) - killed ))
+      return
+    fi
+    sleep 0.02
+  done
+}
 
 # run NAME MODE [T]: one cluster in $D/NAME; MODE is none, every (kill a random process every T s) or shard (kill
 # shard 1 once, 8 s in, never restart it).
@@ -43,6 +63,8 @@ run() {
 servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
 workers = 4
 staleness = 0
+quorum = $QUORUM
+grace_factor = $GRACE
 tls_dir = "$D/certs"
 [model]
 kind = "mlp"
@@ -75,7 +97,7 @@ CONF
     local v=$1
     case $v in
       s*) (cd "$dir" && exec "$BIN/tether-server" --config cluster.toml --shard "${v#s}" --exit-after-workers 4 \
-             --report "server-${v#s}.json" ${2:-} >> "$v.log" 2>&1) & ;;
+             --metrics "127.0.0.1:$((p0 + 10 + ${v#s}))" --report "server-${v#s}.json" ${2:-} >> "$v.log" 2>&1) & ;;
       w*) (cd "$dir" && exec "$BIN/tether-worker" --config cluster.toml --rank "${v#w}" --report "worker-${v#w}.json" \
              >> "$v.log" 2>&1) & ;;
     esac
@@ -95,32 +117,45 @@ CONF
       local victims=(w1 w2 w3 s0 s1) v
       if [ "$mode" = shard ]; then v=s1; else v=${victims[$((RANDOM % 5))]}; fi
       kill -9 "${pid[$v]}" 2>/dev/null || true
+      local killed_ms
+      killed_ms=$(date +%s%3N)
       kills=$((kills + 1))
       if [ "$mode" = shard ]; then
         next=$((LIMIT + 1))
       else
         sleep 1
-        if [ "${v:0:1}" = s ]; then start "$v" --resume; else start "$v"; fi
+        if [ "${v:0:1}" = s ]; then
+          start "$v" --resume
+          recovery "$killed_ms" "$((p0 + 10 + ${v#s}))" >> "$dir/recovery.txt" &
+        else
+          start "$v"
+        fi
         next=$((next + period))
       fi
     fi
     sleep 0.2
   done
   local wall=$((SECONDS - t0))
+  touch "$dir/done"
   for v in "${!pid[@]}"; do kill -9 "${pid[$v]}" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  python3 - "$dir/worker-0.json" "$name" "$kills" "$wall" "$TARGET" >> "$results" <<'PY'
+  python3 - "$dir/worker-0.json" "$name" "$kills" "$wall" "$TARGET" "$dir/recovery.txt" >> "$results" <<'PY'
 import json, sys
 path, name, kills, wall, target = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 try:
+    rec = sorted(int(l) for l in open(sys.argv[6]) if l.strip().lstrip("-").isdigit())
+except OSError:
+    rec = []
+recovery = f"{rec[len(rec) // 2] / 1000:.2f} / {rec[-1] / 1000:.2f} ({len(rec)})" if rec else "-"
+try:
     r = json.load(open(path))
 except (OSError, ValueError):
-    print(f"{name}\t{kills}\t-\t-\t-")
+    print(f"{name}\t{kills}\t-\t-\t-\t{recovery}")
     sys.exit()
 hit = next((t for _, t, a in r.get("accuracy_curve", []) if a >= target), None)
-print(f"{name}\t{kills}\t{'-' if hit is None else f'{hit:.1f}'}\t{r['final_test_accuracy']:.4f}\t{r['wall_seconds']:.1f}")
+print(f"{name}\t{kills}\t{'-' if hit is None else f'{hit:.1f}'}\t{r['final_test_accuracy']:.4f}\t{r['wall_seconds']:.1f}\t{recovery}")
 PY
-  tail -1 "$results" | awk -F'\t' '{ printf "goodput: %-16s kills %2s  time to target %6s s  final accuracy %s  rank 0 wall %s s\n", $1, $2, $3, $4, $5 }'
+  tail -1 "$results" | awk -F'\t' '{ printf "goodput: %-16s kills %2s  time to target %6s s  final accuracy %s  rank 0 wall %s s  shard recovery %s s\n", $1, $2, $3, $4, $5, $6 }'
 }
 
 # Bash reports each SIGKILLed job on stderr ("Killed"); those lines are the schedule itself, not errors.
@@ -134,8 +169,8 @@ rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
 base, base_wall = rows[0][2], rows[0][4]
 ratio = lambda a, b: "-" if "-" in (a, b) else f"{float(a) / float(b):.2f}"
 print(f"| run | kills | time to {sys.argv[2]} (s) | goodput to the target | rank 0's whole run (s) | goodput over the run "
-      "| final accuracy (rank 0) |")
-print("|---|---|---|---|---|---|---|")
-for name, kills, hit, acc, wall in rows:
-    print(f"| {name} | {kills} | {hit} | {ratio(base, hit)} | {wall} | {ratio(base_wall, wall)} | {acc} |")
+      "| final accuracy (rank 0) | shard recovery median / max (s) (kills) |")
+print("|---|---|---|---|---|---|---|---|")
+for name, kills, hit, acc, wall, rec in rows:
+    print(f"| {name} | {kills} | {hit} | {ratio(base, hit)} | {wall} | {ratio(base_wall, wall)} | {acc} | {rec} |")
 PY

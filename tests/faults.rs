@@ -500,3 +500,129 @@ fn killing_a_shard_while_pulls_are_parked_on_the_other_keeps_bsp() {
     assert_eq!(num(&shard0, "max_clock_lead_observed"), 0.0);
     assert_eq!(num(&shard1, "max_clock_lead_observed"), 0.0);
 }
+
+#[test]
+fn with_quorum_rounds_a_killed_worker_stalls_nobody_for_the_eviction_timeout() {
+    let _serial = serial();
+    // BSP, two workers, a quorum of one, a long eviction timeout: the survivor's rounds close after the grace window
+    // (half the median round time), not after the 4 s a plain BSP round waits for the eviction.
+    let c = Cluster::new(Spec {
+        staleness: "0".into(),
+        worker_timeout_ms: 4000,
+        cluster_extra: "quorum = 1\n".into(),
+        ..spec()
+    });
+    let mut servers = c.servers(&[]);
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1-killed.json"));
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(
+        w1.alive(),
+        "worker 1 ended before the kill:\n{}",
+        w1.log_tail(2000)
+    );
+    w1.kill9();
+    // Restarted after the eviction timeout: a plain BSP survivor would stall until the eviction.
+    std::thread::sleep(Duration::from_millis(4500));
+    let mut w1b = c.worker(1, &worker_args("w1.json"));
+    w0.wait_success(Duration::from_secs(90));
+    w1b.wait_success(Duration::from_secs(90));
+    for s in &mut servers {
+        s.wait_success(Duration::from_secs(30));
+    }
+    let r0 = c.report("w0.json");
+    let gap = max_step_gap(&r0);
+    let acc = num(&r0, "final_test_accuracy");
+    println!("quorum 1 of 2, worker killed: survivor's longest stall {gap:.2} s (eviction timeout 4 s), accuracy {acc:.4}");
+    assert!(
+        gap < 2.0,
+        "survivor stalled {gap:.2} s: it waited for the eviction"
+    );
+    assert!(acc > 0.85, "accuracy {acc}");
+}
+
+#[test]
+fn a_worker_beyond_the_configured_count_joins_mid_run_and_finishes_alone_after_the_others_leave() {
+    let _serial = serial();
+    // Two configured workers, room for a third; BSP rounds at a quorum of two.
+    let c = Cluster::new(Spec {
+        staleness: "0".into(),
+        cluster_extra: "max_workers = 3\nquorum = 2\n".into(),
+        ..spec()
+    });
+    // The joiner's certificate comes from the cluster's CA after the cluster was set up, as an operator adds one.
+    for rank in ["2", "3"] {
+        let out = std::process::Command::new(&support::bins().server)
+            .args(["keygen", "issue", "--ca"])
+            .arg(c.path("certs/ca"))
+            .arg("--out")
+            .arg(c.path("certs"))
+            .args(["--worker", rank])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "keygen issue: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut servers: Vec<Proc> = (0..c.spec.shards)
+        .map(|k| {
+            c.server(
+                k,
+                &[
+                    "--exit-after-workers",
+                    "3",
+                    "--report",
+                    &format!("server-{k}.json"),
+                ],
+            )
+        })
+        .collect();
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1.json"));
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(
+        w0.alive() && w1.alive(),
+        "the configured workers ended before the join"
+    );
+    let mut w2 = c.worker(2, &worker_args("w2.json"));
+    // A rank beyond max_workers, with a valid certificate, is refused with a message naming the limit.
+    let mut w3 = c.worker(3, &worker_args("w3.json"));
+    w3.wait_failure(Duration::from_secs(30));
+    assert!(w3.log_text().contains("may join"), "{}", w3.log_tail(1000));
+    for w in [&mut w0, &mut w1, &mut w2] {
+        w.wait_success(Duration::from_secs(120));
+    }
+    for s in &mut servers {
+        s.wait_success(Duration::from_secs(30));
+    }
+    let steps: Vec<f64> = ["w0.json", "w1.json", "w2.json"]
+        .iter()
+        .map(|r| num(&c.report(r), "steps"))
+        .collect();
+    let applied: Vec<f64> = (0..2)
+        .map(|k| num(&c.report(&format!("server-{k}.json")), "updates_applied"))
+        .collect();
+    let acc = num(&c.report("w0.json"), "final_test_accuracy");
+    let loss2 = num(&c.report("w2.json"), "final_train_loss");
+    println!(
+        "elastic join: steps {steps:?}, shard updates {applied:?}, rank 0's accuracy {acc:.4}, joiner's final \
+         training loss {loss2:.3}"
+    );
+    // Every worker ran its whole run (the joiner alone at the end: the quorum shrank with the goodbyes), and every
+    // push of all three is in the shards.
+    let total: f64 = steps.iter().sum();
+    assert!(steps.iter().all(|s| *s == steps[0]), "{steps:?}");
+    for a in applied {
+        assert!(a >= total, "shard applied {a} updates of {total} pushed");
+    }
+    assert!(acc > 0.85, "rank 0's accuracy {acc}");
+    assert!(
+        loss2 < 0.5,
+        "the joiner trained on the shared weights: final training loss {loss2}"
+    );
+    assert!(servers
+        .iter()
+        .all(|s| s.log_text().matches("worker session started").count() >= 3));
+}

@@ -48,6 +48,10 @@ pub struct ServerMetrics {
     pub version: Gauge,
     /// `tether_rollbacks_total`: loss-spike rollbacks this shard carried out.
     pub rollbacks: Counter,
+    /// `tether_quorum_closes_total`: rounds closed by the quorum with a punctual worker left behind.
+    pub quorum_closes: Counter,
+    /// `tether_workers_left_behind_total`: punctual workers those closes left behind.
+    pub left_behind: Counter,
 }
 
 impl ServerMetrics {
@@ -64,6 +68,8 @@ impl ServerMetrics {
             checkpoint_last_version: Gauge::default(),
             version: Gauge::default(),
             rollbacks: Counter::default(),
+            quorum_closes: Counter::default(),
+            left_behind: Counter::default(),
         };
         registry.register(
             "tether_updates_applied",
@@ -114,6 +120,16 @@ impl ServerMetrics {
             "tether_rollbacks",
             "Loss-spike rollbacks to an in-memory snapshot",
             m.rollbacks.clone(),
+        );
+        registry.register(
+            "tether_quorum_closes",
+            "Rounds closed by the quorum after the grace window, with a worker left behind",
+            m.quorum_closes.clone(),
+        );
+        registry.register(
+            "tether_workers_left_behind",
+            "Workers left behind by quorum closes (their pushes are merged late)",
+            m.left_behind.clone(),
         );
         m
     }

@@ -217,6 +217,14 @@ impl ShardActor {
             }
         }
         self.epoch = epoch;
+        if let Some(m) = &self.metrics {
+            let rounds = self.proto.core().clocks().rounds();
+            let (closes, behind) = (rounds.quorum_closes(), rounds.left_behind_total());
+            m.quorum_closes
+                .inc_by(closes.saturating_sub(m.quorum_closes.get()));
+            m.left_behind
+                .inc_by(behind.saturating_sub(m.left_behind.get()));
+        }
         while let Some(action) = self.proto.poll_action() {
             match action {
                 Action::Answer { pull, reply } => {

@@ -212,10 +212,11 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     );
     core.set_public(cfg.compression.pull_codec(), lineage);
     core.set_push_scale(update_rule::push_scale(cfg));
+    core.set_push_scale_per_live(update_rule::push_scale_per_live(cfg));
     core.set_fragments(cfg.train.fragments);
     core.set_rollback(&cfg.rollback);
     core.set_membership(Membership {
-        workers: Some(cfg.cluster.workers),
+        workers: Some(cfg.cluster.rank_limit()),
         progress_timeout_ms: cfg.cluster.progress_timeout_ms,
     });
     core.set_quorum(QuorumSettings {
@@ -248,7 +249,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         layout_hash,
         limits,
         next_conn: Default::default(),
-        admission: Admission::new(AdmissionLimits::for_workers(cfg.cluster.workers)),
+        admission: Admission::new(AdmissionLimits::for_workers(cfg.cluster.rank_limit())),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx));
     info!(shard = opts.shard, %local_addr, range = ?(range.start, range.end), "shard serving");

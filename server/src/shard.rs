@@ -137,8 +137,8 @@ pub enum ShardError {
     /// The message came on a connection a newer hello of the same worker replaced.
     #[error("worker {0} spoke on a connection its newer session superseded")]
     Superseded(u32),
-    /// The rank is not one of the configured workers (`0..workers`).
-    #[error("rank {worker} is not a configured worker (cluster.workers = {workers})")]
+    /// The rank is not one of the configured workers (`0..workers`, or `0..max_workers` with elastic membership).
+    #[error("rank {worker} is not a configured worker (ranks 0..{workers} may join: cluster.workers, or cluster.max_workers)")]
     UnknownRank {
         /// The rank in the hello.
         worker: u32,
@@ -390,6 +390,8 @@ pub struct ShardCore {
     lineage: u64,
     /// Every push's step is multiplied by this (1/workers in local-step rounds).
     push_scale: f32,
+    /// Scale each push by 1/live instead of `push_scale`.
+    push_scale_per_live: bool,
     /// The seed of the initial weights while they came from it (`None` once restored from a checkpoint).
     init_seed: Option<u64>,
     /// The initial cut offered in welcomes (see [`ShardCore::initial_cut`]): a promise that cut 0 of its lineage
@@ -466,6 +468,7 @@ impl ShardCore {
             pull_codec: default_pull_codec(),
             lineage: layout.hash() ^ u64::from(spec.shard),
             push_scale: 1.0,
+            push_scale_per_live: false,
             init_seed: Some(spec.seed),
             initial: None,
             rollback: None,
@@ -653,6 +656,13 @@ impl ShardCore {
     /// the outer step on the mean pseudo-gradient).
     pub fn set_push_scale(&mut self, scale: f32) {
         self.push_scale = scale;
+    }
+
+    /// Multiplies every push's step by 1/live instead of the fixed scale (local-step rounds with elastic membership
+    /// or evictions: the pushes of a round add up to the outer step on the mean pseudo-gradient of the workers in
+    /// the clock table, however many there are now).
+    pub fn set_push_scale_per_live(&mut self, per_live: bool) {
+        self.push_scale_per_live = per_live;
     }
 
     /// The public copy, once a delta pull created it.
@@ -967,11 +977,14 @@ impl ShardCore {
             1.0 / (staleness.max(1) as f32)
         } else {
             1.0
-        } * self.push_scale
-            * self
-                .rollback
-                .as_ref()
-                .map_or(1.0, |rb| rb.lr_factor(push.clock));
+        } * if self.push_scale_per_live {
+            1.0 / self.clocks.live().max(1) as f32
+        } else {
+            self.push_scale
+        } * self
+            .rollback
+            .as_ref()
+            .map_or(1.0, |rb| rb.lr_factor(push.clock));
         // A refused step changed nothing but the clock, which advances as for any push refused for its values.
         let part = self.part(push.clock);
         let grad = &self.scratch[..part.len()];

@@ -1,7 +1,9 @@
 //! The shards' update rule as the training mode makes it. With a gradient push every step the shards apply
 //! `[optimizer]` to each push as it comes; in local-step rounds (DiLoCo, `train.local_steps > 0`) they apply
-//! `[optimizer.outer]` at a constant learning rate without weight decay, to each push scaled by 1/workers, so that one
-//! round's pushes add up to the step on the workers' mean pseudo-gradient. Pure functions of the configuration.
+//! `[optimizer.outer]` at a constant learning rate without weight decay, to each push scaled by 1/live (the workers
+//! in the shard's clock table: `cluster.workers` in a steady run), so that one round's pushes add up to the step on
+//! the workers' mean pseudo-gradient also while a worker is evicted or a joiner beyond `cluster.workers` is in. Pure
+//! functions of the configuration.
 
 use tether_common::config::{Config, OptimizerConfig, Schedule};
 
@@ -33,6 +35,11 @@ pub fn push_scale(cfg: &Config) -> f32 {
     }
 }
 
+/// Whether the shards scale each push by 1/live workers instead of [`push_scale`] (local-step rounds).
+pub fn push_scale_per_live(cfg: &Config) -> bool {
+    cfg.train.local_steps > 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -45,6 +52,7 @@ mod tests {
         cfg.optimizer.weight_decay = 0.1;
         assert_eq!(shard_optimizer(&cfg), cfg.optimizer);
         assert_eq!(push_scale(&cfg), 1.0);
+        assert!(!push_scale_per_live(&cfg));
     }
 
     #[test]
@@ -64,5 +72,6 @@ mod tests {
         );
         assert_eq!((o.weight_decay, o.schedule), (0.0, Schedule::Constant));
         assert_eq!(push_scale(&cfg), 0.25);
+        assert!(push_scale_per_live(&cfg));
     }
 }

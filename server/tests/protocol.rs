@@ -496,7 +496,7 @@ fn ranks_beyond_the_configured_workers_are_refused_at_hello() {
         }
     );
     assert_eq!(e.code(), ErrorCode::Unauthorized);
-    assert!(e.to_string().contains("999") && e.to_string().contains("cluster.workers = 2"));
+    assert!(e.to_string().contains("999") && e.to_string().contains("ranks 0..2 may join"));
     assert_eq!(p.live(), 1);
     assert!(p.hello(3, 2, 0, 0).is_err(), "ranks are 0..workers");
 }

@@ -236,6 +236,8 @@ pub struct Spec {
     pub per_worker_certs: bool,
     /// `train.clip_norm` (None: the default).
     pub clip_norm: Option<f32>,
+    /// Extra `[cluster]` lines (e.g. `quorum = 2`).
+    pub cluster_extra: String,
 }
 
 impl Default for Spec {
@@ -253,6 +255,7 @@ impl Default for Spec {
             eval_every: 0,
             per_worker_certs: true,
             clip_norm: None,
+            cluster_extra: String::new(),
         }
     }
 }
@@ -306,7 +309,7 @@ impl Cluster {
         };
         let hidden: Vec<String> = s.hidden.iter().map(|h| h.to_string()).collect();
         let text = format!(
-            "[cluster]\nservers = [{}]\nworkers = {}\nstaleness = {staleness}\nworker_timeout_ms = {}\n\
+            "[cluster]\nservers = [{}]\nworkers = {}\nstaleness = {staleness}\nworker_timeout_ms = {}\n{}\
              [model]\nkind = \"{}\"\nhidden = [{}]\nseed = 42\n\
              [data]\ndataset = \"digits\"\n\
              [train]\nepochs = {}\nbatch = {}\neval_every = {}\n{}\
@@ -316,6 +319,7 @@ impl Cluster {
             servers.join(", "),
             s.workers,
             s.worker_timeout_ms,
+            s.cluster_extra,
             s.model,
             hidden.join(", "),
             s.epochs,

@@ -99,11 +99,13 @@ fn run() -> Result<()> {
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
-    if cli.rank >= cfg.cluster.workers {
+    if cli.rank >= cfg.cluster.rank_limit() {
         bail!(
-            "--rank {} but cluster.workers is {}",
+            "--rank {} but ranks 0..{} may join (cluster.workers is {}, cluster.max_workers {})",
             cli.rank,
-            cfg.cluster.workers
+            cfg.cluster.rank_limit(),
+            cfg.cluster.workers,
+            cfg.cluster.max_workers
         );
     }
     let faults = cli

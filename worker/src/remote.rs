@@ -58,13 +58,13 @@ impl RemoteOptions {
         tls_dir: &std::path::Path,
         reconnect_deadline: Duration,
     ) -> Result<Self, WorkerError> {
-        if rank >= config.cluster.workers {
+        if rank >= config.cluster.rank_limit() {
             return Err(WorkerError::Config(
                 tether_common::config::ConfigError::Invalid {
                     key: "cluster.workers",
                     reason: format!(
-                        "rank {rank} but cluster.workers is {}",
-                        config.cluster.workers
+                        "rank {rank} but ranks 0..{} may join (cluster.workers, cluster.max_workers)",
+                        config.cluster.rank_limit()
                     ),
                 },
             ));

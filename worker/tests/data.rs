@@ -432,6 +432,36 @@ fn load_dispatches_csv_and_libsvm_with_split_or_test_file() {
 }
 
 #[test]
+fn a_rank_beyond_the_configured_workers_reads_a_share_in_its_own_order_and_moves_no_one_elses() {
+    let (n, workers) = (1_000, 4u32);
+    for rank in 0..workers {
+        assert_eq!(
+            Partition::elastic(n, rank, workers, 7).unwrap(),
+            Partition::new(n, rank, workers, 7).unwrap(),
+            "configured ranks keep their shares"
+        );
+    }
+    let joiner = Partition::elastic(n, 5, workers, 7).unwrap();
+    let base = Partition::new(n, 1, workers, 7).unwrap();
+    assert_eq!(joiner.rank(), 5);
+    assert_eq!(
+        joiner.indices(),
+        base.indices(),
+        "rank 5 reads the share of rank 5 mod 4"
+    );
+    let (a, b) = (joiner.epoch_order(0), base.epoch_order(0));
+    assert_ne!(a, b, "in an order of its own");
+    let (mut sa, mut sb) = (a.clone(), b.clone());
+    sa.sort_unstable();
+    sb.sort_unstable();
+    assert_eq!(sa, sb);
+    assert!(matches!(
+        Partition::elastic(10, 0, 0, 0),
+        Err(DataError::Partition { .. })
+    ));
+}
+
+#[test]
 fn partitions_are_disjoint_and_cover_every_sample() {
     for n in [0usize, 1, 7, 100, 1_797] {
         for workers in 1..=5u32 {

@@ -88,8 +88,12 @@ impl<'de> Deserialize<'de> for Staleness {
 pub struct ClusterConfig {
     /// Shard K listens on `servers[K]` (required: the default, none, is refused by validation).
     pub servers: Vec<String>,
-    /// Number of workers (default 4).
+    /// Number of workers (default 4): the data is split into this many shares, and local-step rounds expect as many.
     pub workers: u32,
+    /// Elastic membership: ranks `workers..max_workers` may join mid-run with a valid certificate (`keygen issue`);
+    /// such a worker reads the share of rank `rank mod workers` in its own order (default 0: no ranks beyond
+    /// `workers`; else at least `workers`, at most 4096).
+    pub max_workers: u32,
     /// SSP bound (default 3; `0` = BSP, `"inf"` = async).
     pub staleness: Staleness,
     /// A worker silent this long is evicted from the clock table (default 5000).
@@ -120,6 +124,7 @@ impl Default for ClusterConfig {
         Self {
             servers: Vec::new(),
             workers: 4,
+            max_workers: 0,
             staleness: Staleness::Bounded(3),
             worker_timeout_ms: 5000,
             heartbeat_ms: 500,
@@ -139,6 +144,11 @@ impl ClusterConfig {
             servers,
             ..Self::default()
         }
+    }
+
+    /// The ranks that may join: `0..rank_limit()` (`max_workers`, or `workers` when it is 0).
+    pub fn rank_limit(&self) -> u32 {
+        self.workers.max(self.max_workers)
     }
 
     /// The revoked serials as bytes (validated by [`super::Config::validate`]; an unparsable entry is skipped here).

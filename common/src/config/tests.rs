@@ -508,3 +508,20 @@ fn a_quorum_beyond_the_workers_or_a_bad_grace_factor_is_refused_naming_the_key()
     assert_eq!((ok.cluster.quorum, ok.cluster.grace_factor), (4, 2.0));
     assert_eq!(parse("").unwrap().cluster.quorum, 0);
 }
+
+#[test]
+fn max_workers_below_the_workers_or_beyond_4096_is_refused_naming_the_key() {
+    let parse = |extra: &str| {
+        Config::parse(
+            &format!("[cluster]\nservers=[\"a:1\"]\nworkers = 4\n{extra}\n"),
+            Path::new("/"),
+        )
+    };
+    for bad in ["max_workers = 3", "max_workers = 4097"] {
+        let e = parse(bad).unwrap_err();
+        assert!(e.to_string().contains("cluster.max_workers"), "{bad}: {e}");
+    }
+    assert_eq!(parse("").unwrap().cluster.rank_limit(), 4);
+    assert_eq!(parse("max_workers = 4").unwrap().cluster.rank_limit(), 4);
+    assert_eq!(parse("max_workers = 6").unwrap().cluster.rank_limit(), 6);
+}

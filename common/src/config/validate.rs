@@ -62,6 +62,16 @@ impl Config {
                 "must be at least cluster.worker_timeout_ms (honest rounds may be slow)",
             );
         }
+        let m = self.cluster.max_workers;
+        if m != 0 && !(self.cluster.workers..=4096).contains(&m) {
+            return bad(
+                "cluster.max_workers",
+                &format!(
+                    "{m} must be 0 (no elastic ranks) or between cluster.workers ({}) and 4096",
+                    self.cluster.workers
+                ),
+            );
+        }
         if self.cluster.quorum > self.cluster.workers {
             return bad(
                 "cluster.quorum",

@@ -57,6 +57,24 @@ impl Partition {
         })
     }
 
+    /// The share of a worker of rank `rank` in a cluster that splits the data `workers` ways (elastic membership):
+    /// a configured rank (`rank < workers`) gets its own share ([`Partition::new`]); a rank beyond them reads the
+    /// share of `rank mod workers`, in an order of its own (seeded by its rank), so a joiner adds samples per second
+    /// without moving anyone else's share.
+    pub fn elastic(
+        n_samples: usize,
+        rank: u32,
+        workers: u32,
+        seed: u64,
+    ) -> Result<Partition, DataError> {
+        if workers == 0 {
+            return Partition::new(n_samples, rank, workers, seed);
+        }
+        let mut p = Partition::new(n_samples, rank % workers, workers, seed)?;
+        p.rank = rank;
+        Ok(p)
+    }
+
     /// This worker's rank.
     pub fn rank(&self) -> u32 {
         self.rank

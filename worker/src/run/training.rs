@@ -69,7 +69,7 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         cfg.train.clip_norm,
     )?
     .with_faults(opts.faults.clone());
-    let partition = Partition::new(
+    let partition = Partition::elastic(
         opts.train.len(),
         opts.rank,
         cfg.cluster.workers,
