@@ -184,12 +184,17 @@ impl RoundCloser {
             self.closed = open + 1;
         }
         out.closed = self.closed - start;
-        if out.closed > 0 {
-            if let Some(last) = self.last_close_ms {
-                self.times[self.next] = now_ms.saturating_sub(last) / out.closed;
+        if let Some(per_round) = now_ms
+            .checked_sub(self.last_close_ms.unwrap_or(now_ms))
+            .and_then(|t| t.checked_div(out.closed))
+        {
+            if self.last_close_ms.is_some() {
+                self.times[self.next] = per_round;
                 self.next = (self.next + 1) % HISTORY;
                 self.len = (self.len + 1).min(HISTORY);
             }
+        }
+        if out.closed > 0 {
             self.last_close_ms = Some(now_ms);
         }
         out
