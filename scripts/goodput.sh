@@ -11,7 +11,10 @@
 #
 # Knobs: BIN (default target/release), EPOCHS (30), TARGET (0.885), LIMIT (300: seconds a run may take before it is
 # stopped and counted as not reaching the target), SEED (the victims' order; default 1), QUORUM (cluster.quorum,
-# default 0: every live worker) and GRACE (cluster.grace_factor, default 0.5).
+# default 0: every live worker) and GRACE (cluster.grace_factor, default 0.5). MODEL=gpt runs the built-in GPT on
+# the KJV instead (the quickstart's GPT recipe: q4 both ways, 16 local steps, AdamW; STEPS steps per worker,
+# default 300, validation every EVAL = 25 steps) with TARGET a validation loss (default auto: the undisturbed run's
+# final validation loss + 1%).
 # A shard's recovery time is measured from its kill to the first update its restarted process applies (polled on
 # its /metrics every 20 ms); the table gives the median and the largest.
 # Prints one line per run and a table: time to the target and rank 0's whole run, each with its goodput (the
@@ -20,10 +23,13 @@
 set -euo pipefail
 BIN=${BIN:-$(cd "$(dirname "$0")/.." && pwd)/target/release}
 EPOCHS=${EPOCHS:-30}
-TARGET=${TARGET:-0.885}
+if [ "${MODEL:-mlp}" = gpt ]; then TARGET=${TARGET:-auto}; else TARGET=${TARGET:-0.885}; fi
 LIMIT=${LIMIT:-300}
 RANDOM=${SEED:-1}
+MODEL=${MODEL:-mlp}
 QUORUM=${QUORUM:-0}
+STEPS=${STEPS:-300}
+EVAL=${EVAL:-25}
 GRACE=${GRACE:-0.5}
 periods=("$@")
 [ ${#periods[@]} -gt 0 ] || periods=(30 10 5)
@@ -51,6 +57,52 @@ recovery() {
   done
 }
 
+# table: the runs so far as a Markdown table. Time to the target comes from rank 0's accuracy curve (MLP: accuracy
+# >= TARGET) or validation-loss curve (GPT: loss <= TARGET; TARGET=auto takes the undisturbed run's final validation
+# loss + 1%). Goodput = the undisturbed run's time / this run's.
+table() {
+  python3 - "$results" "$TARGET" "$MODEL" <<'PY'
+import json, sys
+runs = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
+target, gpt = sys.argv[2], sys.argv[3] == "gpt"
+def report(d):
+    try:
+        return json.load(open(f"{d}/worker-0.json"))
+    except (OSError, ValueError):
+        return None
+if target == "auto":
+    r = report(runs[0][2])
+    target = f"{r['final_val_loss'] * 1.01:.3f}" if r and r.get("final_val_loss") is not None else "nan"
+t = float(target)
+rows = []
+for name, kills, d in runs:
+    try:
+        rec = sorted(int(l) for l in open(f"{d}/recovery.txt") if l.strip().isdigit())
+    except OSError:
+        rec = []
+    recovery = f"{rec[len(rec) // 2] / 1000:.2f} / {rec[-1] / 1000:.2f} ({len(rec)})" if rec else "-"
+    r = report(d)
+    if r is None:
+        rows.append((name, kills, "-", "-", "-", recovery))
+        continue
+    if gpt:
+        hit = next((tt for _, tt, v in r.get("val_loss_curve", []) if v <= t), None)
+        final = f"{r['final_val_loss']:.3f}" if r.get("final_val_loss") is not None else "-"
+    else:
+        hit = next((tt for _, tt, a in r.get("accuracy_curve", []) if a >= t), None)
+        final = f"{r['final_test_accuracy']:.4f}"
+    rows.append((name, kills, "-" if hit is None else f"{hit:.1f}", final, f"{r['wall_seconds']:.1f}", recovery))
+base, base_wall = rows[0][2], rows[0][4]
+ratio = lambda a, b: "-" if "-" in (a, b) else f"{float(a) / float(b):.2f}"
+metric = "final validation loss (rank 0)" if gpt else "final accuracy (rank 0)"
+print(f"| run | kills | time to {'val loss ' if gpt else ''}{target} (s) | goodput to the target | rank 0's whole run (s) "
+      f"| goodput over the run | {metric} | shard recovery median / max (s) (kills) |")
+print("|---|---|---|---|---|---|---|---|")
+for name, kills, hit, final, wall, rec in rows:
+    print(f"| {name} | {kills} | {hit} | {ratio(base, hit)} | {wall} | {ratio(base_wall, wall)} | {final} | {rec} |")
+PY
+}
+
 # run NAME MODE [T]: one cluster in $D/NAME; MODE is none, every (kill a random process every T s) or shard (kill
 # shard 1 once, 8 s in, never restart it).
 run() {
@@ -58,7 +110,81 @@ run() {
   local dir="$D/$name"
   mkdir -p "$dir"
   local p0=$((20000 + RANDOM % 20000))
+  if [ "$MODEL" = gpt ]; then
+    cat > "$dir/cluster.toml" <<CONF
+[cluster]
+servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
+workers = 4
+staleness = 0
+quorum = $QUORUM
+grace_factor = $GRACE
+tls_dir = "$D/certs"
+[model]
+kind = "gpt"
+[data]
+dataset = "kjv"
+[train]
+batch = 4
+epochs = 1
+max_steps = $STEPS
+eval_every = $EVAL
+local_steps = 16
+clip_norm = 1.0
+[optimizer]
+kind = "adamw"
+lr = 2e-3
+weight_decay = 0.1
+beta2 = 0.99
+decay = "matrices"
+schedule = { kind = "warmup_cosine", warmup = 100, total = $STEPS, min_ratio = 0.1 }
+[optimizer.outer]
+lr = 0.7
+momentum = 0.5
+[compression]
+scheme = "q4"
+pull_scheme = "q4"
+bucket = 512
+[checkpoint]
+dir = "$dir/ckpt"
+every_updates = 40
+keep = 3
+CONF
+  else
   cat > "$dir/cluster.toml" <<CONF
+[cluster]
+servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
+workers = 4
+staleness = 0
+quorum = $QUORUM
+grace_factor = $GRACE
+tls_dir = "$D/certs"
+[model]
+kind = "mlp"
+hidden = [256, 128]
+[data]
+dataset = "fashion-mnist"
+[train]
+batch = 128
+epochs = $EPOCHS
+eval_every = 100
+local_steps = 16
+[optimizer]
+kind = "adam"
+lr = 1e-3
+[optimizer.outer]
+lr = 1.4
+momentum = 0.5
+[compression]
+scheme = "topk2"
+pull_scheme = "topk2"
+bucket = 4096
+keep = 16
+[checkpoint]
+dir = "$dir/ckpt"
+every_updates = 40
+keep = 3
+CONF
+  fi
 [cluster]
 servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
 workers = 4
@@ -139,23 +265,8 @@ CONF
   touch "$dir/done"
   for v in "${!pid[@]}"; do kill -9 "${pid[$v]}" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  python3 - "$dir/worker-0.json" "$name" "$kills" "$wall" "$TARGET" "$dir/recovery.txt" >> "$results" <<'PY'
-import json, sys
-path, name, kills, wall, target = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-try:
-    rec = sorted(int(l) for l in open(sys.argv[6]) if l.strip().lstrip("-").isdigit())
-except OSError:
-    rec = []
-recovery = f"{rec[len(rec) // 2] / 1000:.2f} / {rec[-1] / 1000:.2f} ({len(rec)})" if rec else "-"
-try:
-    r = json.load(open(path))
-except (OSError, ValueError):
-    print(f"{name}\t{kills}\t-\t-\t-\t{recovery}")
-    sys.exit()
-hit = next((t for _, t, a in r.get("accuracy_curve", []) if a >= target), None)
-print(f"{name}\t{kills}\t{'-' if hit is None else f'{hit:.1f}'}\t{r['final_test_accuracy']:.4f}\t{r['wall_seconds']:.1f}\t{recovery}")
-PY
-  tail -1 "$results" | awk -F'\t' '{ printf "goodput: %-16s kills %2s  time to target %6s s  final accuracy %s  rank 0 wall %s s  shard recovery %s s\n", $1, $2, $3, $4, $5, $6 }'
+  printf '%s\t%s\t%s\n' "$name" "$kills" "$dir" >> "$results"
+  table | tail -1 | sed "s/^/goodput: /"
 }
 
 # Bash reports each SIGKILLed job on stderr ("Killed"); those lines are the schedule itself, not errors.
@@ -163,14 +274,4 @@ run undisturbed none 2>/dev/null
 for t in "${periods[@]}"; do run "kill-every-${t}s" every "$t" 2>/dev/null; done
 run shard-lost shard 2>/dev/null
 echo
-python3 - "$results" "$TARGET" <<'PY'
-import sys
-rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
-base, base_wall = rows[0][2], rows[0][4]
-ratio = lambda a, b: "-" if "-" in (a, b) else f"{float(a) / float(b):.2f}"
-print(f"| run | kills | time to {sys.argv[2]} (s) | goodput to the target | rank 0's whole run (s) | goodput over the run "
-      "| final accuracy (rank 0) | shard recovery median / max (s) (kills) |")
-print("|---|---|---|---|---|---|---|---|")
-for name, kills, hit, acc, wall, rec in rows:
-    print(f"| {name} | {kills} | {hit} | {ratio(base, hit)} | {wall} | {ratio(base_wall, wall)} | {acc} | {rec} |")
-PY
+table
