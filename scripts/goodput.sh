@@ -37,7 +37,7 @@ for b in tether-server tether-worker; do
   [ -x "$BIN/$b" ] || { echo "goodput: $BIN/$b is missing (cargo build --release -p $b)" >&2; exit 2; }
 done
 D=$(mktemp -d)
-cleanup() { kill -9 $(jobs -p) 2>/dev/null || true; rm -rf "$D"; }
+cleanup() { kill -9 $(jobs -p) 2>/dev/null || true; [ -n "${KEEP:-}" ] && echo "goodput: kept $D" || rm -rf "$D"; }
 trap cleanup EXIT
 "$BIN/tether-server" keygen --out "$D/certs" --servers 2 --workers 4 >/dev/null
 results="$D/results.tsv"
@@ -185,39 +185,6 @@ every_updates = 40
 keep = 3
 CONF
   fi
-[cluster]
-servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
-workers = 4
-staleness = 0
-quorum = $QUORUM
-grace_factor = $GRACE
-tls_dir = "$D/certs"
-[model]
-kind = "mlp"
-hidden = [256, 128]
-[data]
-dataset = "fashion-mnist"
-[train]
-batch = 128
-epochs = $EPOCHS
-eval_every = 100
-local_steps = 16
-[optimizer]
-kind = "adam"
-lr = 1e-3
-[optimizer.outer]
-lr = 1.4
-momentum = 0.5
-[compression]
-scheme = "topk2"
-pull_scheme = "topk2"
-bucket = 4096
-keep = 16
-[checkpoint]
-dir = "$dir/ckpt"
-every_updates = 40
-keep = 3
-CONF
   declare -A pid
   start() { # start VICTIM [--resume]
     local v=$1

@@ -1,9 +1,9 @@
 //! The shards' update rule as the training mode makes it. With a gradient push every step the shards apply
 //! `[optimizer]` to each push as it comes; in local-step rounds (DiLoCo, `train.local_steps > 0`) they apply
-//! `[optimizer.outer]` at a constant learning rate without weight decay, to each push scaled by 1/live (the workers
-//! in the shard's clock table: `cluster.workers` in a steady run), so that one round's pushes add up to the step on
-//! the workers' mean pseudo-gradient also while a worker is evicted or a joiner beyond `cluster.workers` is in. Pure
-//! functions of the configuration.
+//! `[optimizer.outer]` at a constant learning rate without weight decay, to each push scaled by
+//! `1 / max(workers, live)`, so that one round's pushes add up to the step on the workers' mean pseudo-gradient, also
+//! while joiners beyond `cluster.workers` are in; with fewer live (an eviction, the end of a run) a push keeps its
+//! `1/workers` share. Pure functions of the configuration.
 
 use tether_common::config::{Config, OptimizerConfig, Schedule};
 
@@ -35,7 +35,7 @@ pub fn push_scale(cfg: &Config) -> f32 {
     }
 }
 
-/// Whether the shards scale each push by 1/live workers instead of [`push_scale`] (local-step rounds).
+/// Whether the shards scale each push by `min(push_scale, 1/live)` instead of [`push_scale`] (local-step rounds).
 pub fn push_scale_per_live(cfg: &Config) -> bool {
     cfg.train.local_steps > 0
 }
