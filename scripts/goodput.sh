@@ -11,7 +11,8 @@
 #
 # Knobs: BIN (default target/release), EPOCHS (30), TARGET (0.885), LIMIT (300: seconds a run may take before it is
 # stopped and counted as not reaching the target), SEED (the victims' order; default 1), QUORUM (cluster.quorum,
-# default 0: every live worker) and GRACE (cluster.grace_factor, default 0.5). MODEL=gpt runs the built-in GPT on
+# default 0: every live worker), GRACE (cluster.grace_factor, default 0.5), VICTIMS (the processes a kill picks from,
+# default "w1 w2 w3 s0 s1") and LOST (0: skip the shard-lost run). MODEL=gpt runs the built-in GPT on
 # the KJV instead (the quickstart's GPT recipe: q4 both ways, 16 local steps, AdamW; STEPS steps per worker,
 # default 300, validation every EVAL = 25 steps) with TARGET a validation loss (default auto: the undisturbed run's
 # final validation loss + 1%).
@@ -31,6 +32,8 @@ QUORUM=${QUORUM:-0}
 STEPS=${STEPS:-300}
 EVAL=${EVAL:-25}
 GRACE=${GRACE:-0.5}
+VICTIMS=${VICTIMS:-w1 w2 w3 s0 s1}
+LOST=${LOST:-1}
 periods=("$@")
 [ ${#periods[@]} -gt 0 ] || periods=(30 10 5)
 for b in tether-server tether-worker; do
@@ -207,8 +210,8 @@ CONF
       break
     fi
     if [ "$mode" != none ] && [ $((SECONDS - t0)) -ge "$next" ]; then
-      local victims=(w1 w2 w3 s0 s1) v
-      if [ "$mode" = shard ]; then v=s1; else v=${victims[$((RANDOM % 5))]}; fi
+      local victims=($VICTIMS) v
+      if [ "$mode" = shard ]; then v=s1; else v=${victims[$((RANDOM % ${#victims[@]}))]}; fi
       kill -9 "${pid[$v]}" 2>/dev/null || true
       local killed_ms
       killed_ms=$(date +%s%3N)
@@ -239,6 +242,6 @@ CONF
 # Bash reports each SIGKILLed job on stderr ("Killed"); those lines are the schedule itself, not errors.
 run undisturbed none 2>/dev/null
 for t in "${periods[@]}"; do run "kill-every-${t}s" every "$t" 2>/dev/null; done
-run shard-lost shard 2>/dev/null
+[ "$LOST" = 0 ] || run shard-lost shard 2>/dev/null
 echo
 table
