@@ -205,7 +205,8 @@ pub struct Welcome {
     /// Streamed fragments (`train.fragments`): a push of clock `c` carries part `c mod fragments` of the range. A
     /// worker configured otherwise refuses the shard.
     pub fragments: u32,
-    /// Minimum clock over live workers.
+    /// Where the shard's SSP gate stands: the minimum clock over live workers, or with quorum rounds the first round
+    /// not yet closed.
     pub min_clock: u64,
     /// Shard parameter version.
     pub version: u64,

@@ -22,7 +22,8 @@ pub struct ReplyHeader {
     /// Shard version of the values (for a delta reply: the version its cut was taken at, the read version of
     /// gradients computed from it).
     pub version: u64,
-    /// Minimum clock over live workers when answered.
+    /// Where the shard's SSP gate stood when answered: the minimum clock over live workers, or with quorum rounds
+    /// the first round not yet closed.
     pub min_clock: u64,
     /// Loss-spike rollbacks this shard made (its trajectory epoch): a change tells the worker to drop what it built
     /// on the old trajectory (error-feedback residual, inner optimizer state).
