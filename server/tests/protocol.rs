@@ -694,14 +694,27 @@ fn a_fresh_shard_offers_its_initial_cut_and_keeps_the_promise_once_its_weights_m
     );
 }
 
-fn quorum_proto(quorum: u32) -> ShardProtocol {
+/// A BSP shard of three workers (connection = rank + 1, all joined at 0) whose rounds close at `quorum` with a grace
+/// window of `grace_factor` × the median round time.
+fn three_members(quorum: u32, grace_factor: f32) -> ShardProtocol {
     let mut c = core(Staleness::Bounded(0));
     c.set_quorum(tether_server::quorum::QuorumSettings {
         quorum,
-        grace_factor: 1.0,
+        grace_factor,
         grace_max_ms: TIMEOUT,
     });
-    ShardProtocol::new(c)
+    let mut p = ShardProtocol::new(c);
+    for w in 0..3u32 {
+        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
+    }
+    p
+}
+
+/// Every worker heartbeats at `now_ms` (they are alive, only slow).
+fn heartbeat_all(p: &mut ShardProtocol, now_ms: u64) {
+    for w in 0..3u32 {
+        p.heartbeat(u64::from(w) + 1, w, now_ms);
+    }
 }
 
 /// A push of `worker` (connection = rank + 1) at `now_ms`.
@@ -731,10 +744,7 @@ fn answered(p: &mut ShardProtocol) -> Vec<(u32, u64)> {
 #[test]
 fn a_quorum_round_closes_after_its_grace_window_and_the_late_push_is_applied_in_the_next() {
     // BSP, three workers, a quorum of two. Worker 2 is slow in round 0.
-    let mut p = quorum_proto(2);
-    for w in 0..3u32 {
-        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
-    }
+    let mut p = three_members(2, 1.0);
     assert_eq!(push_at(&mut p, 0, 0, 10), Outcome::Applied);
     p.pull(1, 0, 1, 1, F32, 10).unwrap();
     assert_eq!(push_at(&mut p, 1, 0, 20), Outcome::Applied);
@@ -747,10 +757,8 @@ fn a_quorum_round_closes_after_its_grace_window_and_the_late_push_is_applied_in_
         p.core().clocks().gate()
     );
     assert_eq!(p.poll_timeout(), Some(20 + TIMEOUT));
-    // Everyone is alive (they heartbeat); worker 2 is only slow.
-    for w in 0..3u32 {
-        p.heartbeat(u64::from(w) + 1, w, 900);
-    }
+    // Everyone is alive; worker 2 is only slow.
+    heartbeat_all(&mut p, 900);
     p.tick(20 + TIMEOUT - 1);
     assert!(answered(&mut p).is_empty());
     let before = bits(&p);
@@ -780,15 +788,10 @@ fn a_quorum_round_closes_after_its_grace_window_and_the_late_push_is_applied_in_
 fn a_worker_behind_the_open_round_holds_no_round() {
     // Worker 2 dies in round 0. After the first grace window it is behind the open round, so round 1 closes as soon
     // as the two others pushed it, with no grace window at all.
-    let mut p = quorum_proto(2);
-    for w in 0..3u32 {
-        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
-    }
+    let mut p = three_members(2, 1.0);
     push_at(&mut p, 0, 0, 10);
     push_at(&mut p, 1, 0, 20);
-    for w in 0..3u32 {
-        p.heartbeat(u64::from(w) + 1, w, 900);
-    }
+    heartbeat_all(&mut p, 900);
     p.tick(20 + TIMEOUT);
     assert_eq!(p.core().clocks().gate(), 1);
     push_at(&mut p, 0, 1, 1100);
@@ -801,10 +804,7 @@ fn a_worker_behind_the_open_round_holds_no_round() {
 
 #[test]
 fn with_the_default_quorum_a_silent_worker_holds_the_round_until_it_is_evicted() {
-    let mut p = quorum_proto(0);
-    for w in 0..3u32 {
-        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
-    }
+    let mut p = three_members(0, 1.0);
     push_at(&mut p, 0, 0, 10);
     push_at(&mut p, 1, 0, 20);
     p.pull(1, 0, 1, 1, F32, 20).unwrap();
@@ -825,18 +825,7 @@ fn with_the_default_quorum_a_silent_worker_holds_the_round_until_it_is_evicted()
 fn the_grace_window_learns_the_round_time() {
     // Rounds of 100 ms with everyone on time, then worker 2 goes silent: its round closes 50 ms (0.5 × 100) after
     // the quorum, long before the eviction timeout.
-    let mut p = ShardProtocol::new({
-        let mut c = core(Staleness::Bounded(0));
-        c.set_quorum(tether_server::quorum::QuorumSettings {
-            quorum: 2,
-            grace_factor: 0.5,
-            grace_max_ms: TIMEOUT,
-        });
-        c
-    });
-    for w in 0..3u32 {
-        p.hello(u64::from(w) + 1, w, 0, 0).unwrap();
-    }
+    let mut p = three_members(2, 0.5);
     let mut now = 0;
     for round in 0..5u64 {
         now += 100;

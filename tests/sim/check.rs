@@ -17,6 +17,19 @@ impl Sim {
             .collect()
     }
 
+    /// The first round of worker `w` from `from` on that `values` (shard `k`'s) do not hold: its rounds read from the
+    /// weights, and the skip markers the shard took.
+    fn progress(&self, k: usize, w: usize, from: u64, values: &[f32]) -> u64 {
+        let skipped = self.shards[k].skipped.get(&w);
+        let mut progress = from;
+        while progress < SLOTS
+            && (values[slot(w, progress)] == 1.0 || skipped.is_some_and(|s| s.contains(&progress)))
+        {
+            progress += 1;
+        }
+        progress
+    }
+
     /// The read guarantee, from the values themselves: values used for a pull at `clock` hold, for every member that
     /// was live when the shard answered, every round from its (re)join up to `clock − s`.
     pub(super) fn check_read(
@@ -37,17 +50,7 @@ impl Sim {
         let need = bound(self.faults.staleness).map(|s| clock.saturating_sub(s));
         let mut progresses = Vec::with_capacity(live.len());
         for &(w, from) in live {
-            // Rounds of w present from its join on, reading the weights (and the skip markers the shard took).
-            let mut progress = from;
-            while progress < SLOTS
-                && (values[slot(w, progress)] == 1.0
-                    || self.shards[k]
-                        .skipped
-                        .get(&w)
-                        .is_some_and(|s| s.contains(&progress)))
-            {
-                progress += 1;
-            }
+            let progress = self.progress(k, w, from, values);
             progresses.push(progress);
             if let Some(need) = need.filter(|_| self.faults.quorum == 0) {
                 if progress < need {
@@ -75,17 +78,7 @@ impl Sim {
         if self.faults.quorum > 0 {
             for w in (0..WORKERS).filter(|w| !live.iter().any(|(l, _)| l == w)) {
                 if let Some(&from) = self.shards[k].joined_at.get(&w) {
-                    let mut progress = from;
-                    while progress < SLOTS
-                        && (values[slot(w, progress)] == 1.0
-                            || self.shards[k]
-                                .skipped
-                                .get(&w)
-                                .is_some_and(|s| s.contains(&progress)))
-                    {
-                        progress += 1;
-                    }
-                    all.push(progress);
+                    all.push(self.progress(k, w, from, values));
                 }
             }
             // The hostile member counts towards a quorum like any member; its rounds own no slots, so its progress is
