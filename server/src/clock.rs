@@ -23,7 +23,11 @@
 //!   clock lead `c − m` of an answered pull never exceeds `s`;
 //! - an evicted (silent or stalled) worker blocks nobody; it keeps its last clock so that a rejoin never moves it
 //!   backwards, also across a checkpoint and restore ([`ClockTable::evicted`], [`ClockTable::restore_evicted`]);
-//! - every clock in the table is at most [`MAX_CLOCK`]; a restore beyond it is refused ([`ClockError::Unbounded`]).
+//! - every clock in the table is at most [`MAX_CLOCK`]; a restore beyond it is refused ([`ClockError::Unbounded`]);
+//! - with quorum rounds ([`crate::quorum`], `cluster.quorum` > 0) the pull gate, the round bound and the clock lead
+//!   use the **gate** ([`ClockTable::gate`]: `m`, or the first round not yet closed when that is higher) instead of
+//!   `m`; the gate never moves back while a worker is live, and the join value stays `m`. With the default quorum
+//!   the gate is `m`, and every rule above reads as written.
 
 use std::collections::BTreeMap;
 use std::fmt;
