@@ -390,7 +390,7 @@ pub struct ShardCore {
     lineage: u64,
     /// Every push's step is multiplied by this (1/workers in local-step rounds).
     push_scale: f32,
-    /// Scale each push by 1/live instead of `push_scale`.
+    /// Scale each push by `min(push_scale, 1/live)` instead of `push_scale`.
     push_scale_per_live: bool,
     /// The seed of the initial weights while they came from it (`None` once restored from a checkpoint).
     init_seed: Option<u64>,
