@@ -113,8 +113,8 @@ run() {
   local dir="$D/$name"
   mkdir -p "$dir"
   local p0=$((20000 + RANDOM % 20000))
-  if [ "$MODEL" = gpt ]; then
-    cat > "$dir/cluster.toml" <<CONF
+  # The cluster section both models share, then the model, data and training sections.
+  cat > "$dir/cluster.toml" <<CONF
 [cluster]
 servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
 workers = 4
@@ -122,6 +122,9 @@ staleness = 0
 quorum = $QUORUM
 grace_factor = $GRACE
 tls_dir = "$D/certs"
+CONF
+  if [ "$MODEL" = gpt ]; then
+    cat >> "$dir/cluster.toml" <<CONF
 [model]
 kind = "gpt"
 [data]
@@ -153,14 +156,7 @@ every_updates = 40
 keep = 3
 CONF
   else
-  cat > "$dir/cluster.toml" <<CONF
-[cluster]
-servers = ["127.0.0.1:$p0", "127.0.0.1:$((p0 + 1))"]
-workers = 4
-staleness = 0
-quorum = $QUORUM
-grace_factor = $GRACE
-tls_dir = "$D/certs"
+  cat >> "$dir/cluster.toml" <<CONF
 [model]
 kind = "mlp"
 hidden = [256, 128]

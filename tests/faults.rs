@@ -42,14 +42,10 @@ fn worker_args(report: &str) -> Vec<&str> {
     vec!["--report", report, "--step-delay-ms", STEP_DELAY]
 }
 
-#[test]
-fn killed_worker_stalls_others_at_most_the_timeout_and_rejoins() {
-    let _serial = serial();
-    let base = baseline_accuracy();
-    let c = Cluster::new(spec());
-    let timeout_s = c.spec.worker_timeout_ms as f64 / 1000.0;
-    let mut servers = c.servers(&[]);
-    let mut w0 = c.worker(0, &worker_args("w0.json"));
+/// Starts every shard and workers 0 and 1, and SIGKILLs worker 1 a second in; returns the shards and worker 0.
+fn start_and_kill_worker_1(c: &Cluster) -> (Vec<Proc>, Proc) {
+    let servers = c.servers(&[]);
+    let w0 = c.worker(0, &worker_args("w0.json"));
     let mut w1 = c.worker(1, &worker_args("w1-killed.json"));
     std::thread::sleep(Duration::from_millis(1000));
     assert!(
@@ -58,6 +54,16 @@ fn killed_worker_stalls_others_at_most_the_timeout_and_rejoins() {
         w1.log_tail(2000)
     );
     w1.kill9();
+    (servers, w0)
+}
+
+#[test]
+fn killed_worker_stalls_others_at_most_the_timeout_and_rejoins() {
+    let _serial = serial();
+    let base = baseline_accuracy();
+    let c = Cluster::new(spec());
+    let timeout_s = c.spec.worker_timeout_ms as f64 / 1000.0;
+    let (mut servers, mut w0) = start_and_kill_worker_1(&c);
     let killed_at = Instant::now();
     // Restart after the eviction timeout, so the survivor's stall can only have ended through eviction.
     std::thread::sleep(Duration::from_millis(c.spec.worker_timeout_ms + 500));
@@ -512,16 +518,7 @@ fn with_quorum_rounds_a_killed_worker_stalls_nobody_for_the_eviction_timeout() {
         cluster_extra: "quorum = 1\n".into(),
         ..spec()
     });
-    let mut servers = c.servers(&[]);
-    let mut w0 = c.worker(0, &worker_args("w0.json"));
-    let mut w1 = c.worker(1, &worker_args("w1-killed.json"));
-    std::thread::sleep(Duration::from_millis(1000));
-    assert!(
-        w1.alive(),
-        "worker 1 ended before the kill:\n{}",
-        w1.log_tail(2000)
-    );
-    w1.kill9();
+    let (mut servers, mut w0) = start_and_kill_worker_1(&c);
     // Restarted after the eviction timeout: a plain BSP survivor would stall until the eviction.
     std::thread::sleep(Duration::from_millis(4500));
     let mut w1b = c.worker(1, &worker_args("w1.json"));

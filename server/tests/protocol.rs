@@ -67,8 +67,15 @@ fn frame(worker: u32, clock: u64) -> Vec<u8> {
     out
 }
 
-/// A push of `worker` on connection `conn`.
-fn push(p: &mut ShardProtocol, conn: u64, worker: u32, clock: u64, payload: &[u8]) -> Outcome {
+/// A push of `worker` on connection `conn` at `now_ms`.
+fn push_on(
+    p: &mut ShardProtocol,
+    conn: u64,
+    worker: u32,
+    clock: u64,
+    payload: &[u8],
+    now_ms: u64,
+) -> Outcome {
     let round = Round::Push(Push {
         worker,
         clock,
@@ -77,7 +84,12 @@ fn push(p: &mut ShardProtocol, conn: u64, worker: u32, clock: u64, payload: &[u8
         read_version: 0,
         payload,
     });
-    p.round(conn, round, 0).0
+    p.round(conn, round, now_ms).0
+}
+
+/// A push of `worker` on connection `conn`.
+fn push(p: &mut ShardProtocol, conn: u64, worker: u32, clock: u64, payload: &[u8]) -> Outcome {
+    push_on(p, conn, worker, clock, payload, 0)
 }
 
 /// A skip marker of `worker` on connection `conn`.
@@ -720,15 +732,7 @@ fn heartbeat_all(p: &mut ShardProtocol, now_ms: u64) {
 /// A push of `worker` (connection = rank + 1) at `now_ms`.
 fn push_at(p: &mut ShardProtocol, worker: u32, clock: u64, now_ms: u64) -> Outcome {
     let payload = frame(worker, clock);
-    let round = Round::Push(Push {
-        worker,
-        clock,
-        shard: 0,
-        range: (0, N as u64),
-        read_version: 0,
-        payload: &payload,
-    });
-    p.round(u64::from(worker) + 1, round, now_ms).0
+    push_on(p, u64::from(worker) + 1, worker, clock, &payload, now_ms)
 }
 
 fn answered(p: &mut ShardProtocol) -> Vec<(u32, u64)> {
