@@ -143,17 +143,38 @@ fn async_run_completes_and_trains() {
     check_common(&r, None);
 }
 
+/// Runs per scheme in the q4-against-fp32 comparison: one on Fashion-MNIST (10,000 test samples), five on the digits
+/// set, whose 360 test samples make one run's accuracy move by about a point from run to run (0.9500–0.9611 over 10
+/// runs of one configuration; one CI run measured q4 0.9528 against fp32 0.9639), so single runs cannot resolve one.
+fn comparison_runs() -> usize {
+    if fashion_installed() {
+        1
+    } else {
+        5
+    }
+}
+
 #[test]
 fn q4_with_error_feedback_matches_fp32_within_one_point() {
-    let q4 = run(config(Staleness::Bounded(0), Scheme::Q4));
-    let fp32 = run(config(Staleness::Bounded(0), Scheme::None));
-    assert!((fp32.push_ratio() - 1.0).abs() < 0.01);
-    let gap = (q4.final_test_accuracy - fp32.final_test_accuracy).abs();
+    let runs = comparison_runs();
+    let mean = |scheme: Scheme| -> (f64, f64) {
+        let mut acc = 0.0;
+        let mut ratio = 0.0;
+        for _ in 0..runs {
+            let r = run(config(Staleness::Bounded(0), scheme));
+            acc += r.final_test_accuracy;
+            ratio = r.push_ratio();
+        }
+        (acc / runs as f64, ratio)
+    };
+    let (q4, _) = mean(Scheme::Q4);
+    let (fp32, fp32_ratio) = mean(Scheme::None);
+    assert!((fp32_ratio - 1.0).abs() < 0.01);
+    let gap = (q4 - fp32).abs();
+    eprintln!("q4 {q4:.4} vs fp32 {fp32:.4} (mean of {runs}): gap {gap:.4}");
     assert!(
         gap <= 0.01,
-        "q4 {:.4} vs fp32 {:.4}: gap {gap:.4} over one point",
-        q4.final_test_accuracy,
-        fp32.final_test_accuracy
+        "q4 {q4:.4} vs fp32 {fp32:.4} (mean of {runs} runs): gap {gap:.4} over one point"
     );
 }
 
