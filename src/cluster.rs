@@ -173,6 +173,7 @@ impl LocalCluster {
                 servers: shards_n as u32,
                 workers,
                 shared_client: false,
+                standbys: false,
                 days: tether_common::pki::DEFAULT_DAYS,
             },
         )?;
@@ -193,6 +194,7 @@ impl LocalCluster {
                 layout: self.model.as_ref().map(|f| f().layout().clone()),
                 // The bundle `generate` just wrote holds the shard's checkpoint key.
                 checkpoint_key: None,
+                standby: false,
             };
             shards.push(start_shard(&cfg, opts).await?);
         }

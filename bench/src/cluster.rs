@@ -207,6 +207,7 @@ pub fn certificates(dir: &Path, hosts: &[String], servers: u32, workers: u32) ->
             servers,
             workers,
             shared_client: false,
+            standbys: false,
             days: tether_common::pki::DEFAULT_DAYS,
         },
     )?;

@@ -52,6 +52,10 @@ pub struct ServerMetrics {
     pub quorum_closes: Counter,
     /// `tether_workers_left_behind_total`: punctual workers those closes left behind.
     pub left_behind: Counter,
+    /// `tether_replica_connected`: 1 while a standby follows this shard.
+    pub replica_connected: Gauge,
+    /// `tether_takeovers_total`: times this process took over as its shard's primary (a standby's).
+    pub takeovers: Counter,
 }
 
 impl ServerMetrics {
@@ -70,7 +74,19 @@ impl ServerMetrics {
             rollbacks: Counter::default(),
             quorum_closes: Counter::default(),
             left_behind: Counter::default(),
+            replica_connected: Gauge::default(),
+            takeovers: Counter::default(),
         };
+        registry.register(
+            "tether_replica_connected",
+            "1 while a standby follows this shard (replies wait for its acknowledgement)",
+            m.replica_connected.clone(),
+        );
+        registry.register(
+            "tether_takeovers",
+            "Times this standby took over as its shard's primary",
+            m.takeovers.clone(),
+        );
         registry.register(
             "tether_updates_applied",
             "Gradient updates applied",

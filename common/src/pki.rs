@@ -33,6 +33,9 @@ pub const WORKER_CN_PREFIX: &str = "tether-worker-";
 /// Common-name prefix of per-shard server certificates (`tether-server-K`).
 pub const SERVER_CN_PREFIX: &str = "tether-server-";
 
+/// Common-name prefix of per-shard standby certificates (`tether-standby-K`).
+pub const STANDBY_CN_PREFIX: &str = "tether-standby-";
+
 /// Common name of the cluster CA.
 pub const CA_CN: &str = "tether-cluster-ca";
 
@@ -123,6 +126,14 @@ pub enum Node {
     },
     /// The shared development client (may claim any rank).
     SharedClient,
+    /// Shard `shard`'s standby, reachable at `hosts`: serves as shard `shard` after a takeover and dials its primary
+    /// as a client while it follows it.
+    Standby {
+        /// The shard index it replicates.
+        shard: u32,
+        /// Its own host names or addresses.
+        hosts: Vec<String>,
+    },
 }
 
 impl Node {
@@ -132,13 +143,14 @@ impl Node {
             Node::Server { shard, .. } => format!("server-{shard}"),
             Node::Worker { rank } => worker_file_stem(*rank),
             Node::SharedClient => "client".into(),
+            Node::Standby { shard, .. } => format!("standby-{shard}"),
         }
     }
 
     /// The file stem inside the bundle: `server`, `worker` or `client`.
     pub fn stem(&self) -> &'static str {
         match self {
-            Node::Server { .. } => "server",
+            Node::Server { .. } | Node::Standby { .. } => "server",
             Node::Worker { .. } => "worker",
             Node::SharedClient => "client",
         }
@@ -150,6 +162,7 @@ impl Node {
             Node::Server { shard, .. } => server_cn(*shard),
             Node::Worker { rank } => worker_cn(*rank),
             Node::SharedClient => CLIENT_CN.into(),
+            Node::Standby { shard, .. } => standby_cn(*shard),
         }
     }
 }
@@ -167,6 +180,11 @@ pub fn worker_cn(rank: u32) -> String {
 /// Common name of shard `shard`'s certificate.
 pub fn server_cn(shard: u32) -> String {
     format!("{SERVER_CN_PREFIX}{shard}")
+}
+
+/// Common name of shard `shard`'s standby certificate.
+pub fn standby_cn(shard: u32) -> String {
+    format!("{STANDBY_CN_PREFIX}{shard}")
 }
 
 /// Parses a certificate serial as written by keygen (hex, optionally with `:` separators) into its big-endian
@@ -503,7 +521,7 @@ impl Authority {
         params.serial_number = Some(serial.clone());
         validity.apply(&mut params);
         match node {
-            Node::Server { hosts, .. } => {
+            Node::Server { hosts, .. } | Node::Standby { hosts, .. } => {
                 let mut names: Vec<&str> = Vec::new();
                 for host in hosts
                     .iter()
@@ -516,7 +534,14 @@ impl Authority {
                     }
                 }
                 params.subject_alt_names = names.into_iter().map(san).collect::<Result<_, _>>()?;
-                params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+                params.extended_key_usages = match node {
+                    // A standby also dials its primary as a client.
+                    Node::Standby { .. } => vec![
+                        ExtendedKeyUsagePurpose::ServerAuth,
+                        ExtendedKeyUsagePurpose::ClientAuth,
+                    ],
+                    _ => vec![ExtendedKeyUsagePurpose::ServerAuth],
+                };
             }
             Node::Worker { .. } | Node::SharedClient => {
                 params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
@@ -567,8 +592,24 @@ impl Issued {
         write_file(&dir.join(format!("{stem}.pem")), &self.cert_pem, false)?;
         write_file(&dir.join(format!("{stem}.key")), &self.key_pem, true)?;
         let ckpt_key = dir.join(CHECKPOINT_KEY_FILE);
-        if matches!(self.node, Node::Server { .. }) && !ckpt_key.exists() {
-            CheckpointKey::generate()?.save(&ckpt_key, false)?;
+        match &self.node {
+            Node::Server { .. } if !ckpt_key.exists() => {
+                CheckpointKey::generate()?.save(&ckpt_key, false)?
+            }
+            // A standby writes and reads shard K's checkpoints: it holds the shard's own key.
+            Node::Standby { shard, .. } if !ckpt_key.exists() => {
+                let primary = out.join(format!("server-{shard}")).join(CHECKPOINT_KEY_FILE);
+                if !primary.exists() {
+                    return Err(PkiError::CheckpointKey {
+                        path: primary,
+                        reason: "does not exist: a standby holds its shard's checkpoint key; issue the \
+                                 standby into the folder that holds server-K/"
+                            .into(),
+                    });
+                }
+                CheckpointKey::load(&primary)?.save(&ckpt_key, false)?;
+            }
+            _ => {}
         }
         Ok(dir)
     }
@@ -609,6 +650,8 @@ pub struct Plan {
     pub workers: u32,
     /// Also write the shared any-rank `client/` bundle (development only).
     pub shared_client: bool,
+    /// Also write one standby bundle per shard (`standby-K`, with shard K's hosts and checkpoint key).
+    pub standbys: bool,
     /// Validity of every certificate, CA included, in days.
     pub days: u32,
 }
@@ -648,6 +691,19 @@ impl Plan {
                 },
             })
             .collect();
+        if self.standbys {
+            let standbys: Vec<Node> = nodes
+                .iter()
+                .filter_map(|n| match n {
+                    Node::Server { shard, hosts } => Some(Node::Standby {
+                        shard: *shard,
+                        hosts: hosts.clone(),
+                    }),
+                    _ => None,
+                })
+                .collect();
+            nodes.extend(standbys);
+        }
         nodes.extend((0..self.workers).map(|rank| Node::Worker { rank }));
         if self.shared_client {
             nodes.push(Node::SharedClient);
@@ -737,6 +793,7 @@ pub fn generate_dev(
             servers,
             workers,
             shared_client: true,
+            standbys: true,
             days: DEFAULT_DAYS,
         },
     )
@@ -778,6 +835,7 @@ mod tests {
             servers: 3,
             workers: 1,
             shared_client: false,
+            standbys: false,
             days: 1,
         };
         assert!(plan.nodes().is_err());
@@ -847,6 +905,7 @@ mod tests {
                 servers: 1,
                 workers: 1,
                 shared_client: false,
+                standbys: false,
                 days: 1,
             },
         )
@@ -891,6 +950,7 @@ mod tests {
                     servers: 1,
                     workers: 1,
                     shared_client: false,
+                    standbys: false,
                     days: 1,
                 },
             ),

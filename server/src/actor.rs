@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
 use rkyv::util::AlignedVec;
@@ -23,6 +23,7 @@ use tether_common::protocol::{
 use crate::checkpoint::CheckpointStore;
 use crate::protocol::{Action, ConnId, ShardProtocol, WireReply};
 use crate::remote::RemoteStore;
+use crate::replica::{self, Entry, Follower, Input, ReplicaError};
 use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REASONS};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
@@ -121,6 +122,67 @@ pub struct GetWeights;
 #[rtype(result = "Option<(PublicRef, Vec<f32>)>")]
 pub struct GetPublic;
 
+/// A standby asks to follow this shard (see [`crate::replica`]): granted only to a primary that has no standby and
+/// has served nobody yet, whose configuration, layout and state match the standby's. On success the log's encoded
+/// entries come out of the receiver, and the shard holds every reply back until the standby acknowledged, through
+/// the watch, the entry that produced it.
+#[derive(Message)]
+#[rtype(result = "Result<Subscription, ReplicaError>")]
+pub struct Subscribe {
+    /// The standby's configuration fingerprint ([`replica::config_digest`]).
+    pub config_digest: u64,
+    /// The standby's layout fingerprint.
+    pub layout_hash: u64,
+    /// The standby's state fingerprint ([`replica::state_digest`]).
+    pub state_digest: u64,
+}
+
+/// What a granted [`Subscribe`] hands the replication link.
+pub struct Subscription {
+    /// The public-copy lineage the standby takes over.
+    pub lineage: u64,
+    /// Encoded log entries, in order.
+    pub log: mpsc::UnboundedReceiver<Vec<u8>>,
+    /// Where the link reports the newest entry the standby applied (`u64::MAX`: the standby is gone, stop waiting).
+    pub acked: watch::Sender<u64>,
+}
+
+/// The replication link to the standby ended: replies stop waiting for it.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ReplicaLost;
+
+/// This shard's fingerprints: configuration is the caller's; layout and state come from the shard.
+#[derive(Message)]
+#[rtype(result = "(u64, u64)")]
+pub struct GetDigests;
+
+/// Standby: start following with the primary's lineage.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Follow {
+    /// The primary's public-copy lineage.
+    pub lineage: u64,
+}
+
+/// Standby: apply one entry of the primary's log; returns its number.
+#[derive(Message)]
+#[rtype(result = "Result<u64, ReplicaError>")]
+pub struct Replicate(pub Entry);
+
+/// Standby: the primary is gone; serve as shard K from the state the log built. Returns the version taken over and
+/// the number of entries applied.
+#[derive(Message)]
+#[rtype(result = "(u64, u64)")]
+pub struct TakeOver;
+
+/// The link to the standby while it follows.
+struct Replication {
+    log: mpsc::UnboundedSender<Vec<u8>>,
+    seq: u64,
+    acked: watch::Receiver<u64>,
+}
+
 /// One shard of the parameter server.
 pub struct ShardActor {
     proto: ShardProtocol,
@@ -141,6 +203,20 @@ pub struct ShardActor {
     grace_armed: Option<u64>,
     /// The core's rollback epoch when last looked at (for the rollback counter).
     epoch: u64,
+    /// Milliseconds added to the time since `started` (a standby that took over continues its primary's clock).
+    clock_base: u64,
+    /// Hellos taken so far (a standby may start following only a shard that has taken none).
+    hellos: u64,
+    /// The link to this shard's standby, while one follows.
+    replica: Option<Replication>,
+    /// Standby: the log applied so far, while following.
+    following: Option<Follower>,
+    /// Reused buffer of encoded entries.
+    encoded: Vec<u8>,
+    /// Fingerprint of the configuration this shard runs under ([`replica::config_digest`]).
+    config_digest: u64,
+    /// A primary with a configured standby serves nobody until the standby follows, or until this instant.
+    await_standby: Option<Instant>,
 }
 
 impl ShardActor {
@@ -183,7 +259,33 @@ impl ShardActor {
             tick_ms: (worker_timeout_ms / 4).clamp(10, 1000),
             grace_armed: None,
             epoch: 0,
+            clock_base: 0,
+            hellos: 0,
+            replica: None,
+            following: None,
+            encoded: Vec::new(),
+            config_digest: 0,
+            await_standby: None,
         }
+    }
+
+    /// A primary whose standby is configured: workers are turned away ([`ShardError::NotPrimary`]) until the standby
+    /// follows, for at most `wait` (then it serves without one), so that the standby starts from the same state.
+    pub fn awaiting_standby(mut self, wait: std::time::Duration) -> Self {
+        self.await_standby = Some(Instant::now() + wait);
+        self
+    }
+
+    /// Records the configuration fingerprint a standby must match ([`replica::config_digest`]).
+    pub fn with_config_digest(mut self, digest: u64) -> Self {
+        self.config_digest = digest;
+        self
+    }
+
+    /// A standby: it applies its primary's log ([`Replicate`]) and serves nobody until [`TakeOver`].
+    pub fn following(mut self) -> Self {
+        self.following = Some(Follower::new());
+        self
     }
 
     /// Uploads every checkpoint to `remote` in the background once it is written locally; without `keep_local` the
@@ -204,7 +306,33 @@ impl ShardActor {
     }
 
     fn now_ms(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
+        self.clock_base + self.started.elapsed().as_millis() as u64
+    }
+
+    /// Appends `input` to the replication log, if a standby follows (before the protocol takes it).
+    fn log(&mut self, input: &Input) {
+        let Some(r) = self.replica.as_mut() else {
+            return;
+        };
+        r.seq += 1;
+        let entry = Entry {
+            seq: r.seq,
+            input: input.clone(),
+        };
+        if let Err(e) = replica::encode(&entry, &mut self.encoded) {
+            warn!(shard = self.proto.shard(), error = %e, "cannot encode a replication entry; dropping the standby");
+            self.replica = None;
+            return;
+        }
+        if r.log.send(self.encoded.clone()).is_err() {
+            warn!(shard = self.proto.shard(), "replication link gone; serving without a standby");
+            self.replica = None;
+        }
+    }
+
+    /// What a reply produced now must wait for before it leaves: the standby's acknowledgement of the newest entry.
+    fn ack_gate(&self) -> Option<(watch::Receiver<u64>, u64)> {
+        self.replica.as_ref().map(|r| (r.acked.clone(), r.seq))
     }
 
     /// Carries out what the protocol asks for: sends finished replies, refuses dropped pulls, closes connections.
@@ -234,7 +362,18 @@ impl ShardActor {
                     if let Some(m) = &self.metrics {
                         m.pull_wait.observe(since.elapsed().as_secs_f64());
                     }
-                    let _ = tx.send(Ok(reply));
+                    match self.ack_gate() {
+                        // The reply may reflect updates only once the standby holds them too.
+                        Some((acked, seq)) => {
+                            actix::spawn(async move {
+                                wait_acked(acked, seq).await;
+                                let _ = tx.send(Ok(reply));
+                            });
+                        }
+                        None => {
+                            let _ = tx.send(Ok(reply));
+                        }
+                    }
                 }
                 Action::Refuse { token, error, .. } => {
                     if let Some((_, tx)) = self.waiting.remove(&token) {
@@ -345,8 +484,13 @@ impl Actor for ShardActor {
 impl ShardActor {
     /// The periodic sweep (and the grace-window timer): evictions, rounds whose grace ended, requesters gone.
     fn on_tick(&mut self, ctx: &mut Context<Self>) {
+        if self.following.is_some() {
+            return;
+        }
         let now = self.now_ms();
+        self.log(&Input::Tick { now_ms: now });
         let evicted = self.proto.tick(now);
+        self.run_actions();
         if !evicted.is_empty() {
             warn!(
                 shard = self.proto.shard(),
@@ -364,7 +508,9 @@ impl ShardActor {
             .collect();
         for t in gone {
             self.waiting.remove(&t);
+            self.log(&Input::Cancel { token: t });
             self.proto.cancel(t);
+            self.run_actions();
         }
         self.run_actions();
         self.arm_grace(ctx);
@@ -392,7 +538,26 @@ impl ShardActor {
 impl Handler<Hello> for ShardActor {
     type Result = Result<Welcome, ShardError>;
     fn handle(&mut self, msg: Hello, ctx: &mut Context<Self>) -> Self::Result {
+        if self.following.is_some() {
+            return Err(ShardError::NotPrimary);
+        }
+        if let Some(until) = self.await_standby {
+            if self.replica.is_none() && Instant::now() < until {
+                return Err(ShardError::NotPrimary);
+            }
+            if self.replica.is_none() {
+                warn!(shard = self.proto.shard(), "no standby followed in time; serving without one");
+            }
+            self.await_standby = None;
+        }
         let now = self.now_ms();
+        self.hellos += 1;
+        self.log(&Input::Hello {
+            conn: msg.conn,
+            worker: msg.worker,
+            clock: msg.clock,
+            now_ms: now,
+        });
         let joined = self.proto.hello(msg.conn, msg.worker, msg.clock, now);
         if joined.is_ok() {
             self.kicks.insert(msg.conn, msg.kick);
@@ -413,15 +578,33 @@ impl Handler<Hello> for ShardActor {
 impl Handler<Heartbeat> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Heartbeat, _: &mut Context<Self>) {
+        if self.following.is_some() {
+            return;
+        }
         let now = self.now_ms();
+        self.log(&Input::Heartbeat {
+            conn: msg.conn,
+            worker: msg.worker,
+            now_ms: now,
+        });
         self.proto.heartbeat(msg.conn, msg.worker, now);
+        self.run_actions();
     }
 }
 
 impl Handler<Goodbye> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Goodbye, ctx: &mut Context<Self>) {
+        if self.following.is_some() {
+            return;
+        }
         let now = self.now_ms();
+        self.log(&Input::Goodbye {
+            conn: msg.conn,
+            worker: msg.worker,
+            clock: msg.clock,
+            now_ms: now,
+        });
         self.proto.goodbye(msg.conn, msg.worker, msg.clock, now);
         self.update_live();
         self.run_actions();
@@ -432,6 +615,10 @@ impl Handler<Goodbye> for ShardActor {
 impl Handler<Closed> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Closed, _: &mut Context<Self>) {
+        if self.following.is_some() {
+            return;
+        }
+        self.log(&Input::Closed { conn: msg.conn });
         self.proto.closed(msg.conn);
         self.kicks.remove(&msg.conn);
         self.run_actions();
@@ -439,10 +626,38 @@ impl Handler<Closed> for ShardActor {
 }
 
 impl Handler<ApplyPush> for ShardActor {
-    type Result = Result<Outcome, ProtocolError>;
+    type Result = ResponseFuture<Result<Outcome, ProtocolError>>;
     fn handle(&mut self, msg: ApplyPush, ctx: &mut Context<Self>) -> Self::Result {
+        let result = self.apply_push(msg, ctx);
+        let gate = self.ack_gate();
+        Box::pin(async move {
+            // The worker learns the outcome (and drops its copy of the push) only once the standby holds it too.
+            if let Some((acked, seq)) = gate {
+                wait_acked(acked, seq).await;
+            }
+            result
+        })
+    }
+}
+
+impl ShardActor {
+    fn apply_push(
+        &mut self,
+        msg: ApplyPush,
+        ctx: &mut Context<Self>,
+    ) -> Result<Outcome, ProtocolError> {
+        if self.following.is_some() {
+            return Ok(Outcome::Refused(ErrorCode::NotPrimary));
+        }
         let now = self.now_ms();
         let frame = access_push(&msg.body)?;
+        if self.replica.is_some() {
+            self.log(&Input::Push {
+                conn: msg.conn,
+                now_ms: now,
+                body: msg.body.to_vec(),
+            });
+        }
         let meta = frame.meta();
         let (outcome, applied) = self.proto.push_frame(msg.conn, frame, now);
         if let Some(m) = &self.metrics {
@@ -484,10 +699,29 @@ impl Handler<ApplyPush> for ShardActor {
 impl Handler<Pull> for ShardActor {
     type Result = Result<oneshot::Receiver<Result<WireReply, ShardError>>, ShardError>;
     fn handle(&mut self, msg: Pull, _: &mut Context<Self>) -> Self::Result {
+        if self.following.is_some() {
+            return Err(ShardError::NotPrimary);
+        }
         let now = self.now_ms();
+        self.log(&Input::Pull {
+            conn: msg.conn,
+            worker: msg.worker,
+            request: msg.request,
+            clock: msg.clock,
+            mode: msg.mode,
+            now_ms: now,
+        });
         let token = self
             .proto
-            .pull(msg.conn, msg.worker, msg.request, msg.clock, msg.mode, now)?;
+            .pull(msg.conn, msg.worker, msg.request, msg.clock, msg.mode, now);
+        // Drained after every input, refused or not, as a standby does (see `crate::replica`).
+        let token = match token {
+            Ok(t) => t,
+            Err(e) => {
+                self.run_actions();
+                return Err(e);
+            }
+        };
         let (tx, rx) = oneshot::channel();
         self.waiting.insert(token, (Instant::now(), tx));
         self.run_actions();
@@ -527,6 +761,134 @@ impl Handler<CheckpointNow> for ShardActor {
             let _ = me.send(CheckpointDone).await;
             r
         })
+    }
+}
+
+/// Waits until the standby acknowledged entry `seq` (or is gone: the link then reports `u64::MAX`, or drops).
+async fn wait_acked(mut acked: watch::Receiver<u64>, seq: u64) {
+    let _ = acked.wait_for(|a| *a >= seq).await;
+}
+
+impl Handler<Subscribe> for ShardActor {
+    type Result = Result<Subscription, ReplicaError>;
+    fn handle(&mut self, msg: Subscribe, _: &mut Context<Self>) -> Self::Result {
+        if self.following.is_some() {
+            return Err(ReplicaError::Mismatch(
+                "it dialled a standby, not its primary".into(),
+            ));
+        }
+        if self.replica.is_some() {
+            return Err(ReplicaError::Taken);
+        }
+        if self.hellos > 0 {
+            return Err(ReplicaError::TooLate);
+        }
+        let core = self.proto.core();
+        if msg.layout_hash != core.layout_hash() {
+            return Err(ReplicaError::Mismatch("parameter layouts differ".into()));
+        }
+        if msg.config_digest != self.config_digest {
+            return Err(ReplicaError::Mismatch(
+                "configurations differ (compare cluster.toml of both)".into(),
+            ));
+        }
+        if msg.state_digest != replica::state_digest(&self.proto.snapshot()) {
+            return Err(ReplicaError::Mismatch(
+                "starting states differ (weights, optimizer state or clocks: resume both from the same checkpoint, \
+                 or neither)"
+                    .into(),
+            ));
+        }
+        let (log_tx, log_rx) = mpsc::unbounded_channel();
+        let (acked_tx, acked_rx) = watch::channel(0);
+        self.replica = Some(Replication {
+            log: log_tx,
+            seq: 0,
+            acked: acked_rx,
+        });
+        self.await_standby = None;
+        if let Some(m) = &self.metrics {
+            m.replica_connected.set(1);
+        }
+        info!(shard = self.proto.shard(), "standby following");
+        Ok(Subscription {
+            lineage: core.lineage(),
+            log: log_rx,
+            acked: acked_tx,
+        })
+    }
+}
+
+impl Handler<ReplicaLost> for ShardActor {
+    type Result = ();
+    fn handle(&mut self, _: ReplicaLost, _: &mut Context<Self>) {
+        if self.replica.take().is_some() {
+            warn!(shard = self.proto.shard(), "standby lost; serving without one");
+        }
+        if let Some(m) = &self.metrics {
+            m.replica_connected.set(0);
+        }
+    }
+}
+
+impl Handler<GetDigests> for ShardActor {
+    type Result = MessageResult<GetDigests>;
+    fn handle(&mut self, _: GetDigests, _: &mut Context<Self>) -> Self::Result {
+        MessageResult((
+            self.proto.core().layout_hash(),
+            replica::state_digest(&self.proto.snapshot()),
+        ))
+    }
+}
+
+impl Handler<Follow> for ShardActor {
+    type Result = ();
+    fn handle(&mut self, msg: Follow, _: &mut Context<Self>) {
+        let codec = self.proto.core().pull_codec();
+        self.proto.core_mut().set_public(codec, msg.lineage);
+    }
+}
+
+impl Handler<Replicate> for ShardActor {
+    type Result = Result<u64, ReplicaError>;
+    fn handle(&mut self, msg: Replicate, _: &mut Context<Self>) -> Self::Result {
+        let Some(follower) = self.following.as_mut() else {
+            return Err(ReplicaError::Mismatch(
+                "this shard took over already".into(),
+            ));
+        };
+        let seq = follower.accept(&mut self.proto, &msg.0)?;
+        if let Some(m) = &self.metrics {
+            m.version.set(self.proto.version() as i64);
+        }
+        Ok(seq)
+    }
+}
+
+impl Handler<TakeOver> for ShardActor {
+    type Result = MessageResult<TakeOver>;
+    fn handle(&mut self, _: TakeOver, ctx: &mut Context<Self>) -> Self::Result {
+        let Some(follower) = self.following.take() else {
+            return MessageResult((self.proto.version(), 0));
+        };
+        // The shard's clock continues from the newest time of the log.
+        self.clock_base = follower.last_now_ms();
+        self.started = Instant::now();
+        self.hellos = u64::from(follower.applied() > 0);
+        let version = self.proto.version();
+        info!(
+            shard = self.proto.shard(),
+            version,
+            entries = follower.applied(),
+            "standby took over"
+        );
+        if let Some(m) = &self.metrics {
+            m.version.set(version as i64);
+            m.takeovers.inc();
+        }
+        self.update_live();
+        self.arm_grace(ctx);
+        MessageResult((version, follower.applied()))
     }
 }
 

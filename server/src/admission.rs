@@ -79,6 +79,8 @@ impl AdmissionLimits {
         match identity {
             PeerIdentity::Worker(_) => self.per_identity,
             PeerIdentity::Client => self.shared_client,
+            // One replication link, and a spare while a restarted standby's old connection times out.
+            PeerIdentity::Standby(_) => 2,
         }
     }
 }

@@ -3,9 +3,12 @@
 //! `ShardActor` (which runs the sans-IO [`crate::protocol::ShardProtocol`]); each push stream's frame is size-checked
 //! before it is read and validated in place before it is forwarded, and its outcome goes back on the control
 //! stream. Pulls run as bounded tasks per connection. A protocol violation closes only this connection with a typed
-//! code and never reaches shard state. No protocol rule lives here.
+//! code and never reaches shard state. A connection from the shard's own standby (`tether-standby-K`) carries the
+//! replication log instead ([`crate::replica`]): its entries go out on one unidirectional stream, its
+//! acknowledgements come back on the control stream. While this process is itself a standby that follows, workers
+//! are turned away with [`ErrorCode::NotPrimary`]. No protocol rule lives here.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,13 +18,16 @@ use tracing::{debug, info, warn};
 
 use tether_common::net::{
     close_with, peer_identity, recv_bulk, reject, send_bulk_chunks, server_accept_hello,
-    ControlChannel, ControlReceiver, ControlSender, NetError,
+    ControlChannel, ControlReceiver, ControlSender, NetError, PeerIdentity,
 };
 use tether_common::protocol::{
-    access_push, Control, ErrorCode, FrameKind, FrameLimits, Outcome, ProtocolError, PullMode,
+    access_push, Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, Outcome, ProtocolError,
+    PullMode,
 };
 
-use crate::actor::{ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ShardActor};
+use crate::actor::{
+    ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ReplicaLost, ShardActor, Subscribe,
+};
 use crate::admission::{Admission, HandshakeTicket};
 use crate::protocol::ConnId;
 
@@ -48,6 +54,8 @@ pub struct ConnectionContext {
     pub next_conn: AtomicU64,
     /// The handshake and connection budgets.
     pub admission: Arc<Admission>,
+    /// Set while this process is a standby following its primary: workers are turned away.
+    pub following: Arc<AtomicBool>,
 }
 
 /// Serves one incoming connection until it closes: the TLS handshake holds `handshake` (given back as soon as it
@@ -93,6 +101,23 @@ pub async fn serve_connection(
             return;
         }
     };
+    match identity {
+        PeerIdentity::Standby(k) if k == ctx.shard && !ctx.following.load(Ordering::Acquire) => {
+            serve_standby(conn, ctx).await;
+            return;
+        }
+        PeerIdentity::Standby(k) => {
+            warn!(shard = ctx.shard, %peer, standby_of = k, "refusing a standby of another shard, or a standby's standby");
+            close_with(&conn, ErrorCode::Unauthorized, "not this shard's primary's standby");
+            return;
+        }
+        _ if ctx.following.load(Ordering::Acquire) => {
+            debug!(shard = ctx.shard, %peer, "turning a worker away: this standby follows its primary");
+            close_with(&conn, ErrorCode::NotPrimary, "standby following its primary");
+            return;
+        }
+        _ => {}
+    }
     let handshake = async {
         let mut control = ControlChannel::accept(&conn).await?;
         let hello = server_accept_hello(&mut control, ctx.layout_hash, identity).await?;
@@ -187,6 +212,121 @@ pub async fn serve_connection(
     writer.abort();
     ctx.shard_actor.do_send(Closed { conn: id });
     debug!(shard = ctx.shard, worker, "worker session ended");
+}
+
+/// Serves this shard's standby (the primary's side of replication): checks its hello against this shard, then streams
+/// the log on one unidirectional stream and hands its acknowledgements to the actor until the link ends; then the
+/// shard stops holding replies for it.
+async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
+    let peer = conn.remote_address();
+    let start = async {
+        let mut control = ControlChannel::accept(&conn).await?;
+        let hello = control.recv().await?;
+        Ok::<_, NetError>((control, hello))
+    };
+    let (mut control, hello) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, start).await {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => {
+            debug!(shard = ctx.shard, %peer, error = %e, "standby hello failed");
+            return;
+        }
+        Err(_) => {
+            close_with(&conn, ErrorCode::BadFrame, "no hello within the handshake timeout");
+            return;
+        }
+    };
+    let Control::ReplicaHello {
+        shard,
+        layout_hash,
+        config_digest,
+        state_digest,
+    } = hello
+    else {
+        let e = ProtocolError::UnexpectedMessage(format!("{} from a standby", hello.name()));
+        reject(&conn, Some(&mut control), &e).await;
+        return;
+    };
+    if shard != ctx.shard {
+        let e = ProtocolError::Rejected {
+            code: ErrorCode::WrongShard,
+            message: format!("this is shard {}, not shard {shard}", ctx.shard),
+        };
+        reject(&conn, Some(&mut control), &e).await;
+        return;
+    }
+    let sub = match ctx
+        .shard_actor
+        .send(Subscribe {
+            config_digest,
+            layout_hash,
+            state_digest,
+        })
+        .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            warn!(shard = ctx.shard, %peer, error = %e, "standby refused");
+            let e = ProtocolError::Rejected {
+                code: e.code(),
+                message: e.to_string(),
+            };
+            reject(&conn, Some(&mut control), &e).await;
+            return;
+        }
+        Err(_) => return,
+    };
+    let (acked, mut log) = (sub.acked, sub.log);
+    let link = async {
+        control
+            .send(&Control::ReplicaWelcome {
+                lineage: sub.lineage,
+            })
+            .await?;
+        let (_sender, mut receiver) = control.split();
+        let mut stream = conn.open_uni().await?;
+        info!(shard = ctx.shard, %peer, "standby following: replies wait for its acknowledgement");
+        let writer = async {
+            while let Some(entry) = log.recv().await {
+                let header = FrameHeader::encode(FrameKind::Replica, entry.len())?;
+                stream.write_all(&header).await.map_err(NetError::Write)?;
+                stream.write_all(&entry).await.map_err(NetError::Write)?;
+            }
+            Ok::<_, NetError>(())
+        };
+        let reader = async {
+            loop {
+                match receiver.recv().await? {
+                    Control::ReplicaAck { seq } => {
+                        acked.send_if_modified(|a| {
+                            let newer = seq > *a;
+                            if newer {
+                                *a = seq;
+                            }
+                            newer
+                        });
+                    }
+                    other => {
+                        return Err(NetError::Protocol(ProtocolError::UnexpectedMessage(
+                            format!("{} from a standby", other.name()),
+                        )))
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            r = writer => r,
+            r = reader => r,
+        }
+    };
+    let ended = link.await;
+    // Nothing waits for the standby any more.
+    acked.send_replace(u64::MAX);
+    ctx.shard_actor.do_send(ReplicaLost);
+    match ended {
+        Err(NetError::Protocol(p)) => reject(&conn, None, &p).await,
+        Err(e) => warn!(shard = ctx.shard, %peer, error = %e, "replication link to the standby ended"),
+        Ok(()) => {}
+    }
 }
 
 /// Writes queued control messages in order until the queue or the stream closes.

@@ -45,6 +45,9 @@ pub enum Error {
     /// The shard index is not in `cluster.servers`, or an address does not resolve.
     #[error("{0}")]
     Address(String),
+    /// A replication log, a standby's start or a replicated entry was refused.
+    #[error(transparent)]
+    Replica(#[from] crate::replica::ReplicaError),
     /// The shard actor stopped.
     #[error("shard actor is gone")]
     ActorGone,
@@ -67,6 +70,7 @@ impl Error {
             Error::Protocol(e) => Some(e.code()),
             Error::Net(e) => e.code(),
             Error::ActorGone => Some(ErrorCode::Shutdown),
+            Error::Replica(e) => Some(e.code()),
             // A restored clock beyond the maximum is a bad checkpoint, a local failure.
             Error::Clock(ClockError::Unbounded { .. })
             | Error::Optim(_)

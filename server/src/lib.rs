@@ -19,6 +19,7 @@ pub mod protocol;
 pub mod public;
 pub mod quorum;
 pub mod remote;
+pub mod replica;
 pub mod rollback;
 pub mod shard;
 mod spike;

@@ -37,6 +37,10 @@ struct Cli {
     /// Resume from the newest verified checkpoint in checkpoint.dir/shard-K.
     #[arg(long)]
     resume: bool,
+    /// Run as shard K's standby: listen on cluster.standbys[K] with the standby-K bundle, follow the primary's log
+    /// and take over, with every applied update, when the primary dies.
+    #[arg(long)]
+    standby: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -81,6 +85,9 @@ enum Command {
         /// Validity of every certificate, in days.
         #[arg(long, default_value_t = tether_common::pki::DEFAULT_DAYS)]
         days: u32,
+        /// Also write one standby bundle per shard (`standby-K`, with shard K's hosts and checkpoint key).
+        #[arg(long)]
+        standbys: bool,
         /// Also write `client/`, one certificate that may claim ANY rank. Development only: whoever holds it can
         /// push as every worker.
         #[arg(long)]
@@ -104,13 +111,16 @@ enum KeygenCommand {
         #[arg(long)]
         out: PathBuf,
         /// Issue worker rank R's bundle.
-        #[arg(long, conflicts_with = "server", required_unless_present = "server")]
+        #[arg(long, conflicts_with_all = ["server", "standby"], required_unless_present_any = ["server", "standby"])]
         worker: Option<u32>,
         /// Issue shard K's bundle.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "standby")]
         server: Option<u32>,
-        /// The shard's host names / IPs (comma-separated; localhost and 127.0.0.1 always).
-        #[arg(long, value_delimiter = ',', requires = "server")]
+        /// Issue shard K's standby bundle (OUT/standby-K; it copies OUT/server-K's checkpoint key).
+        #[arg(long)]
+        standby: Option<u32>,
+        /// The shard's (or standby's) host names / IPs (comma-separated; localhost and 127.0.0.1 always).
+        #[arg(long, value_delimiter = ',')]
         host: Vec<String>,
         /// Validity in days.
         #[arg(long, default_value_t = tether_common::pki::DEFAULT_DAYS)]
@@ -159,6 +169,7 @@ fn keygen(command: &Command) -> Result<()> {
         servers,
         workers,
         days,
+        standbys,
         dev_shared_client,
         owner,
     } = command;
@@ -172,19 +183,24 @@ fn keygen(command: &Command) -> Result<()> {
         out,
         worker,
         server,
+        standby,
         host,
         days,
         owner,
         force,
     }) = command
     {
-        let node = match (worker, server) {
-            (Some(rank), _) => Node::Worker { rank: *rank },
-            (None, Some(shard)) => Node::Server {
+        let node = match (worker, server, standby) {
+            (Some(rank), _, _) => Node::Worker { rank: *rank },
+            (None, Some(shard), _) => Node::Server {
                 shard: *shard,
                 hosts: host.clone(),
             },
-            (None, None) => anyhow::bail!("give --worker R or --server K"),
+            (None, None, Some(shard)) => Node::Standby {
+                shard: *shard,
+                hosts: host.clone(),
+            },
+            (None, None, None) => anyhow::bail!("give --worker R, --server K or --standby K"),
         };
         if *days == 0 {
             anyhow::bail!("--days must be at least 1");
@@ -218,6 +234,7 @@ fn keygen(command: &Command) -> Result<()> {
         servers: servers.unwrap_or(hosts.len().max(1) as u32),
         workers: *workers,
         shared_client: *dev_shared_client,
+        standbys: *standbys,
         days: *days,
     };
     let issued = pki::generate(out, &ca_dir, &plan)
@@ -293,14 +310,19 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
             spike_factor: cli.spike_factor,
             layout: None,
             checkpoint_key: None,
+            standby: cli.standby,
         },
     )
     .await?;
     println!(
-        "tether-server shard {shard} listening on {}",
+        "tether-server shard {shard}{} listening on {}",
+        if cli.standby { " (standby)" } else { "" },
         running.local_addr
     );
-    wait_for_end(&running, cli.exit_after_workers).await;
+    tokio::select! {
+        _ = wait_for_end(&running, cli.exit_after_workers) => {}
+        why = running.standby_failed() => anyhow::bail!("standby of shard {shard}: {why}"),
+    }
     let (_, stats) = running.shutdown(true).await?;
     if let Some(path) = &cli.report {
         shard_report(&cfg, &stats)

@@ -6,7 +6,9 @@
 //! Must be called inside an actix `System` running on a multi-threaded tokio runtime.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::{Addr, Arbiter};
 use tracing::{debug, info, warn};
@@ -16,10 +18,10 @@ use tether_common::layout::{model_layout, Layout};
 use tether_common::metrics::ServerMetrics;
 use tether_common::net::{server_endpoint, NetError, TlsFiles, TransportTuning};
 use tether_common::pki::{CheckpointKey, PkiError, CHECKPOINT_KEY_FILE};
-use tether_common::protocol::{ErrorCode, FrameLimits};
+use tether_common::protocol::{ErrorCode, FrameKind, FrameLimits};
 use tether_common::report::RunReport;
 
-use crate::actor::{CheckpointNow, GetStats, ShardActor};
+use crate::actor::{CheckpointNow, Follow, GetDigests, GetStats, Replicate, ShardActor, TakeOver};
 use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
@@ -27,6 +29,7 @@ use crate::error::Error;
 use crate::norm_guard::GuardSettings;
 use crate::quorum::QuorumSettings;
 use crate::remote::RemoteStore;
+use crate::replica;
 use crate::shard::{Membership, ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
 
@@ -50,6 +53,9 @@ pub struct ShardOptions {
     /// The checkpoint key, overriding `checkpoint.key_file` and the bundle's `checkpoint.key` (in-process clusters
     /// and tests that hold their own).
     pub checkpoint_key: Option<CheckpointKey>,
+    /// Run as shard K's standby: listen on `cluster.standbys[K]` (unless `listen` is set) with the `standby-K`
+    /// bundle, follow the primary's log and take over when it dies.
+    pub standby: bool,
 }
 
 /// A shard that is serving.
@@ -64,6 +70,10 @@ pub struct RunningShard {
     endpoint: quinn::Endpoint,
     arbiter: Arbiter,
     accept: tokio::task::JoinHandle<()>,
+    /// A standby's link to its primary.
+    follower: Option<tokio::task::JoinHandle<()>>,
+    /// A standby's follower reports here why it cannot follow (a refusal by the primary, a bad log).
+    standby_failed: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
 /// Parses `host:port` (resolving names) into a socket address.
@@ -115,8 +125,14 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
             opts.shard
         )));
     }
+    if opts.standby && !cfg.cluster.replicated() {
+        return Err(Error::Address(
+            "--standby but cluster.standbys lists no standby addresses".into(),
+        ));
+    }
     let listen = match opts.listen {
         Some(a) => a,
+        None if opts.standby => resolve(&cfg.cluster.standbys[opts.shard as usize])?,
         None => resolve(&cfg.cluster.servers[opts.shard as usize])?,
     };
     let layout = match opts.layout {
@@ -135,6 +151,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     let mut core = ShardCore::new(&layout, &spec);
     let tls = match opts.tls {
         Some(t) => t,
+        None if opts.standby => TlsFiles::for_standby(&cfg.cluster.tls_dir, opts.shard)?,
         None => TlsFiles::for_server(&cfg.cluster.tls_dir, opts.shard)?,
     }
     .with_revoked(&cfg.cluster.revoked_serials());
@@ -234,25 +251,61 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         source,
     })?;
     let layout_hash = core.layout_hash();
-    let actor = ShardActor::new(
+    let mut actor = ShardActor::new(
         core,
         Some(store),
         cfg.checkpoint.every_updates,
         cfg.cluster.worker_timeout_ms,
         opts.metrics.clone(),
     )
-    .with_remote(remote, cfg.checkpoint.local);
+    .with_remote(remote, cfg.checkpoint.local)
+    .with_config_digest(replica::config_digest(cfg));
+    if opts.standby {
+        actor = actor.following();
+    } else if cfg.cluster.replicated() {
+        actor = actor.awaiting_standby(STANDBY_WAIT);
+    }
     let (addr, arbiter) = actor.start_on_own_arbiter();
+    let following = Arc::new(AtomicBool::new(opts.standby));
     let ctx = Arc::new(ConnectionContext {
         shard_actor: addr.clone(),
         shard: opts.shard,
         layout_hash,
         limits,
-        next_conn: Default::default(),
+        next_conn: AtomicU64::new(if opts.standby {
+            replica::TAKEOVER_CONN_BASE
+        } else {
+            0
+        }),
         admission: Admission::new(AdmissionLimits::for_workers(cfg.cluster.rank_limit())),
+        following: following.clone(),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx));
-    info!(shard = opts.shard, %local_addr, range = ?(range.start, range.end), "shard serving");
+    let (follower, standby_failed) = if opts.standby {
+        let (failed_tx, failed_rx) = tokio::sync::watch::channel(None);
+        let link = FollowLink {
+            primary: cfg.cluster.servers[opts.shard as usize].clone(),
+            tls: tls.clone(),
+            tuning: TransportTuning::for_failover(cfg.cluster.failover_ms).sized_for(&limits),
+            actor: addr.clone(),
+            following,
+            shard: opts.shard,
+            config_digest: replica::config_digest(cfg),
+            limits,
+        };
+        (
+            Some(tokio::spawn(async move {
+                if let Err(why) = link.run().await {
+                    tracing::error!(shard = link_shard(&why), error = %why, "standby cannot follow its primary");
+                    let _ = failed_tx.send(Some(why.to_string()));
+                }
+            })),
+            Some(failed_rx),
+        )
+    } else {
+        (None, None)
+    };
+    info!(shard = opts.shard, %local_addr, range = ?(range.start, range.end), standby = opts.standby, "shard serving");
     Ok(RunningShard {
         actor: addr,
         local_addr,
@@ -261,7 +314,187 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         endpoint,
         arbiter,
         accept,
+        follower,
+        standby_failed,
     })
+}
+
+/// A primary with a configured standby turns workers away for at most this long while it waits for the standby to
+/// follow (then it serves without one).
+pub const STANDBY_WAIT: Duration = Duration::from_secs(30);
+
+/// How long a standby keeps dialling a primary that does not answer before it gives up.
+pub const FOLLOW_DEADLINE: Duration = Duration::from_secs(60);
+
+/// A standby's link to its primary: dial, say hello with this shard's fingerprints, apply the log entry by entry and
+/// acknowledge each; take over when the link is lost once the log has started.
+struct FollowLink {
+    primary: String,
+    tls: TlsFiles,
+    tuning: TransportTuning,
+    actor: Addr<ShardActor>,
+    following: Arc<AtomicBool>,
+    shard: u32,
+    config_digest: u64,
+    limits: FrameLimits,
+}
+
+/// Why a standby stopped following without taking over.
+#[derive(Debug, thiserror::Error)]
+enum FollowError {
+    #[error("shard {shard}: the primary at {primary} refused this standby: {message}")]
+    Refused {
+        shard: u32,
+        primary: String,
+        message: String,
+    },
+    #[error("shard {shard}: the primary at {primary} did not answer for {waited:?}: {last}")]
+    Unreachable {
+        shard: u32,
+        primary: String,
+        waited: Duration,
+        last: String,
+    },
+    #[error("shard {shard}: the shard actor is gone")]
+    ActorGone { shard: u32 },
+}
+
+fn link_shard(e: &FollowError) -> u32 {
+    match e {
+        FollowError::Refused { shard, .. }
+        | FollowError::Unreachable { shard, .. }
+        | FollowError::ActorGone { shard } => *shard,
+    }
+}
+
+/// How a standby's session with its primary ended.
+enum Session {
+    /// Never got as far as the log (the primary is not up yet): dial again.
+    NotStarted(String),
+    /// The log had started and the link is gone: take over.
+    Lost(String),
+}
+
+impl FollowLink {
+    async fn run(&self) -> Result<(), FollowError> {
+        use tether_common::net::client_endpoint;
+        let endpoint = client_endpoint(&self.tls, &self.tuning).map_err(|e| FollowError::Unreachable {
+            shard: self.shard,
+            primary: self.primary.clone(),
+            waited: Duration::ZERO,
+            last: e.to_string(),
+        })?;
+        let started = std::time::Instant::now();
+        loop {
+            match self.session(&endpoint).await? {
+                Session::NotStarted(last) => {
+                    if started.elapsed() > FOLLOW_DEADLINE {
+                        return Err(FollowError::Unreachable {
+                            shard: self.shard,
+                            primary: self.primary.clone(),
+                            waited: FOLLOW_DEADLINE,
+                            last,
+                        });
+                    }
+                    debug!(shard = self.shard, primary = %self.primary, error = %last, "primary not reachable yet");
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Session::Lost(why) => {
+                    warn!(shard = self.shard, primary = %self.primary, reason = %why, "primary lost: taking over");
+                    self.following.store(false, Ordering::Release);
+                    let (version, entries) = self
+                        .actor
+                        .send(TakeOver)
+                        .await
+                        .map_err(|_| FollowError::ActorGone { shard: self.shard })?;
+                    info!(shard = self.shard, version, entries, "serving as the shard's primary");
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    async fn session(&self, endpoint: &quinn::Endpoint) -> Result<Session, FollowError> {
+        use tether_common::net::{connect_shard, ControlChannel};
+        use tether_common::protocol::{read_frame, Control};
+        let shard = self.shard;
+        let refused = |message: String| FollowError::Refused {
+            shard,
+            primary: self.primary.clone(),
+            message,
+        };
+        let gone = || FollowError::ActorGone { shard };
+        let Ok(addr) = resolve(&self.primary) else {
+            return Ok(Session::NotStarted(format!("cannot resolve {}", self.primary)));
+        };
+        let host = self
+            .primary
+            .rsplit_once(':')
+            .map_or(self.primary.as_str(), |(h, _)| h)
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        let conn = match connect_shard(endpoint, addr, &host, shard).await {
+            Ok(c) => c,
+            Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
+            Err(e) => return Ok(Session::NotStarted(e.to_string())),
+        };
+        let (layout_hash, state_digest) =
+            self.actor.send(GetDigests).await.map_err(|_| gone())?;
+        let start = async {
+            let mut control = ControlChannel::open(&conn).await?;
+            control
+                .send(&Control::ReplicaHello {
+                    shard,
+                    layout_hash,
+                    config_digest: self.config_digest,
+                    state_digest,
+                })
+                .await?;
+            let answer = control.recv().await?;
+            Ok::<_, NetError>((control, answer))
+        };
+        let (control, answer) = match start.await {
+            Ok(x) => x,
+            Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
+            Err(e) => return Ok(Session::NotStarted(e.to_string())),
+        };
+        let lineage = match answer {
+            Control::ReplicaWelcome { lineage } => lineage,
+            Control::Error { code, message } => return Err(refused(format!("{code}: {message}"))),
+            other => return Err(refused(format!("{} instead of a welcome", other.name()))),
+        };
+        self.actor.send(Follow { lineage }).await.map_err(|_| gone())?;
+        info!(shard, primary = %self.primary, "following the primary");
+        let (mut sender, _receiver) = control.split();
+        let mut stream = match conn.accept_uni().await {
+            Ok(s) => s,
+            Err(e) => return Ok(Session::Lost(e.to_string())),
+        };
+        let mut buf = rkyv::util::AlignedVec::new();
+        loop {
+            match read_frame(&mut stream, &self.limits, &[FrameKind::Replica], &mut buf).await {
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(Session::Lost("the primary ended the log".into())),
+                Err(tether_common::protocol::ReadFrameError::Protocol(p)) => {
+                    return Err(refused(format!("bad replication frame: {p}")))
+                }
+                Err(e) => return Ok(Session::Lost(e.to_string())),
+            }
+            // A bad entry changes nothing here; the standby stops following rather than hold a state it cannot
+            // vouch for.
+            let entry = replica::decode(&buf).map_err(|e| refused(e.to_string()))?;
+            let seq = self
+                .actor
+                .send(Replicate(entry))
+                .await
+                .map_err(|_| gone())?
+                .map_err(|e| refused(e.to_string()))?;
+            if let Err(e) = sender.send(&Control::ReplicaAck { seq }).await {
+                return Ok(Session::Lost(e.to_string()));
+            }
+        }
+    }
 }
 
 /// Decides on each incoming connection attempt at once (the accept loop never waits) and spawns a task for those
@@ -314,10 +547,29 @@ impl RunningShard {
             .map_err(|_| Error::ActorGone)
     }
 
+    /// Resolves with the reason when this standby cannot follow its primary (refused, or a bad log); never for a
+    /// primary, or a standby that follows or took over.
+    pub async fn standby_failed(&self) -> String {
+        let Some(mut rx) = self.standby_failed.clone() else {
+            return std::future::pending().await;
+        };
+        loop {
+            if let Some(why) = rx.borrow_and_update().clone() {
+                return why;
+            }
+            if rx.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    }
+
     /// Stops accepting, closes every connection, optionally writes a final checkpoint, and stops the actor.
     /// Returns the final version and counters.
     pub async fn shutdown(self, final_checkpoint: bool) -> Result<(u64, ShardStats), Error> {
         self.accept.abort();
+        if let Some(f) = &self.follower {
+            f.abort();
+        }
         self.endpoint
             .close(ErrorCode::Shutdown.close_code(), b"server shutting down");
         if final_checkpoint {
@@ -342,6 +594,9 @@ impl RunningShard {
     /// Closes every connection abruptly without a checkpoint (tests of crash recovery).
     pub fn kill(self) {
         self.accept.abort();
+        if let Some(f) = &self.follower {
+            f.abort();
+        }
         self.endpoint
             .close(ErrorCode::Shutdown.close_code(), b"killed");
         self.arbiter.stop();

@@ -137,6 +137,9 @@ pub enum ShardError {
     /// The message came on a connection a newer hello of the same worker replaced.
     #[error("worker {0} spoke on a connection its newer session superseded")]
     Superseded(u32),
+    /// This process is a standby that follows its primary: it serves nobody until it takes over.
+    #[error("this is a standby following its primary: try the shard's other address")]
+    NotPrimary,
     /// The rank is not one of the configured workers (`0..workers`, or `0..max_workers` with elastic membership).
     #[error("rank {worker} is not a configured worker (ranks 0..{workers} may join: cluster.workers, or cluster.max_workers)")]
     UnknownRank {
@@ -202,6 +205,7 @@ impl ShardError {
             ShardError::Overloaded => ErrorCode::Overloaded,
             ShardError::RolledBack { .. } => ErrorCode::RolledBack,
             ShardError::Superseded(_) => ErrorCode::Superseded,
+            ShardError::NotPrimary => ErrorCode::NotPrimary,
             ShardError::UnknownRank { .. } => ErrorCode::Unauthorized,
         }
     }
@@ -209,7 +213,7 @@ impl ShardError {
 
 /// Every label [`reject_reason`] returns (the metric's series are created at start, at 0, so that rates and alerts
 /// see them before the first rejection).
-pub const REJECT_REASONS: [&str; 15] = [
+pub const REJECT_REASONS: [&str; 16] = [
     "wrong_shard",
     "bad_range",
     "bad_frame",
@@ -225,6 +229,7 @@ pub const REJECT_REASONS: [&str; 15] = [
     "rolled_back",
     "superseded",
     "unknown_rank",
+    "not_primary",
 ];
 
 /// The labels of the numerical guard's refusals (norm bound, norm spike, non-finite state).
@@ -248,6 +253,7 @@ pub fn reject_reason(e: &ShardError) -> &'static str {
         ShardError::RolledBack { .. } => "rolled_back",
         ShardError::Superseded(_) => "superseded",
         ShardError::UnknownRank { .. } => "unknown_rank",
+        ShardError::NotPrimary => "not_primary",
     }
 }
 
@@ -608,6 +614,20 @@ impl ShardCore {
     /// Sets the codec of pull deltas and starts public-copy lineage `lineage` (a restarted shard must pick one its
     /// previous life did not use, e.g. at random, so that no worker applies a delta to a copy of another life).
     pub fn set_public(&mut self, codec: CodecConfig, lineage: u64) {
+        self.set_public_inner(codec, lineage);
+    }
+
+    /// This incarnation's public-copy lineage (a standby takes over its primary's).
+    pub fn lineage(&self) -> u64 {
+        self.lineage
+    }
+
+    /// The codec of pull deltas.
+    pub fn pull_codec(&self) -> CodecConfig {
+        self.pull_codec
+    }
+
+    fn set_public_inner(&mut self, codec: CodecConfig, lineage: u64) {
         self.pull_codec = codec;
         self.lineage = lineage;
         self.public = None;
@@ -1119,6 +1139,7 @@ mod tests {
                 worker: 9,
                 workers: 2,
             },
+            ShardError::NotPrimary,
         ];
         let labels: Vec<&str> = errors.iter().map(reject_reason).collect();
         assert_eq!(labels, REJECT_REASONS);

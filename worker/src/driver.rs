@@ -50,6 +50,8 @@ enum Inbound {
     Connected {
         shard: usize,
         attempt: u64,
+        /// The attempt dialled the shard's standby.
+        standby: bool,
         result: Result<Connection, NetError>,
     },
 }
@@ -82,6 +84,10 @@ impl LinkIo {
     }
 }
 
+/// Times in a row a worker asks a standby again that turned it away as not (yet) primary, before dialling the
+/// primary.
+const NOT_PRIMARY_RETRIES: u32 = 3;
+
 /// Reconnect state of one shard.
 #[derive(Default)]
 struct Outage {
@@ -91,6 +97,10 @@ struct Outage {
     connecting: bool,
     /// Why the last attempt failed.
     last_error: Option<String>,
+    /// The next attempt dials the other address than the one that served last (replicated shards alternate).
+    alternate: bool,
+    /// Attempts in a row a standby turned away as not (yet) primary.
+    not_primary: u32,
 }
 
 /// The flat index range of each of `shards` shards of `layout`, as the wire carries them.
@@ -117,6 +127,10 @@ pub struct Driver {
     endpoint: quinn::Endpoint,
     servers: Vec<String>,
     server_names: Vec<String>,
+    /// Each shard's standby (address, TLS name), when shards are replicated.
+    standbys: Vec<Option<(String, String)>>,
+    /// Which address of each shard served the current (or last) link: `true` for the standby.
+    on_standby: Vec<bool>,
     limits: Vec<FrameLimits>,
     links: Vec<Option<LinkIo>>,
     outages: Vec<Outage>,
@@ -157,6 +171,8 @@ pub struct DriverConfig {
     pub server_names: Vec<String>,
     /// Shard ranges.
     pub ranges: Vec<(u64, u64)>,
+    /// Each shard's standby (address, TLS name), tried in turn with its server when a link fails (empty: none).
+    pub standbys: Vec<Option<(String, String)>>,
     /// Frame limits per shard.
     pub limits: Vec<FrameLimits>,
     /// Layout fingerprint.
@@ -208,11 +224,20 @@ impl DriverConfig {
             .iter()
             .map(|r| FrameLimits::for_codec(&cfg.compression.codec(), (r.1 - r.0) as usize))
             .collect();
+        let standbys = (0..servers.len())
+            .map(|k| {
+                cfg.cluster
+                    .standbys
+                    .get(k)
+                    .map(|s| (s.clone(), crate::remote::server_name(s)))
+            })
+            .collect();
         DriverConfig {
             rank,
             endpoint,
             servers,
             server_names,
+            standbys,
             ranges,
             limits,
             layout_hash,
@@ -251,6 +276,10 @@ impl Driver {
             .with_initial_opt(cfg.initial),
             rank: cfg.rank,
             endpoint: cfg.endpoint,
+            on_standby: vec![false; n],
+            standbys: (0..n)
+                .map(|k| cfg.standbys.get(k).cloned().flatten())
+                .collect(),
             servers: cfg.servers,
             server_names: cfg.server_names,
             limits: cfg.limits,
@@ -540,11 +569,20 @@ impl Driver {
         outage.connecting = true;
         let attempt = outage.attempt;
         let hello = self.protocol.hello(shard);
-        let (endpoint, name, server_name) = (
-            self.endpoint.clone(),
-            self.servers[shard].clone(),
-            self.server_names[shard].clone(),
-        );
+        // A replicated shard is dialled at its two addresses in turn, starting with the one that did not serve last.
+        let standby = self.standbys[shard]
+            .as_ref()
+            .filter(|_| outage.alternate != self.on_standby[shard]);
+        outage.alternate = !outage.alternate;
+        let (name, server_name) = match standby {
+            Some((addr, tls_name)) => (addr.clone(), tls_name.clone()),
+            None => (
+                self.servers[shard].clone(),
+                self.server_names[shard].clone(),
+            ),
+        };
+        let dialled_standby = standby.is_some();
+        let endpoint = self.endpoint.clone();
         let tx = self.inbox_tx.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
@@ -567,6 +605,7 @@ impl Driver {
             let _ = tx.send(Inbound::Connected {
                 shard,
                 attempt,
+                standby: dialled_standby,
                 result,
             });
         });
@@ -603,6 +642,7 @@ impl Driver {
             Inbound::Connected {
                 shard,
                 attempt,
+                standby,
                 result,
             } => {
                 if self.outages[shard].attempt != attempt {
@@ -610,9 +650,22 @@ impl Driver {
                 }
                 self.outages[shard].connecting = false;
                 match result {
-                    Ok(c) => self.install(shard, c)?,
+                    Ok(c) => {
+                        if standby != self.on_standby[shard] {
+                            info!(rank = self.rank, shard, standby, "failed over to the shard's other address");
+                        }
+                        self.on_standby[shard] = standby;
+                        self.install(shard, c)?
+                    }
                     Err(e) => {
-                        debug!(rank = self.rank, shard, error = %e, "connect failed");
+                        debug!(rank = self.rank, shard, standby, error = %e, "connect failed");
+                        let outage = &mut self.outages[shard];
+                        if e.is_not_primary() && outage.not_primary < NOT_PRIMARY_RETRIES {
+                            // A standby that is about to take over (its primary's link times out as ours did): ask
+                            // it again before dialling the primary, which costs a handshake timeout if it is dead.
+                            outage.not_primary += 1;
+                            outage.alternate = !outage.alternate;
+                        }
                         if e.is_permanent() {
                             return Err(self.permanent_failure(shard, e));
                         }
@@ -634,6 +687,13 @@ impl Driver {
                 }
                 if current(&self.links, shard, gen) {
                     warn!(rank = self.rank, shard, error = %error, "link lost; reconnecting");
+                    if matches!(
+                        error,
+                        NetError::Connection(quinn::ConnectionError::TimedOut)
+                    ) {
+                        // The address that served went silent: a replicated shard's other one is dialled first.
+                        self.outages[shard].alternate = true;
+                    }
                     if let Some(io) = self.links[shard].take() {
                         io.close(b"lost");
                     }

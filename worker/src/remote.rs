@@ -264,7 +264,7 @@ impl RemoteWorker {
         let driver = {
             // Binding the endpoint's UDP socket needs the runtime's reactor.
             let _enter = runtime.enter();
-            let endpoint = client_endpoint(&opts.tls, &TransportTuning::default())
+            let endpoint = client_endpoint(&opts.tls, &TransportTuning::for_cluster(cfg))
                 .map_err(WorkerError::Endpoint)?;
             Driver::new(DriverConfig::for_config(
                 cfg,

@@ -111,6 +111,13 @@ pub struct ClusterConfig {
     /// The grace window after a round's quorum is reached, as a multiple of the median recent round time (default
     /// 0.5; within 5 ms and `worker_timeout_ms`; used only with `quorum` > 0).
     pub grace_factor: f32,
+    /// Replicated shards: shard K's standby listens on `standbys[K]` (default none; else one address per shard, none
+    /// of them a server's or another standby's). A standby follows its primary's every input over mutual-TLS QUIC and
+    /// takes over, with every applied update, when the primary dies; workers then fail over to it.
+    pub standbys: Vec<String>,
+    /// With standbys: a link to a shard that stays silent this long counts as dead, for workers (which then fail over)
+    /// and for the standby (which then takes over) (default 1000; 200 to `worker_timeout_ms`).
+    pub failover_ms: u64,
     /// Directory of the node's TLS bundle (default "certs"): keygen's output folder holding `server-K/` and
     /// `worker-R/` bundles, or one node's own bundle mounted alone.
     pub tls_dir: PathBuf,
@@ -131,6 +138,8 @@ impl Default for ClusterConfig {
             progress_timeout_ms: 120_000,
             quorum: 0,
             grace_factor: 0.5,
+            standbys: Vec::new(),
+            failover_ms: 1000,
             tls_dir: PathBuf::from("certs"),
             revoked: Vec::new(),
         }
@@ -149,6 +158,21 @@ impl ClusterConfig {
     /// The ranks that may join: `0..rank_limit()` (`max_workers`, or `workers` when it is 0).
     pub fn rank_limit(&self) -> u32 {
         self.workers.max(self.max_workers)
+    }
+
+    /// Where shard `k` may be reached: its server, then its standby when there is one (workers try them in turn).
+    pub fn shard_addresses(&self, k: usize) -> Vec<String> {
+        self.servers
+            .get(k)
+            .into_iter()
+            .chain(self.standbys.get(k))
+            .cloned()
+            .collect()
+    }
+
+    /// Whether shards have standbys.
+    pub fn replicated(&self) -> bool {
+        !self.standbys.is_empty()
     }
 
     /// The revoked serials as bytes (validated by [`super::Config::validate`]; an unparsable entry is skipped here).

@@ -81,6 +81,40 @@ impl Config {
                 ),
             );
         }
+        let standbys = &self.cluster.standbys;
+        if !standbys.is_empty() && standbys.len() != self.cluster.servers.len() {
+            return bad(
+                "cluster.standbys",
+                &format!(
+                    "{} standby address(es) for {} server(s): give one per shard, or none",
+                    standbys.len(),
+                    self.cluster.servers.len()
+                ),
+            );
+        }
+        for (k, addr) in standbys.iter().enumerate() {
+            let clash = self.cluster.servers.iter().position(|s| s.trim() == addr.trim());
+            if let Some(j) = clash {
+                return bad(
+                    "cluster.standbys",
+                    &format!(
+                        "standby {k} ({addr}) is the address of server {j}: a replica must be another process"
+                    ),
+                );
+            }
+            if standbys[..k].iter().any(|s| s.trim() == addr.trim()) {
+                return bad(
+                    "cluster.standbys",
+                    &format!("{addr} is listed twice: each shard needs its own standby"),
+                );
+            }
+        }
+        if !(200..=self.cluster.worker_timeout_ms.max(200)).contains(&self.cluster.failover_ms) {
+            return bad(
+                "cluster.failover_ms",
+                "must be between 200 and cluster.worker_timeout_ms",
+            );
+        }
         let g = self.cluster.grace_factor;
         if !(g.is_finite() && g > 0.0 && g <= 100.0) {
             return bad("cluster.grace_factor", "must be in (0, 100]");

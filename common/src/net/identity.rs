@@ -1,11 +1,12 @@
 //! Peer identity from a verified certificate: the client's rank binding (`tether-worker-R`, or the shared
-//! development `tether-client`) and the server's shard index (`tether-server-K`), plus the serial the deny list
+//! development `tether-client`), a standby dialling its primary (`tether-standby-K`), and the server's shard index
+//! (`tether-server-K`, or its standby's `tether-standby-K` after a takeover), plus the serial the deny list
 //! (`cluster.revoked`) matches.
 
 use rustls::pki_types::CertificateDer;
 
 use super::NetError;
-use crate::pki::{CLIENT_CN, SERVER_CN_PREFIX, WORKER_CN_PREFIX};
+use crate::pki::{CLIENT_CN, SERVER_CN_PREFIX, STANDBY_CN_PREFIX, WORKER_CN_PREFIX};
 
 /// Who the verified peer certificate says the peer is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -14,6 +15,8 @@ pub enum PeerIdentity {
     Worker(u32),
     /// The shared development client certificate (`tether-client`): may claim any rank.
     Client,
+    /// Shard K's standby (`tether-standby-K`): may follow shard K, and claims no rank.
+    Standby(u32),
 }
 
 /// A canonical decimal index after `prefix` ("+1", "01" and the like are refused).
@@ -54,6 +57,7 @@ impl PeerIdentity {
         match self {
             PeerIdentity::Worker(r) => r == rank,
             PeerIdentity::Client => true,
+            PeerIdentity::Standby(_) => false,
         }
     }
 
@@ -62,7 +66,9 @@ impl PeerIdentity {
         if cn == CLIENT_CN {
             return Some(PeerIdentity::Client);
         }
-        index_after(cn, WORKER_CN_PREFIX).map(PeerIdentity::Worker)
+        index_after(cn, WORKER_CN_PREFIX)
+            .map(PeerIdentity::Worker)
+            .or_else(|| index_after(cn, STANDBY_CN_PREFIX).map(PeerIdentity::Standby))
     }
 
     /// The identity in a DER certificate's subject common name.
@@ -81,14 +87,18 @@ impl std::fmt::Display for PeerIdentity {
         match self {
             PeerIdentity::Worker(r) => write!(f, "{WORKER_CN_PREFIX}{r}"),
             PeerIdentity::Client => f.write_str(CLIENT_CN),
+            PeerIdentity::Standby(k) => write!(f, "{STANDBY_CN_PREFIX}{k}"),
         }
     }
 }
 
-/// The shard index a server certificate names (`tether-server-K`).
+/// The shard index a server certificate names (`tether-server-K`, or shard K's standby `tether-standby-K`, which
+/// serves as shard K after a takeover).
 pub fn server_shard(der: &CertificateDer<'_>) -> Result<u32, NetError> {
     let cn = common_name(der)?;
-    index_after(&cn, SERVER_CN_PREFIX).ok_or_else(|| {
+    index_after(&cn, SERVER_CN_PREFIX)
+        .or_else(|| index_after(&cn, STANDBY_CN_PREFIX))
+        .ok_or_else(|| {
         NetError::Identity(format!("common name {cn:?} is not a Tether shard identity"))
     })
 }

@@ -101,6 +101,9 @@ impl NetError {
     /// connection with an application code other than `Overloaded`, or a QUIC version mismatch. Everything else
     /// (unreachable, timed out, reset, not resolved yet, a shard whose connection budget is full) is transient.
     pub fn is_permanent(&self) -> bool {
+        if self.is_not_primary() {
+            return false;
+        }
         matches!(
             self,
             NetError::Refused(_)
@@ -110,6 +113,16 @@ impl NetError {
         ) || self
             .remote_close_code()
             .is_some_and(|code| code != u64::from(ErrorCode::Overloaded.code()))
+    }
+
+    /// Whether the peer is a standby still following its primary ([`ErrorCode::NotPrimary`]): the shard's other
+    /// address serves.
+    pub fn is_not_primary(&self) -> bool {
+        let not_primary = u64::from(ErrorCode::NotPrimary.code());
+        match self {
+            NetError::Protocol(p) => p.code() == ErrorCode::NotPrimary,
+            _ => self.remote_close_code() == Some(not_primary),
+        }
     }
 
     /// The error code to close the connection with, when this error is the peer's fault.

@@ -119,6 +119,34 @@ impl TlsFiles {
         Ok(tls)
     }
 
+    /// Shard `shard`'s standby identity from `dir` (`cluster.tls_dir`): the bundle `dir/standby-K/`, or `dir` itself
+    /// when only that bundle is mounted there. Refuses any certificate but shard `shard`'s standby's.
+    pub fn for_standby(dir: &Path, shard: u32) -> Result<TlsFiles, NetError> {
+        let bundle = dir.join(format!("standby-{shard}"));
+        let tls = if bundle.is_dir() {
+            Self::load(&bundle, "server")?
+        } else if dir.join("server.pem").exists() {
+            Self::load(dir, "server")?
+        } else {
+            return Err(bad(
+                &bundle,
+                format!(
+                    "no bundle for shard {shard}'s standby (`keygen --standbys` writes standby-{shard}/; \
+                     `keygen issue --standby {shard}` adds one)"
+                ),
+            ));
+        };
+        let leaf = tls.cert.first().ok_or_else(|| bad(dir, "empty chain"))?;
+        match super::PeerIdentity::from_certificate(leaf) {
+            Ok(super::PeerIdentity::Standby(k)) if k == shard => Ok(tls),
+            Ok(other) => Err(NetError::Identity(format!(
+                "the certificate in {} is {other}'s, not shard {shard}'s standby's",
+                dir.display()
+            ))),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Worker `rank`'s identity from `dir` (`cluster.tls_dir`): the bundle `dir/worker-R/` or, mounted alone,
     /// `dir` itself; else the shared development bundle `dir/client/`. Refuses a certificate that may not claim
     /// `rank`.

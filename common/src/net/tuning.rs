@@ -61,6 +61,27 @@ impl Default for TransportTuning {
 }
 
 impl TransportTuning {
+    /// The tuning of a worker's links under `cfg`: [`Self::for_failover`] when shards have standbys, the defaults
+    /// otherwise.
+    pub fn for_cluster(cfg: &crate::config::Config) -> Self {
+        if cfg.cluster.replicated() {
+            Self::for_failover(cfg.cluster.failover_ms)
+        } else {
+            Self::default()
+        }
+    }
+
+    /// The defaults, with a link that stays silent for `failover_ms` counted as dead (keep-alives four times as
+    /// often): for links to replicated shards, whose workers fail over, and for a standby's link to its primary.
+    pub fn for_failover(failover_ms: u64) -> Self {
+        let idle = std::time::Duration::from_millis(failover_ms.max(1));
+        TransportTuning {
+            idle_timeout: idle,
+            keep_alive_interval: Some(idle / 4),
+            ..TransportTuning::default()
+        }
+    }
+
     /// Widens the windows so that one bulk frame fits a stream window and several fit the connection window.
     pub fn sized_for(mut self, limits: &FrameLimits) -> Self {
         let frame = (limits.push.max(limits.params) + HEADER_LEN) as u64;

@@ -85,6 +85,27 @@ pub enum Control {
         /// The worker's clock when it said goodbye.
         clock: u64,
     },
+    /// A standby asks shard `shard`'s primary for its replication log (the first message on its control stream).
+    ReplicaHello {
+        /// The shard it follows.
+        shard: u32,
+        /// Its parameter layout's fingerprint.
+        layout_hash: u64,
+        /// Fingerprint of its configuration, which must be the primary's.
+        config_digest: u64,
+        /// Fingerprint of its starting state (weights, optimizer state, clocks), which must be the primary's.
+        state_digest: u64,
+    },
+    /// The primary accepts a standby: the log follows on one unidirectional stream.
+    ReplicaWelcome {
+        /// The lineage of the primary's public copy (delta pulls), which the standby takes over.
+        lineage: u64,
+    },
+    /// The standby applied the primary's log up to entry `seq` (the primary releases what waited on it).
+    ReplicaAck {
+        /// The newest entry applied.
+        seq: u64,
+    },
 }
 
 impl Control {
@@ -107,6 +128,9 @@ impl Control {
             Control::PushOutcome { .. } => "PushOutcome",
             Control::Error { .. } => "Error",
             Control::Goodbye { .. } => "Goodbye",
+            Control::ReplicaHello { .. } => "ReplicaHello",
+            Control::ReplicaWelcome { .. } => "ReplicaWelcome",
+            Control::ReplicaAck { .. } => "ReplicaAck",
         }
     }
 }

@@ -73,11 +73,13 @@ pub enum ErrorCode {
     ConfigMismatch = 19,
     /// A newer session (hello) of the same worker replaced this connection: nothing sent on it is taken any more.
     Superseded = 20,
+    /// This address is a standby that follows its primary: the worker tries the shard's other address.
+    NotPrimary = 21,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 20] = [
+    pub const ALL: [ErrorCode; 21] = [
         ErrorCode::BadFrame,
         ErrorCode::Oversized,
         ErrorCode::Truncated,
@@ -98,6 +100,7 @@ impl ErrorCode {
         ErrorCode::RolledBack,
         ErrorCode::ConfigMismatch,
         ErrorCode::Superseded,
+        ErrorCode::NotPrimary,
     ];
 
     /// The stable numeric value.

@@ -29,6 +29,8 @@ pub enum FrameKind {
     Params = 3,
     /// A delta reply: an rkyv [`super::DeltaHeader`] and the codec frames it lists ([`super::delta`]).
     Delta = 4,
+    /// One entry of a shard's replication log, primary to standby (bincode; see the server's `replica` module).
+    Replica = 5,
 }
 
 impl FrameKind {
@@ -39,6 +41,7 @@ impl FrameKind {
             2 => Some(FrameKind::Push),
             3 => Some(FrameKind::Params),
             4 => Some(FrameKind::Delta),
+            5 => Some(FrameKind::Replica),
             _ => None,
         }
     }
@@ -93,6 +96,8 @@ impl FrameLimits {
             FrameKind::Delta => self
                 .params
                 .saturating_add(super::delta::MAX_DELTA_HEADER_BYTES),
+            // A log entry carries at most one push frame besides its few control fields.
+            FrameKind::Replica => self.push.saturating_add(self.control),
         }
     }
 }
