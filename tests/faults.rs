@@ -623,3 +623,68 @@ fn a_worker_beyond_the_configured_count_joins_mid_run_and_finishes_alone_after_t
         .iter()
         .all(|s| s.log_text().matches("worker session started").count() >= 3));
 }
+
+#[test]
+fn a_shard_killed_for_good_fails_over_to_its_standby_without_losing_an_applied_update() {
+    let _serial = serial();
+    let c = Cluster::new(Spec {
+        standbys: true,
+        ..spec()
+    });
+    let n = c.spec.workers.to_string();
+    // Primaries and standbys alike exit once both workers finished, each writing its report.
+    let mut servers = c.servers(&[]);
+    let mut standbys: Vec<Proc> = (0..c.spec.shards)
+        .map(|k| {
+            c.standby(
+                k,
+                &[
+                    "--exit-after-workers",
+                    &n,
+                    "--report",
+                    &format!("standby-{k}.json"),
+                ],
+            )
+        })
+        .collect();
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1.json"));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        w0.alive() && w1.alive(),
+        "the workers ended before the kill"
+    );
+    // Shard 0's primary dies for good; nobody starts it again.
+    servers[0].kill9();
+    w0.wait_success(Duration::from_secs(120));
+    w1.wait_success(Duration::from_secs(120));
+    standbys[0].wait_success(Duration::from_secs(30));
+    servers[1].wait_success(Duration::from_secs(30));
+    standbys[1].wait_success(Duration::from_secs(30));
+    let (r0, r1) = (c.report("w0.json"), c.report("w1.json"));
+    let steps = num(&r0, "steps") + num(&r1, "steps");
+    let took_over = c.report("standby-0.json");
+    let survivor = c.report("server-1.json");
+    let (applied0, applied1) = (
+        num(&took_over, "updates_applied"),
+        num(&survivor, "updates_applied"),
+    );
+    let acc = num(&r0, "final_test_accuracy");
+    println!(
+        "shard 0 killed for good: standby took over; applied {applied0} (shard 1: {applied1}) for {steps} steps, \
+         accuracy {acc:.4}, longest stall {:.2} s",
+        max_step_gap(&r0)
+    );
+    assert!(
+        standbys[0].log_text().contains("standby took over"),
+        "the standby never took over:\n{}",
+        standbys[0].log_tail(3000)
+    );
+    // Every step pushed once to each shard; every push applied exactly once, before or after the takeover.
+    assert_eq!(applied1, steps, "shard 1 lost or doubled an update");
+    assert_eq!(
+        applied0, steps,
+        "the standby lost or doubled an update the primary applied"
+    );
+    assert!(acc > 0.85, "accuracy {acc}");
+}

@@ -238,6 +238,8 @@ pub struct Spec {
     pub clip_norm: Option<f32>,
     /// Extra `[cluster]` lines (e.g. `quorum = 2`).
     pub cluster_extra: String,
+    /// Replicated shards: a standby bundle and address per shard (`cluster.standbys`).
+    pub standbys: bool,
 }
 
 impl Default for Spec {
@@ -256,6 +258,7 @@ impl Default for Spec {
             per_worker_certs: true,
             clip_norm: None,
             cluster_extra: String::new(),
+            standbys: false,
         }
     }
 }
@@ -268,6 +271,8 @@ pub struct Cluster {
     pub spec: Spec,
     /// Shard addresses, index = shard.
     pub servers: Vec<SocketAddr>,
+    /// Standby addresses, index = shard (empty without standbys).
+    pub standbys: Vec<SocketAddr>,
 }
 
 impl Cluster {
@@ -282,6 +287,9 @@ impl Cluster {
             .args(["keygen", "--out"])
             .arg(dir.path().join("certs"))
             .args(["--servers", &spec.shards.to_string()]);
+        if spec.standbys {
+            keygen.arg("--standbys");
+        }
         if spec.per_worker_certs {
             keygen.args(["--workers", &spec.workers.to_string()]);
         } else {
@@ -293,7 +301,19 @@ impl Cluster {
             "keygen failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let c = Cluster { dir, spec, servers };
+        let standbys = if spec.standbys {
+            (0..spec.shards)
+                .map(|_| SocketAddr::from(([127, 0, 0, 1], free_udp_port())))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let c = Cluster {
+            dir,
+            spec,
+            servers,
+            standbys,
+        };
         c.write_config("cluster.toml", &c.servers.clone());
         c
     }
@@ -308,6 +328,12 @@ impl Cluster {
             s.staleness.clone()
         };
         let hidden: Vec<String> = s.hidden.iter().map(|h| h.to_string()).collect();
+        let standbys: Vec<String> = self.standbys.iter().map(|a| format!("\"{a}\"")).collect();
+        let cluster_extra = if standbys.is_empty() {
+            s.cluster_extra.clone()
+        } else {
+            format!("{}standbys = [{}]\n", s.cluster_extra, standbys.join(", "))
+        };
         let text = format!(
             "[cluster]\nservers = [{}]\nworkers = {}\nstaleness = {staleness}\nworker_timeout_ms = {}\n{}\
              [model]\nkind = \"{}\"\nhidden = [{}]\nseed = 42\n\
@@ -319,7 +345,7 @@ impl Cluster {
             servers.join(", "),
             s.workers,
             s.worker_timeout_ms,
-            s.cluster_extra,
+            cluster_extra,
             s.model,
             hidden.join(", "),
             s.epochs,
@@ -389,6 +415,30 @@ impl Cluster {
             assert!(
                 Instant::now() < deadline,
                 "server {k} did not start:\n{}",
+                p.log_tail(3000)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        p
+    }
+
+    /// Starts shard `k`'s standby (`--standby`) with extra flags and waits (bounded) until it says it is listening.
+    pub fn standby(&self, k: usize, extra: &[&str]) -> Proc {
+        let mut args = vec![
+            "--config".into(),
+            self.path("cluster.toml").display().to_string(),
+            "--shard".into(),
+            k.to_string(),
+            "--standby".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut p = self.spawn(format!("standby-{k}"), &bins().server, &args);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !p.log_text().contains("listening on") {
+            assert!(p.alive(), "standby {k} died at start:\n{}", p.log_tail(3000));
+            assert!(
+                Instant::now() < deadline,
+                "standby {k} did not start:\n{}",
                 p.log_tail(3000)
             );
             std::thread::sleep(Duration::from_millis(20));
