@@ -1,0 +1,352 @@
+//! The replication log against what it must guarantee: a standby that applies a primary's log (encoded, sent,
+//! decoded) holds the primary's state bit for bit (weights, optimizer state, clocks, counters, the public copy the
+//! delta pulls are cut from), over random mixes of hellos, pushes, skips, pulls, heartbeats, ticks, goodbyes and
+//! closed connections; and a log entry that is out of order, runs time backwards or carries a bad push is refused
+//! with a typed error before anything changes.
+
+use tether_common::codec::{CodecConfig, Encoder, Scheme};
+use tether_common::config::Staleness;
+use tether_common::protocol::{encode_push, Precision, PullMode, PushFrame};
+use tether_common::testing::{flat_layout, sgd, TestRng};
+use tether_server::protocol::ShardProtocol;
+use tether_server::quorum::QuorumSettings;
+use tether_server::replica::{self, Entry, Follower, Input, ReplicaError};
+use tether_server::shard::{ShardCore, ShardSpec};
+
+const N: usize = 64;
+const WORKERS: u32 = 3;
+
+fn lossless() -> CodecConfig {
+    CodecConfig {
+        scheme: Scheme::None,
+        zstd: false,
+        ..CodecConfig::default()
+    }
+}
+
+/// A shard as both sides build it from the same configuration; `quorum` 0 is plain SSP.
+fn shard(quorum: u32) -> ShardProtocol {
+    let spec = ShardSpec {
+        shard: 0,
+        shards: 1,
+        seed: 1,
+        optimizer: sgd(0.5),
+        staleness: Staleness::Bounded(1),
+        worker_timeout_ms: 1_000,
+        spike_factor: 0.0,
+    };
+    let mut core = ShardCore::new(&flat_layout(N), &spec);
+    core.set_public(lossless(), 0xfeed);
+    core.set_quorum(QuorumSettings {
+        quorum,
+        grace_factor: 0.5,
+        grace_max_ms: 1_000,
+    });
+    ShardProtocol::new(core)
+}
+
+fn push_body(rng: &mut TestRng, worker: u32, clock: u64, skip: bool) -> Vec<u8> {
+    let mut payload = Vec::new();
+    if !skip {
+        let g: Vec<f32> = (0..N).map(|_| rng.next_f32() - 0.5).collect();
+        Encoder::new(lossless())
+            .unwrap()
+            .encode(&g, 0, &mut payload)
+            .unwrap();
+    }
+    encode_push(&PushFrame {
+        worker,
+        clock,
+        shard: 0,
+        range_start: 0,
+        range_end: N as u64,
+        read_version: 0,
+        loss: 1.0,
+        skip,
+        payload,
+    })
+    .unwrap()
+    .to_vec()
+}
+
+/// Applies `input` to the primary as the actor does, by direct protocol calls (not through [`replica::apply`]),
+/// each followed by a full drain; returns the entry it logs.
+fn primary_takes(p: &mut ShardProtocol, seq: u64, input: Input) -> Entry {
+    match &input {
+        Input::Hello {
+            conn,
+            worker,
+            clock,
+            now_ms,
+        } => {
+            let _ = p.hello(*conn, *worker, *clock, *now_ms);
+        }
+        Input::Heartbeat {
+            conn,
+            worker,
+            now_ms,
+        } => p.heartbeat(*conn, *worker, *now_ms),
+        Input::Goodbye {
+            conn,
+            worker,
+            clock,
+            now_ms,
+        } => p.goodbye(*conn, *worker, *clock, *now_ms),
+        Input::Closed { conn } => p.closed(*conn),
+        Input::Push { conn, now_ms, body } => {
+            let mut aligned = rkyv::util::AlignedVec::<16>::new();
+            aligned.extend_from_slice(body);
+            let frame = tether_common::protocol::access_push(&aligned).unwrap();
+            let _ = p.push_frame(*conn, frame, *now_ms);
+        }
+        Input::Pull {
+            conn,
+            worker,
+            request,
+            clock,
+            mode,
+            now_ms,
+        } => {
+            let _ = p.pull(*conn, *worker, *request, *clock, *mode, *now_ms);
+        }
+        Input::Cancel { token } => p.cancel(*token),
+        Input::Tick { now_ms } => {
+            let _ = p.tick(*now_ms);
+        }
+    }
+    while p.poll_action().is_some() {}
+    Entry { seq, input }
+}
+
+/// A random schedule of inputs, as a primary's shell would produce them over `steps` steps.
+fn schedule(seed: u64, steps: usize) -> Vec<Input> {
+    let mut rng = TestRng::new(seed);
+    let mut now = 0u64;
+    let mut conn = [0u64; WORKERS as usize];
+    let mut clock = [0u64; WORKERS as usize];
+    let mut next_conn = 1u64;
+    let mut out = Vec::new();
+    for w in 0..WORKERS {
+        conn[w as usize] = next_conn;
+        next_conn += 1;
+        out.push(Input::Hello {
+            conn: conn[w as usize],
+            worker: w,
+            clock: 0,
+            now_ms: now,
+        });
+    }
+    for _ in 0..steps {
+        now += rng.below(40);
+        // Honest workers: the laggard pushes more often, so clocks stay within the bound most of the time.
+        let low = (0..WORKERS as usize).min_by_key(|&j| clock[j]).unwrap_or(0);
+        let w = if rng.chance(400) {
+            low as u32
+        } else {
+            rng.below(u64::from(WORKERS)) as u32
+        };
+        let i = w as usize;
+        let c = conn[i];
+        let input = match rng.below(100) {
+            0..=44 if clock[i] > clock[low] + 1 => Input::Heartbeat {
+                conn: c,
+                worker: w,
+                now_ms: now,
+            },
+            0..=44 => {
+                let skip = rng.chance(100);
+                let input = Input::Push {
+                    conn: c,
+                    now_ms: now,
+                    body: push_body(&mut rng, w, clock[i], skip),
+                };
+                clock[i] += 1;
+                input
+            }
+            45..=69 => Input::Pull {
+                conn: c,
+                worker: w,
+                request: rng.next_u64(),
+                clock: clock[i],
+                mode: if rng.chance(500) {
+                    PullMode::Delta { have: None }
+                } else {
+                    PullMode::Full(Precision::F32)
+                },
+                now_ms: now,
+            },
+            70..=79 => Input::Heartbeat {
+                conn: c,
+                worker: w,
+                now_ms: now,
+            },
+            80..=91 => Input::Tick { now_ms: now },
+            92..=95 => Input::Cancel {
+                token: rng.below(50),
+            },
+            96..=97 => {
+                // A reconnect: the old connection closes, a hello rejoins at the worker's clock.
+                let old = c;
+                conn[i] = next_conn;
+                next_conn += 1;
+                out.push(Input::Closed { conn: old });
+                Input::Hello {
+                    conn: conn[i],
+                    worker: w,
+                    clock: clock[i],
+                    now_ms: now,
+                }
+            }
+            _ if clock[i] < 40 => Input::Tick { now_ms: now },
+            _ => Input::Goodbye {
+                conn: c,
+                worker: w,
+                clock: clock[i],
+                now_ms: now,
+            },
+        };
+        out.push(input);
+    }
+    out
+}
+
+fn state(p: &ShardProtocol) -> (u64, u64, Vec<u32>, u64, Option<(u64, Vec<u32>)>) {
+    let public = p.public().map(|(cut, v)| {
+        (
+            cut.seq ^ cut.lineage.rotate_left(17),
+            v.iter().map(|x| x.to_bits()).collect(),
+        )
+    });
+    (
+        p.version(),
+        replica::state_digest(&p.snapshot()),
+        p.weights().iter().map(|x| x.to_bits()).collect(),
+        p.stats().updates_applied,
+        public,
+    )
+}
+
+#[test]
+fn a_standby_that_applies_the_log_holds_the_primarys_state_bit_for_bit() {
+    for seed in 0..40u64 {
+        let quorum = (seed % 3) as u32;
+        let mut primary = shard(quorum);
+        let mut standby = shard(quorum);
+        let mut follower = Follower::new();
+        let mut wire = Vec::new();
+        let inputs = schedule(seed, 400);
+        for (i, input) in inputs.into_iter().enumerate() {
+            let entry = primary_takes(&mut primary, i as u64 + 1, input);
+            // Through the wire format, as the replication link carries it.
+            replica::encode(&entry, &mut wire).unwrap();
+            let got = replica::decode(&wire).unwrap();
+            assert_eq!(got, entry);
+            follower.accept(&mut standby, &got).unwrap();
+            if i % 50 == 0 {
+                assert_eq!(state(&standby), state(&primary), "seed {seed}, entry {i}");
+            }
+        }
+        assert!(
+            primary.stats().updates_applied > 50,
+            "seed {seed}: the schedule applied too little to mean anything"
+        );
+        assert_eq!(state(&standby), state(&primary), "seed {seed}: final state");
+        assert_eq!(
+            standby.core().clocks().clocks().collect::<Vec<_>>(),
+            primary.core().clocks().clocks().collect::<Vec<_>>(),
+            "seed {seed}: clock tables"
+        );
+    }
+}
+
+#[test]
+fn out_of_order_backwards_or_bad_entries_are_refused_and_change_nothing() {
+    let mut rng = TestRng::new(7);
+    let mut standby = shard(0);
+    let mut follower = Follower::new();
+    let hello = Entry {
+        seq: 1,
+        input: Input::Hello {
+            conn: 1,
+            worker: 0,
+            clock: 0,
+            now_ms: 100,
+        },
+    };
+    follower.accept(&mut standby, &hello).unwrap();
+    let before = state(&standby);
+    let push = |seq: u64, now_ms: u64, body: Vec<u8>| Entry {
+        seq,
+        input: Input::Push {
+            conn: 1,
+            now_ms,
+            body,
+        },
+    };
+    let good = push_body(&mut rng, 0, 0, false);
+    // A gap, a repeat, time running backwards, a push frame that does not validate.
+    let cases = [
+        (
+            push(3, 200, good.clone()),
+            ReplicaError::OutOfOrder {
+                expected: 2,
+                got: 3,
+            },
+        ),
+        (
+            push(1, 200, good.clone()),
+            ReplicaError::OutOfOrder {
+                expected: 2,
+                got: 1,
+            },
+        ),
+        (
+            push(2, 50, good.clone()),
+            ReplicaError::TimeBackwards { last: 100, got: 50 },
+        ),
+    ];
+    for (entry, want) in cases {
+        assert_eq!(follower.accept(&mut standby, &entry), Err(want));
+        assert_eq!(state(&standby), before);
+        assert_eq!(follower.applied(), 1);
+    }
+    let mut bad = good.clone();
+    let len = bad.len();
+    bad.truncate(len / 2);
+    assert!(matches!(
+        follower.accept(&mut standby, &push(2, 200, bad)),
+        Err(ReplicaError::BadPush(_))
+    ));
+    assert_eq!(state(&standby), before);
+    // The next entry in order is still taken.
+    follower
+        .accept(&mut standby, &push(2, 200, good))
+        .unwrap();
+    assert_eq!(standby.stats().updates_applied, 1);
+}
+
+#[test]
+fn undecodable_entries_are_typed_errors() {
+    let entry = Entry {
+        seq: 9,
+        input: Input::Tick { now_ms: 5 },
+    };
+    let mut wire = Vec::new();
+    replica::encode(&entry, &mut wire).unwrap();
+    let mut trailing = wire.clone();
+    trailing.push(0);
+    for bytes in [
+        &wire[..wire.len() - 1],
+        &trailing[..],
+        &[][..],
+        &[0xff; 16][..],
+        // A push claiming a body of 2^40 bytes: refused by the size limit, nothing allocated for it.
+        &[1, 4, 1, 0, 253, 0, 0, 0, 0, 0, 1, 0, 0][..],
+    ] {
+        assert!(
+            matches!(replica::decode(bytes), Err(ReplicaError::Decode(_))),
+            "{bytes:?}"
+        );
+    }
+    assert_eq!(replica::decode(&wire).unwrap(), entry);
+}
