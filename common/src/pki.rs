@@ -586,6 +586,18 @@ impl Issued {
     /// an existing bundle's files: callers check first ([`issue`], [`generate`]).
     pub fn write_bundle(&self, out: &Path, ca_pem: &str) -> Result<PathBuf, PkiError> {
         let dir = out.join(self.node.bundle_name());
+        // A standby holds its shard's checkpoint key: refused before anything is written when there is none.
+        if let Node::Standby { shard, .. } = &self.node {
+            let primary = out.join(format!("server-{shard}")).join(CHECKPOINT_KEY_FILE);
+            if !primary.exists() && !dir.join(CHECKPOINT_KEY_FILE).exists() {
+                return Err(PkiError::CheckpointKey {
+                    path: primary,
+                    reason: "does not exist: a standby holds its shard's checkpoint key; issue the standby into \
+                             the folder that holds server-K/"
+                        .into(),
+                });
+            }
+        }
         create_dir(&dir, true)?;
         let stem = self.node.stem();
         write_file(&dir.join("ca.pem"), ca_pem, false)?;
@@ -599,14 +611,6 @@ impl Issued {
             // A standby writes and reads shard K's checkpoints: it holds the shard's own key.
             Node::Standby { shard, .. } if !ckpt_key.exists() => {
                 let primary = out.join(format!("server-{shard}")).join(CHECKPOINT_KEY_FILE);
-                if !primary.exists() {
-                    return Err(PkiError::CheckpointKey {
-                        path: primary,
-                        reason: "does not exist: a standby holds its shard's checkpoint key; issue the \
-                                 standby into the folder that holds server-K/"
-                            .into(),
-                    });
-                }
                 CheckpointKey::load(&primary)?.save(&ckpt_key, false)?;
             }
             _ => {}

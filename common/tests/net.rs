@@ -705,3 +705,76 @@ async fn a_node_issued_later_from_the_kept_authority_is_accepted() {
         "{log}"
     );
 }
+
+/// Serves `tls` on a loopback port, completing every handshake and holding the connections for `WAIT`.
+fn hold_server(tls: &TlsFiles) -> (SocketAddr, quinn::Endpoint) {
+    let endpoint = server_endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        tls,
+        &TransportTuning::default(),
+    )
+    .unwrap();
+    let accept = endpoint.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = accept.accept().await {
+            tokio::spawn(async move {
+                if let Ok(conn) = incoming.await {
+                    let _ = tokio::time::timeout(WAIT, conn.closed()).await;
+                }
+            });
+        }
+    });
+    (endpoint.local_addr().unwrap(), endpoint)
+}
+
+#[tokio::test]
+async fn a_standby_serves_as_its_own_shard_only_and_holds_its_shards_checkpoint_key() {
+    let dir = certs();
+    let key = |b: &str| std::fs::read(dir.path().join(b).join(pki::CHECKPOINT_KEY_FILE)).unwrap();
+    assert_eq!(key("standby-1"), key("server-1"), "a standby writes its shard's checkpoints");
+    assert_ne!(key("standby-1"), key("server-0"));
+    assert_eq!(
+        PeerIdentity::from_common_name("tether-standby-3"),
+        Some(PeerIdentity::Standby(3))
+    );
+    assert_eq!(PeerIdentity::from_common_name("tether-standby-03"), None);
+    assert!(!PeerIdentity::Standby(0).allows_rank(0), "a standby claims no rank");
+    // Only shard 1's standby bundle loads as shard 1's standby.
+    let standby = TlsFiles::for_standby(dir.path(), 1).unwrap();
+    assert!(TlsFiles::for_standby(&dir.path().join("server-1"), 1).is_err());
+    assert!(TlsFiles::for_standby(&dir.path().join("standby-0"), 1).is_err());
+    // Workers that dial shard 1 accept its standby after a takeover; as shard 0 it is refused.
+    let (addr, _server) = hold_server(&standby);
+    let worker = bundle(dir.path(), "worker-0");
+    let endpoint = client_endpoint(&worker, &TransportTuning::default()).unwrap();
+    let ok = tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 1))
+        .await
+        .unwrap();
+    assert!(ok.is_ok(), "{:?}", ok.err());
+    let wrong = tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 0))
+        .await
+        .unwrap();
+    assert!(matches!(wrong, Err(NetError::Identity(_))), "{:?}", wrong.err());
+    // The standby dials its primary as a client with its own certificate.
+    let (primary, _p) = hold_server(&bundle(dir.path(), "server-1"));
+    let as_client = client_endpoint(&standby, &TransportTuning::default()).unwrap();
+    let conn = tokio::time::timeout(WAIT, connect_shard(&as_client, primary, "127.0.0.1", 1))
+        .await
+        .unwrap()
+        .unwrap();
+    drop(conn);
+    // A standby issued where its shard's bundle (and key) is not is refused.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let e = pki::issue(
+        &dir.path().join("ca"),
+        elsewhere.path(),
+        &pki::Node::Standby {
+            shard: 1,
+            hosts: vec![],
+        },
+        &pki::Validity::days(1),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("checkpoint key"), "{e}");
+    assert!(!elsewhere.path().join("standby-1").exists(), "nothing written");
+}

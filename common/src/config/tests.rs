@@ -525,3 +525,32 @@ fn max_workers_below_the_workers_or_beyond_4096_is_refused_naming_the_key() {
     assert_eq!(parse("max_workers = 4").unwrap().cluster.rank_limit(), 4);
     assert_eq!(parse("max_workers = 6").unwrap().cluster.rank_limit(), 6);
 }
+
+#[test]
+fn standbys_that_name_a_server_or_each_other_or_miss_a_shard_are_refused_naming_the_key() {
+    let parse = |extra: &str| {
+        Config::parse(
+            &format!("[cluster]\nservers=[\"a:1\", \"b:1\"]\nworkers = 2\n{extra}\n"),
+            Path::new("/"),
+        )
+    };
+    for (extra, why) in [
+        ("standbys = [\"c:1\"]", "one per shard"),
+        ("standbys = [\"b:1\", \"c:1\"]", "address of server 1"),
+        ("standbys = [\"a:1\", \"c:1\"]", "address of server 0"),
+        ("standbys = [\"c:1\", \"c:1\"]", "listed twice"),
+        ("standbys = [\"c:1\", \"d:1\"]\nfailover_ms = 100", "failover_ms"),
+        ("standbys = [\"c:1\", \"d:1\"]\nfailover_ms = 6000", "failover_ms"),
+    ] {
+        let e = parse(extra).unwrap_err().to_string();
+        assert!(e.contains("cluster."), "{extra}: {e}");
+        assert!(e.contains(why), "{extra}: {e}");
+    }
+    let ok = parse("standbys = [\"c:1\", \"d:1\"]\nfailover_ms = 500").unwrap();
+    assert!(ok.cluster.replicated());
+    assert_eq!(ok.cluster.shard_addresses(1), vec!["b:1", "d:1"]);
+    let plain = parse("").unwrap();
+    assert!(!plain.cluster.replicated());
+    assert_eq!(plain.cluster.failover_ms, 1000);
+    assert_eq!(plain.cluster.shard_addresses(0), vec!["a:1"]);
+}
