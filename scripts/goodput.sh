@@ -16,6 +16,9 @@
 # the KJV instead (the quickstart's GPT recipe: q4 both ways, 16 local steps, AdamW; STEPS steps per worker,
 # default 300, validation every EVAL = 25 steps) with TARGET a validation loss (default auto: the undisturbed run's
 # final validation loss + 1%).
+# STANDBY=1 gives every shard a standby (cluster.standbys, `tether-server --standby`; FAILOVER sets
+# cluster.failover_ms, default 1000): the shard-lost run then fails over instead of ending, and periodic kills pick
+# only workers (a killed primary is not started again: its standby took over).
 # A shard's recovery time is measured from its kill to the first update its restarted process applies (polled on
 # its /metrics every 20 ms); the table gives the median and the largest.
 # Prints one line per run and a table: time to the target and rank 0's whole run, each with its goodput (the
@@ -34,6 +37,9 @@ EVAL=${EVAL:-25}
 GRACE=${GRACE:-0.5}
 VICTIMS=${VICTIMS:-w1 w2 w3 s0 s1}
 LOST=${LOST:-1}
+STANDBY=${STANDBY:-0}
+FAILOVER=${FAILOVER:-1000}
+[ "$STANDBY" = 1 ] && VICTIMS=${VICTIMS_SET:-w1 w2 w3}
 periods=("$@")
 [ ${#periods[@]} -gt 0 ] || periods=(30 10 5)
 for b in tether-server tether-worker; do
@@ -42,7 +48,9 @@ done
 D=$(mktemp -d)
 cleanup() { kill -9 $(jobs -p) 2>/dev/null || true; [ -n "${KEEP:-}" ] && echo "goodput: kept $D" || rm -rf "$D"; }
 trap cleanup EXIT
-"$BIN/tether-server" keygen --out "$D/certs" --servers 2 --workers 4 >/dev/null
+standbys_flag=""
+[ "$STANDBY" = 1 ] && standbys_flag="--standbys"
+"$BIN/tether-server" keygen --out "$D/certs" --servers 2 --workers 4 $standbys_flag >/dev/null
 results="$D/results.tsv"
 
 # recovery KILLED_MS PORT: prints the milliseconds from a shard's kill to the first update its restarted process
@@ -123,6 +131,12 @@ quorum = $QUORUM
 grace_factor = $GRACE
 tls_dir = "$D/certs"
 CONF
+  if [ "$STANDBY" = 1 ]; then
+    cat >> "$dir/cluster.toml" <<CONF
+standbys = ["127.0.0.1:$((p0 + 2))", "127.0.0.1:$((p0 + 3))"]
+failover_ms = $FAILOVER
+CONF
+  fi
   if [ "$MODEL" = gpt ]; then
     cat >> "$dir/cluster.toml" <<CONF
 [model]
@@ -190,12 +204,15 @@ CONF
     case $v in
       s*) (cd "$dir" && exec "$BIN/tether-server" --config cluster.toml --shard "${v#s}" --exit-after-workers 4 \
              --metrics "127.0.0.1:$((p0 + 10 + ${v#s}))" --report "server-${v#s}.json" ${2:-} >> "$v.log" 2>&1) & ;;
+      b*) (cd "$dir" && exec "$BIN/tether-server" --config cluster.toml --shard "${v#b}" --standby --exit-after-workers 4 \
+             --metrics "127.0.0.1:$((p0 + 20 + ${v#b}))" --report "standby-${v#b}.json" >> "$v.log" 2>&1) & ;;
       w*) (cd "$dir" && exec "$BIN/tether-worker" --config cluster.toml --rank "${v#w}" --report "worker-${v#w}.json" \
              >> "$v.log" 2>&1) & ;;
     esac
     pid[$v]=$!
   }
   start s0; start s1
+  if [ "$STANDBY" = 1 ]; then start b0; start b1; fi
   sleep 0.5
   for r in 0 1 2 3; do start "w$r"; done
   local t0=$SECONDS kills=0 next=$period
@@ -214,6 +231,8 @@ CONF
       kills=$((kills + 1))
       if [ "$mode" = shard ]; then
         next=$((LIMIT + 1))
+        # With a standby, recovery is the kill to the first update the standby applies as the primary.
+        [ "$STANDBY" = 1 ] && recovery "$killed_ms" "$((p0 + 21))" >> "$dir/recovery.txt" &
       else
         sleep 1
         if [ "${v:0:1}" = s ]; then
