@@ -2,7 +2,9 @@
 //! of faults, runs the real worker sessions and shard protocols through it, and the checker reads the weights
 //! themselves (the SSP read guarantee on every reply used, nothing applied twice, nothing acknowledged lost). A third
 //! of the schedules close rounds at a quorum of 1 or 2 of the 3 workers: there the read guarantee holds for the
-//! quorum, and late pushes must still land (nothing acknowledged lost, every worker settled).
+//! quorum, and late pushes must still land (nothing acknowledged lost, every worker settled). A third give every
+//! shard a standby fed the primary's encoded input log: a shard crash is then a failover, and the standby must hold
+//! the primary's state bit for bit and lose nothing a worker was told was applied.
 //!
 //! `TETHER_SIM_SCHEDULES` sets how many schedules run (default 10,000, plus the seeds in `ALWAYS_RUN`),
 //! `TETHER_SIM_SEED` replays one seed; a failing run prints its seed and the whole failure (`TETHER_SIM_LOG` lines of
@@ -19,6 +21,8 @@ struct Summary {
     evictions: u64,
     quorum: bool,
     late_merges: u64,
+    standbys: bool,
+    failovers: u64,
 }
 
 /// Why one schedule failed, with its log and its fault mix.
@@ -37,6 +41,8 @@ fn run_seed(seed: u64) -> Result<Summary, Box<Failure>> {
             evictions: (0..sim::SHARDS).map(|k| sim.evictions(k)).sum(),
             quorum: sim.faults().quorum > 0,
             late_merges: sim.late_merges(),
+            standbys: sim.faults().standbys,
+            failovers: sim.failovers(),
         }),
         Err(error) => Err(Box::new(Failure {
             error,
@@ -71,6 +77,7 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
     let started = std::time::Instant::now();
     let (mut replies, mut lead, mut evictions) = (0, 0, 0);
     let (mut quorum_schedules, mut late_merges) = (0, 0);
+    let (mut standby_schedules, mut failovers) = (0, 0);
     for &seed in &seeds {
         match run_seed(seed) {
             Ok(sum) => {
@@ -79,6 +86,8 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
                 evictions += sum.evictions;
                 quorum_schedules += u64::from(sum.quorum);
                 late_merges += sum.late_merges;
+                standby_schedules += u64::from(sum.standbys);
+                failovers += sum.failovers;
             }
             Err(f) => {
                 let Failure { error, log, faults } = *f;
@@ -96,7 +105,8 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
     }
     eprintln!(
         "{} schedules in {:.1} s: {replies} pull replies checked, largest lead {lead} (read from the weights), {evictions} evictions, \
-         {quorum_schedules} with quorum rounds ({late_merges} late pushes merged)",
+         {quorum_schedules} with quorum rounds ({late_merges} late pushes merged), {standby_schedules} with standbys \
+         ({failovers} failovers)",
         seeds.len(),
         started.elapsed().as_secs_f64()
     );
@@ -105,6 +115,11 @@ fn protocol_cores_keep_the_read_guarantee_and_lose_nothing_under_fault_schedules
         assert!(
             quorum_schedules > seeds.len() as u64 / 5 && late_merges > 0,
             "{quorum_schedules} quorum schedules, {late_merges} late pushes merged"
+        );
+        // The replicated schedules must really fail over, or they test nothing.
+        assert!(
+            standby_schedules > seeds.len() as u64 / 5 && failovers > 0,
+            "{standby_schedules} schedules with standbys, {failovers} failovers"
         );
     }
 }

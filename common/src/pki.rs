@@ -588,7 +588,9 @@ impl Issued {
         let dir = out.join(self.node.bundle_name());
         // A standby holds its shard's checkpoint key: refused before anything is written when there is none.
         if let Node::Standby { shard, .. } = &self.node {
-            let primary = out.join(format!("server-{shard}")).join(CHECKPOINT_KEY_FILE);
+            let primary = out
+                .join(format!("server-{shard}"))
+                .join(CHECKPOINT_KEY_FILE);
             if !primary.exists() && !dir.join(CHECKPOINT_KEY_FILE).exists() {
                 return Err(PkiError::CheckpointKey {
                     path: primary,
@@ -610,7 +612,9 @@ impl Issued {
             }
             // A standby writes and reads shard K's checkpoints: it holds the shard's own key.
             Node::Standby { shard, .. } if !ckpt_key.exists() => {
-                let primary = out.join(format!("server-{shard}")).join(CHECKPOINT_KEY_FILE);
+                let primary = out
+                    .join(format!("server-{shard}"))
+                    .join(CHECKPOINT_KEY_FILE);
                 CheckpointKey::load(&primary)?.save(&ckpt_key, false)?;
             }
             _ => {}

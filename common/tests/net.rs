@@ -731,14 +731,21 @@ fn hold_server(tls: &TlsFiles) -> (SocketAddr, quinn::Endpoint) {
 async fn a_standby_serves_as_its_own_shard_only_and_holds_its_shards_checkpoint_key() {
     let dir = certs();
     let key = |b: &str| std::fs::read(dir.path().join(b).join(pki::CHECKPOINT_KEY_FILE)).unwrap();
-    assert_eq!(key("standby-1"), key("server-1"), "a standby writes its shard's checkpoints");
+    assert_eq!(
+        key("standby-1"),
+        key("server-1"),
+        "a standby writes its shard's checkpoints"
+    );
     assert_ne!(key("standby-1"), key("server-0"));
     assert_eq!(
         PeerIdentity::from_common_name("tether-standby-3"),
         Some(PeerIdentity::Standby(3))
     );
     assert_eq!(PeerIdentity::from_common_name("tether-standby-03"), None);
-    assert!(!PeerIdentity::Standby(0).allows_rank(0), "a standby claims no rank");
+    assert!(
+        !PeerIdentity::Standby(0).allows_rank(0),
+        "a standby claims no rank"
+    );
     // Only shard 1's standby bundle loads as shard 1's standby.
     let standby = TlsFiles::for_standby(dir.path(), 1).unwrap();
     assert!(TlsFiles::for_standby(&dir.path().join("server-1"), 1).is_err());
@@ -754,7 +761,11 @@ async fn a_standby_serves_as_its_own_shard_only_and_holds_its_shards_checkpoint_
     let wrong = tokio::time::timeout(WAIT, connect_shard(&endpoint, addr, "127.0.0.1", 0))
         .await
         .unwrap();
-    assert!(matches!(wrong, Err(NetError::Identity(_))), "{:?}", wrong.err());
+    assert!(
+        matches!(wrong, Err(NetError::Identity(_))),
+        "{:?}",
+        wrong.err()
+    );
     // The standby dials its primary as a client with its own certificate.
     let (primary, _p) = hold_server(&bundle(dir.path(), "server-1"));
     let as_client = client_endpoint(&standby, &TransportTuning::default()).unwrap();
@@ -776,5 +787,8 @@ async fn a_standby_serves_as_its_own_shard_only_and_holds_its_shards_checkpoint_
     )
     .unwrap_err();
     assert!(e.to_string().contains("checkpoint key"), "{e}");
-    assert!(!elsewhere.path().join("standby-1").exists(), "nothing written");
+    assert!(
+        !elsewhere.path().join("standby-1").exists(),
+        "nothing written"
+    );
 }

@@ -325,7 +325,10 @@ impl ShardActor {
             return;
         }
         if r.log.send(self.encoded.clone()).is_err() {
-            warn!(shard = self.proto.shard(), "replication link gone; serving without a standby");
+            warn!(
+                shard = self.proto.shard(),
+                "replication link gone; serving without a standby"
+            );
             self.replica = None;
         }
     }
@@ -546,7 +549,10 @@ impl Handler<Hello> for ShardActor {
                 return Err(ShardError::NotPrimary);
             }
             if self.replica.is_none() {
-                warn!(shard = self.proto.shard(), "no standby followed in time; serving without one");
+                warn!(
+                    shard = self.proto.shard(),
+                    "no standby followed in time; serving without one"
+                );
             }
             self.await_standby = None;
         }
@@ -823,7 +829,10 @@ impl Handler<ReplicaLost> for ShardActor {
     type Result = ();
     fn handle(&mut self, _: ReplicaLost, _: &mut Context<Self>) {
         if self.replica.take().is_some() {
-            warn!(shard = self.proto.shard(), "standby lost; serving without one");
+            warn!(
+                shard = self.proto.shard(),
+                "standby lost; serving without one"
+            );
         }
         if let Some(m) = &self.metrics {
             m.replica_connected.set(0);

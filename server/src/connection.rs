@@ -108,12 +108,20 @@ pub async fn serve_connection(
         }
         PeerIdentity::Standby(k) => {
             warn!(shard = ctx.shard, %peer, standby_of = k, "refusing a standby of another shard, or a standby's standby");
-            close_with(&conn, ErrorCode::Unauthorized, "not this shard's primary's standby");
+            close_with(
+                &conn,
+                ErrorCode::Unauthorized,
+                "not this shard's primary's standby",
+            );
             return;
         }
         _ if ctx.following.load(Ordering::Acquire) => {
             debug!(shard = ctx.shard, %peer, "turning a worker away: this standby follows its primary");
-            close_with(&conn, ErrorCode::NotPrimary, "standby following its primary");
+            close_with(
+                &conn,
+                ErrorCode::NotPrimary,
+                "standby following its primary",
+            );
             return;
         }
         _ => {}
@@ -231,7 +239,11 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
             return;
         }
         Err(_) => {
-            close_with(&conn, ErrorCode::BadFrame, "no hello within the handshake timeout");
+            close_with(
+                &conn,
+                ErrorCode::BadFrame,
+                "no hello within the handshake timeout",
+            );
             return;
         }
     };
@@ -324,7 +336,9 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
     ctx.shard_actor.do_send(ReplicaLost);
     match ended {
         Err(NetError::Protocol(p)) => reject(&conn, None, &p).await,
-        Err(e) => warn!(shard = ctx.shard, %peer, error = %e, "replication link to the standby ended"),
+        Err(e) => {
+            warn!(shard = ctx.shard, %peer, error = %e, "replication link to the standby ended")
+        }
         Ok(()) => {}
     }
 }

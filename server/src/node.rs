@@ -378,12 +378,13 @@ enum Session {
 impl FollowLink {
     async fn run(&self) -> Result<(), FollowError> {
         use tether_common::net::client_endpoint;
-        let endpoint = client_endpoint(&self.tls, &self.tuning).map_err(|e| FollowError::Unreachable {
-            shard: self.shard,
-            primary: self.primary.clone(),
-            waited: Duration::ZERO,
-            last: e.to_string(),
-        })?;
+        let endpoint =
+            client_endpoint(&self.tls, &self.tuning).map_err(|e| FollowError::Unreachable {
+                shard: self.shard,
+                primary: self.primary.clone(),
+                waited: Duration::ZERO,
+                last: e.to_string(),
+            })?;
         let started = std::time::Instant::now();
         loop {
             match self.session(&endpoint).await? {
@@ -407,7 +408,10 @@ impl FollowLink {
                         .send(TakeOver)
                         .await
                         .map_err(|_| FollowError::ActorGone { shard: self.shard })?;
-                    info!(shard = self.shard, version, entries, "serving as the shard's primary");
+                    info!(
+                        shard = self.shard,
+                        version, entries, "serving as the shard's primary"
+                    );
                     return Ok(());
                 }
             }
@@ -425,7 +429,10 @@ impl FollowLink {
         };
         let gone = || FollowError::ActorGone { shard };
         let Ok(addr) = resolve(&self.primary) else {
-            return Ok(Session::NotStarted(format!("cannot resolve {}", self.primary)));
+            return Ok(Session::NotStarted(format!(
+                "cannot resolve {}",
+                self.primary
+            )));
         };
         let host = self
             .primary
@@ -439,8 +446,7 @@ impl FollowLink {
             Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
-        let (layout_hash, state_digest) =
-            self.actor.send(GetDigests).await.map_err(|_| gone())?;
+        let (layout_hash, state_digest) = self.actor.send(GetDigests).await.map_err(|_| gone())?;
         let start = async {
             let mut control = ControlChannel::open(&conn).await?;
             control
@@ -464,7 +470,10 @@ impl FollowLink {
             Control::Error { code, message } => return Err(refused(format!("{code}: {message}"))),
             other => return Err(refused(format!("{} instead of a welcome", other.name()))),
         };
-        self.actor.send(Follow { lineage }).await.map_err(|_| gone())?;
+        self.actor
+            .send(Follow { lineage })
+            .await
+            .map_err(|_| gone())?;
         info!(shard, primary = %self.primary, "following the primary");
         let (mut sender, _receiver) = control.split();
         let mut stream = match conn.accept_uni().await {

@@ -203,9 +203,8 @@ pub fn encode(entry: &Entry, out: &mut Vec<u8>) -> Result<(), ReplicaError> {
 
 /// Decodes one entry from a whole frame body; trailing bytes are refused.
 pub fn decode(bytes: &[u8]) -> Result<Entry, ReplicaError> {
-    let (entry, used): (Entry, usize) =
-        bincode::serde::decode_from_slice(bytes, bincode_config())
-            .map_err(|e| ReplicaError::Decode(e.to_string()))?;
+    let (entry, used): (Entry, usize) = bincode::serde::decode_from_slice(bytes, bincode_config())
+        .map_err(|e| ReplicaError::Decode(e.to_string()))?;
     if used != bytes.len() {
         return Err(ReplicaError::Decode(format!(
             "{} trailing bytes",
@@ -302,7 +301,11 @@ impl Follower {
     }
 
     /// Applies `entry` to `proto` if it is the next one; returns its number.
-    pub fn accept(&mut self, proto: &mut ShardProtocol, entry: &Entry) -> Result<u64, ReplicaError> {
+    pub fn accept(
+        &mut self,
+        proto: &mut ShardProtocol,
+        entry: &Entry,
+    ) -> Result<u64, ReplicaError> {
         let expected = self.applied + 1;
         if entry.seq != expected {
             return Err(ReplicaError::OutOfOrder {
@@ -354,7 +357,11 @@ fn digest(parts: &[&[u8]]) -> u64 {
 /// Fingerprint of a shard's state (version, optimizer steps and slots, clocks, weights), which a standby and its
 /// primary compare before the log starts.
 pub fn state_digest(snap: &ShardSnapshot) -> u64 {
-    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect::<Vec<u8>>();
+    let f32s = |v: &[f32]| {
+        v.iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
     let pairs = |v: &[(u32, u64)]| {
         v.iter()
             .flat_map(|(w, c)| w.to_le_bytes().into_iter().chain(c.to_le_bytes()))

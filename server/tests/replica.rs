@@ -319,9 +319,7 @@ fn out_of_order_backwards_or_bad_entries_are_refused_and_change_nothing() {
     ));
     assert_eq!(state(&standby), before);
     // The next entry in order is still taken.
-    follower
-        .accept(&mut standby, &push(2, 200, good))
-        .unwrap();
+    follower.accept(&mut standby, &push(2, 200, good)).unwrap();
     assert_eq!(standby.stats().updates_applied, 1);
 }
 

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 
 use tether::common::protocol::{encode_push, PushFrame};
+use tether::server::replica::Input;
 use tether::server::shard::MAX_CLOCK;
 
 use super::net::{Conn, Lane, Msg, Payload};
@@ -150,6 +151,15 @@ impl Sim {
                 if let Some(p) = self.shards[shard].proto.as_mut() {
                     let clock = p.core().clocks().clock_of(HOSTILE as u32).unwrap_or(0);
                     p.goodbye(conn, HOSTILE as u32, clock, now);
+                    self.replicate(
+                        shard,
+                        Input::Goodbye {
+                            conn,
+                            worker: HOSTILE as u32,
+                            clock,
+                            now_ms: now,
+                        },
+                    );
                 }
                 self.drain_shard(shard)?;
             }
@@ -158,7 +168,20 @@ impl Sim {
                 self.next_conn += 1;
                 let now = self.now;
                 if let Some(p) = self.shards[shard].proto.as_mut() {
-                    if let Ok(w) = p.hello(conn, BEYOND, 0, now) {
+                    let welcomed = p.hello(conn, BEYOND, 0, now);
+                    self.replicate(
+                        shard,
+                        Input::Hello {
+                            conn,
+                            worker: BEYOND,
+                            clock: 0,
+                            now_ms: now,
+                        },
+                    );
+                    let Some(p) = self.shards[shard].proto.as_mut() else {
+                        return Ok(());
+                    };
+                    if let Ok(w) = welcomed {
                         return Err(format!(
                             "shard {shard} welcomed rank {BEYOND} beyond the configured workers at clock {}",
                             w.clock
@@ -183,7 +206,17 @@ impl Sim {
         let Some(p) = self.shards[shard].proto.as_mut() else {
             return Ok(None);
         };
-        let welcome = match p.hello(conn, HOSTILE as u32, claim, now) {
+        let hello = p.hello(conn, HOSTILE as u32, claim, now);
+        self.replicate(
+            shard,
+            Input::Hello {
+                conn,
+                worker: HOSTILE as u32,
+                clock: claim,
+                now_ms: now,
+            },
+        );
+        let welcome = match hello {
             Ok(w) => w,
             Err(e) => {
                 if claim <= MAX_CLOCK {

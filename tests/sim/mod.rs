@@ -49,6 +49,7 @@ use tether::common::protocol::{Precision, PullMode};
 use tether::common::testing::{flat_layout, sgd, TestRng};
 use tether::server::protocol::{ConnId, ShardProtocol};
 use tether::server::quorum::QuorumSettings;
+use tether::server::replica::{self, Entry, Follower, Input};
 use tether::server::shard::{Membership, ShardCore, ShardSpec};
 use tether::worker::protocol::WorkerProtocol;
 
@@ -103,9 +104,17 @@ struct SimWorker {
     step_ms: Option<u64>,
 }
 
+/// A shard's standby: its own protocol core, fed every input the primary takes through the encoded log.
+struct Standby {
+    proto: ShardProtocol,
+    follower: Follower,
+}
+
 /// One shard: the real protocol core (none while crashed), its last checkpoint, and what the checker tracks of it.
 struct SimShard {
     proto: Option<ShardProtocol>,
+    /// The standby that follows it (replicated schedules, until it takes over).
+    standby: Option<Standby>,
     snapshot: tether::server::checkpoint::ShardSnapshot,
     snapshot_every: u64,
     /// Per worker: the clock its last welcome named (rounds below it are not required in reads).
@@ -153,6 +162,10 @@ pub struct Sim {
     max_lead: u64,
     /// Pushes applied for a round the shard had already closed (quorum rounds: merged into the open one).
     late_merges: u64,
+    /// Shards that failed over to their standby.
+    failovers: u64,
+    /// The first way a standby diverged from its primary (a violation, reported by the next step).
+    diverged: Option<String>,
     /// Whether each event is followed by the next part of the random script drawn from the seed.
     random: bool,
     /// Every push frame a shard received: (worker, shard, clock, bytes).
@@ -201,6 +214,16 @@ fn quorum_of(seed: u64) -> u32 {
     } else {
         0
     }
+}
+
+/// The bit patterns of `values` (for exact comparisons).
+fn bits_of(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Whether a random schedule's shards have standbys (a third of them), from the seed's own standby generator.
+fn standbys_of(seed: u64) -> bool {
+    TestRng::new(seed ^ 0x57a0_db70_0000_0000).chance(333)
 }
 
 fn spec(shard: usize, staleness: Staleness) -> ShardSpec {
@@ -253,6 +276,8 @@ impl Sim {
     pub fn new(seed: u64) -> Sim {
         let mut rng = TestRng::new(seed);
         let mut faults = Faults::draw(&mut rng);
+        // Drawn from its own generator, like the quorum: the other schedules are the same as before standbys existed.
+        faults.standbys = standbys_of(seed);
         // Drawn from the hostile member's own generator: the schedules without it are the same as before it existed.
         faults.hostile = hostile_rng(seed).chance(300);
         faults.quorum = quorum_of(seed);
@@ -308,10 +333,21 @@ impl Sim {
         let shards = (0..SHARDS)
             .map(|k| {
                 let mut core = shard_core(&layout, k, &faults);
-                core.set_public(lossless(), rng.next_u64());
+                let lineage = rng.next_u64();
+                core.set_public(lossless(), lineage);
                 let snapshot = core.snapshot();
+                // A standby starts from the same configuration and lineage, as the real one does.
+                let standby = faults.standbys.then(|| {
+                    let mut twin = shard_core(&layout, k, &faults);
+                    twin.set_public(lossless(), lineage);
+                    Standby {
+                        proto: ShardProtocol::new(twin),
+                        follower: Follower::new(),
+                    }
+                });
                 SimShard {
                     proto: Some(ShardProtocol::new(core)),
+                    standby,
                     snapshot,
                     snapshot_every: 1 + rng.below(6),
                     joined_at: BTreeMap::new(),
@@ -350,6 +386,8 @@ impl Sim {
             used_replies: 0,
             max_lead: 0,
             late_merges: 0,
+            failovers: 0,
+            diverged: None,
             random: true,
             pushes: Vec::new(),
             sent: Vec::new(),
@@ -386,8 +424,75 @@ impl Sim {
         }
     }
 
-    /// Crashes shard `k`: its connections break, and it restarts from its last checkpoint 0.1 to 3.1 s later.
+    /// Feeds `input`, which shard `k`'s primary has just taken, to its standby through the encoded log (a
+    /// failure to encode, decode or apply it is recorded as a violation).
+    pub(crate) fn replicate(&mut self, k: usize, input: Input) {
+        let Some(standby) = self.shards[k].standby.as_mut() else {
+            return;
+        };
+        let entry = Entry {
+            seq: standby.follower.applied() + 1,
+            input,
+        };
+        let mut wire = Vec::new();
+        let applied = replica::encode(&entry, &mut wire)
+            .and_then(|()| replica::decode(&wire))
+            .and_then(|e| standby.follower.accept(&mut standby.proto, &e));
+        if let Err(e) = applied {
+            self.diverged.get_or_insert(format!(
+                "shard {k}'s standby refused entry {}: {e}",
+                entry.seq
+            ));
+        }
+    }
+
+    /// Kills shard `k`'s primary for good and lets its standby take over: the standby must hold the primary's state
+    /// bit for bit (nothing rolled back); the connections break as in a crash, and workers rejoin the standby.
+    pub fn fail_over(&mut self, k: usize) {
+        let Some(standby) = self.shards[k].standby.take() else {
+            return;
+        };
+        let Some(primary) = self.shards[k].proto.take() else {
+            return;
+        };
+        let bits = |p: &ShardProtocol| p.weights().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let same = bits(&primary) == bits(&standby.proto)
+            && replica::state_digest(&primary.snapshot())
+                == replica::state_digest(&standby.proto.snapshot())
+            && primary.public().map(|(c, v)| (c, bits_of(v)))
+                == standby.proto.public().map(|(c, v)| (c, bits_of(v)));
+        if !same {
+            self.diverged.get_or_insert(format!(
+                "shard {k}'s standby does not hold the primary's state at the failover (v{} against v{})",
+                standby.proto.version(),
+                primary.version()
+            ));
+        }
+        self.failovers += 1;
+        self.note(format!(
+            "shard {k} failed over to its standby at v{} ({} log entries)",
+            standby.proto.version(),
+            standby.follower.applied()
+        ));
+        let dead: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.alive && c.shard == k)
+            .map(|(id, _)| *id)
+            .collect();
+        for conn in dead {
+            self.break_conn(conn, true);
+        }
+        self.shards[k].proto = Some(standby.proto);
+    }
+
+    /// Crashes shard `k`: its connections break, and it restarts from its last checkpoint 0.1 to 3.1 s later. A
+    /// shard with a standby fails over to it instead ([`Sim::fail_over`]).
     pub fn crash_shard(&mut self, k: usize) {
+        if self.shards[k].standby.is_some() && self.shards[k].proto.is_some() {
+            self.fail_over(k);
+            return;
+        }
         let Some(p) = self.shards[k].proto.take() else {
             return;
         };
@@ -572,6 +677,14 @@ impl Sim {
     /// One step: the next timer tick if it is due before the next event, else the next event (and, in a random
     /// schedule, the next part of its script).
     pub fn step(&mut self) -> Result<(), String> {
+        let stepped = self.step_inner();
+        match self.diverged.take() {
+            Some(why) => Err(why),
+            None => stepped,
+        }
+    }
+
+    fn step_inner(&mut self) -> Result<(), String> {
         // With nothing queued, time still passes: timers fire (evictions) until the time limit calls it stuck.
         let (t, id) = self.queue.peek().map_or((u64::MAX, 0), |r| r.0);
         // Timers run on their own clocks: the next tick comes first when it is due before the next event (a tick may
@@ -593,6 +706,7 @@ impl Sim {
             for k in 0..SHARDS {
                 if let Some(p) = self.shards[k].proto.as_mut() {
                     p.tick(tick);
+                    self.replicate(k, Input::Tick { now_ms: tick });
                     self.observe_quorum(k);
                     self.drain_shard(k)?;
                 }
@@ -642,6 +756,15 @@ impl Sim {
                 let welcome = p
                     .hello(conn, worker as u32, clock, self.now)
                     .map_err(|e| format!("hello refused: {e}"))?;
+                self.replicate(
+                    shard,
+                    Input::Hello {
+                        conn,
+                        worker: worker as u32,
+                        clock,
+                        now_ms: self.now,
+                    },
+                );
                 // With nobody else live, the join value is evidence honest workers left, never a departed member's
                 // clock (the hostile one's, run up alone).
                 let high = self.shards[shard].honest_high;
@@ -948,6 +1071,11 @@ impl Sim {
     /// Pushes applied after the shard had closed their round (quorum schedules).
     pub fn late_merges(&self) -> u64 {
         self.late_merges
+    }
+
+    /// Shards that failed over to their standby so far.
+    pub fn failovers(&self) -> u64 {
+        self.failovers
     }
 
     /// Every push frame a shard received, in arrival order: (worker, shard, clock, bytes).

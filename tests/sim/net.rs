@@ -10,6 +10,7 @@ use tether::common::protocol::{
     access_push, Control, ErrorCode, FrameKind, Outcome, PullMode, Welcome,
 };
 use tether::server::protocol::{Action, ConnId, Round};
+use tether::server::replica::Input;
 use tether::worker::protocol::{Event, Settled, Transmit, Verdict};
 
 use super::{bound, Phase, Sim, TICK_MS, TIMEOUT_MS, WORKERS};
@@ -254,6 +255,7 @@ impl Sim {
         self.note(format!("conn {conn} (w{w} s{k}) broken"));
         if let Some(p) = self.shards[k].proto.as_mut() {
             p.closed(conn);
+            self.replicate(k, Input::Closed { conn });
         }
         if notify_worker
             && w < WORKERS
@@ -402,6 +404,14 @@ impl Sim {
         };
         let gate_before = proto.core().clocks().gate();
         let (outcome, _) = proto.round(conn, Round::from_frame(frame), now);
+        self.replicate(
+            k,
+            Input::Push {
+                conn,
+                now_ms: now,
+                body: bytes.to_vec(),
+            },
+        );
         self.observe_quorum(k);
         if outcome == Outcome::Applied {
             if let Some(s) = bound(self.faults.staleness) {
@@ -478,11 +488,21 @@ impl Sim {
             }
             let now = self.now;
             match msg.payload {
-                Payload::Control(Control::Heartbeat { .. }) => self.shards[k]
-                    .proto
-                    .as_mut()
-                    .expect("up")
-                    .heartbeat(conn, w as u32, now),
+                Payload::Control(Control::Heartbeat { .. }) => {
+                    self.shards[k]
+                        .proto
+                        .as_mut()
+                        .expect("up")
+                        .heartbeat(conn, w as u32, now);
+                    self.replicate(
+                        k,
+                        Input::Heartbeat {
+                            conn,
+                            worker: w as u32,
+                            now_ms: now,
+                        },
+                    );
+                }
                 Payload::Control(Control::PullRequest {
                     request,
                     clock,
@@ -493,6 +513,17 @@ impl Sim {
                         .as_mut()
                         .expect("up")
                         .pull(conn, w as u32, request, clock, mode, now);
+                    self.replicate(
+                        k,
+                        Input::Pull {
+                            conn,
+                            worker: w as u32,
+                            request,
+                            clock,
+                            mode,
+                            now_ms: now,
+                        },
+                    );
                     if let Err(e) = r {
                         self.send(Msg {
                             conn,
@@ -506,11 +537,22 @@ impl Sim {
                         });
                     }
                 }
-                Payload::Control(Control::Goodbye { clock }) => self.shards[k]
-                    .proto
-                    .as_mut()
-                    .expect("up")
-                    .goodbye(conn, w as u32, clock, now),
+                Payload::Control(Control::Goodbye { clock }) => {
+                    self.shards[k]
+                        .proto
+                        .as_mut()
+                        .expect("up")
+                        .goodbye(conn, w as u32, clock, now);
+                    self.replicate(
+                        k,
+                        Input::Goodbye {
+                            conn,
+                            worker: w as u32,
+                            clock,
+                            now_ms: now,
+                        },
+                    );
+                }
                 Payload::Control(other) => return Err(format!("worker sent {other:?}")),
                 Payload::Push(bytes) => self.take_push(k, conn, w, bytes)?,
                 Payload::Reply { .. } => return Err("reply travelling up".into()),

@@ -42,6 +42,9 @@ pub struct Faults {
     pub hostile: bool,
     /// Quorum rounds: pushes that close a round (0 = every live worker); drawn from the quorum's own generator.
     pub quorum: u32,
+    /// Every shard has a standby fed its input log; a shard crash is then a failover to the standby, with nothing
+    /// rolled back (once per shard: a crash after it is a restart from the checkpoint). Drawn from its own generator.
+    pub standbys: bool,
 }
 
 impl Faults {
@@ -69,6 +72,7 @@ impl Faults {
             delta: rng.chance(500),
             hostile: false,
             quorum: 0,
+            standbys: false,
         }
     }
 
@@ -91,6 +95,7 @@ impl Faults {
             delta: false,
             hostile: false,
             quorum: 0,
+            standbys: false,
         }
     }
 }

@@ -435,7 +435,11 @@ impl Cluster {
         let mut p = self.spawn(format!("standby-{k}"), &bins().server, &args);
         let deadline = Instant::now() + Duration::from_secs(20);
         while !p.log_text().contains("listening on") {
-            assert!(p.alive(), "standby {k} died at start:\n{}", p.log_tail(3000));
+            assert!(
+                p.alive(),
+                "standby {k} died at start:\n{}",
+                p.log_tail(3000)
+            );
             assert!(
                 Instant::now() < deadline,
                 "standby {k} did not start:\n{}",

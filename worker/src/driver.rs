@@ -652,7 +652,10 @@ impl Driver {
                 match result {
                     Ok(c) => {
                         if standby != self.on_standby[shard] {
-                            info!(rank = self.rank, shard, standby, "failed over to the shard's other address");
+                            info!(
+                                rank = self.rank,
+                                shard, standby, "failed over to the shard's other address"
+                            );
                         }
                         self.on_standby[shard] = standby;
                         self.install(shard, c)?

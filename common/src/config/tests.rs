@@ -539,8 +539,14 @@ fn standbys_that_name_a_server_or_each_other_or_miss_a_shard_are_refused_naming_
         ("standbys = [\"b:1\", \"c:1\"]", "address of server 1"),
         ("standbys = [\"a:1\", \"c:1\"]", "address of server 0"),
         ("standbys = [\"c:1\", \"c:1\"]", "listed twice"),
-        ("standbys = [\"c:1\", \"d:1\"]\nfailover_ms = 100", "failover_ms"),
-        ("standbys = [\"c:1\", \"d:1\"]\nfailover_ms = 6000", "failover_ms"),
+        (
+            "standbys = [\"c:1\", \"d:1\"]\nfailover_ms = 100",
+            "failover_ms",
+        ),
+        (
+            "standbys = [\"c:1\", \"d:1\"]\nfailover_ms = 6000",
+            "failover_ms",
+        ),
     ] {
         let e = parse(extra).unwrap_err().to_string();
         assert!(e.contains("cluster."), "{extra}: {e}");

@@ -93,7 +93,11 @@ impl Config {
             );
         }
         for (k, addr) in standbys.iter().enumerate() {
-            let clash = self.cluster.servers.iter().position(|s| s.trim() == addr.trim());
+            let clash = self
+                .cluster
+                .servers
+                .iter()
+                .position(|s| s.trim() == addr.trim());
             if let Some(j) = clash {
                 return bad(
                     "cluster.standbys",

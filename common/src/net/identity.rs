@@ -99,8 +99,8 @@ pub fn server_shard(der: &CertificateDer<'_>) -> Result<u32, NetError> {
     index_after(&cn, SERVER_CN_PREFIX)
         .or_else(|| index_after(&cn, STANDBY_CN_PREFIX))
         .ok_or_else(|| {
-        NetError::Identity(format!("common name {cn:?} is not a Tether shard identity"))
-    })
+            NetError::Identity(format!("common name {cn:?} is not a Tether shard identity"))
+        })
 }
 
 /// The leaf certificate an established connection's peer presented (verified by the handshake).

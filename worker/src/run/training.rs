@@ -106,8 +106,8 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     .with_stream(stream);
     let arbiter = Arbiter::new();
     let addr = WorkerActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
-    let endpoint =
-        client_endpoint(&opts.tls, &TransportTuning::for_cluster(cfg)).map_err(WorkerError::Endpoint)?;
+    let endpoint = client_endpoint(&opts.tls, &TransportTuning::for_cluster(cfg))
+        .map_err(WorkerError::Endpoint)?;
     let driver = Driver::new(DriverConfig {
         // A fresh shard's initial weights are computed here from the layout instead of pulled whole.
         initial: Some(std::sync::Arc::new(layout.clone())),
