@@ -7,7 +7,7 @@
 # newest checkpoint, a worker with the same rank), and once with shard 1 killed 8 s in and never started again.
 # Rank 0 is never killed: its run report's accuracy curve gives the time to the target.
 #
-#   scripts/goodput.sh [T ...]          periods in seconds (default: 30 10 5)
+#   scripts/goodput.sh [T ...]          periods in seconds (default: 30 10 5; `none`: no periodic runs)
 #
 # Knobs: BIN (default target/release), EPOCHS (30), TARGET (0.885), LIMIT (300: seconds a run may take before it is
 # stopped and counted as not reaching the target), SEED (the victims' order; default 1), QUORUM (cluster.quorum,
@@ -42,6 +42,7 @@ FAILOVER=${FAILOVER:-1000}
 [ "$STANDBY" = 1 ] && VICTIMS=${VICTIMS_SET:-w1 w2 w3}
 periods=("$@")
 [ ${#periods[@]} -gt 0 ] || periods=(30 10 5)
+[ "${periods[0]}" = none ] && periods=()
 for b in tether-server tether-worker; do
   [ -x "$BIN/$b" ] || { echo "goodput: $BIN/$b is missing (cargo build --release -p $b)" >&2; exit 2; }
 done
@@ -256,7 +257,7 @@ CONF
 
 # Bash reports each SIGKILLed job on stderr ("Killed"); those lines are the schedule itself, not errors.
 run undisturbed none 2>/dev/null
-for t in "${periods[@]}"; do run "kill-every-${t}s" every "$t" 2>/dev/null; done
+for t in "${periods[@]+"${periods[@]}"}"; do run "kill-every-${t}s" every "$t" 2>/dev/null; done
 [ "$LOST" = 0 ] || run shard-lost shard 2>/dev/null
 echo
 table

@@ -427,3 +427,79 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
     assert_eq!(bits(&after), bits(reference.weights()));
     arbiter.stop();
 }
+
+#[actix_rt::test]
+async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_are_refused() {
+    use tether_server::actor::{GetDigests, ReplicaLost, Subscribe};
+    use tether_server::replica::{self, Input, ReplicaError};
+    const CONFIG: u64 = 7;
+    let start_with_digest = || {
+        ShardActor::new(core(Staleness::Unbounded, 60_000), None, 0, 60_000, None)
+            .with_config_digest(CONFIG)
+            .start_on_own_arbiter()
+    };
+    let (addr, arbiter) = start_with_digest();
+    let (layout_hash, state_digest) = addr.send(GetDigests).await.unwrap();
+    let subscribe = |config_digest, layout_hash, state_digest| Subscribe {
+        config_digest,
+        layout_hash,
+        state_digest,
+    };
+    // Another configuration, layout or starting state: refused.
+    for (c, l, s) in [
+        (CONFIG + 1, layout_hash, state_digest),
+        (CONFIG, layout_hash ^ 1, state_digest),
+        (CONFIG, layout_hash, state_digest ^ 1),
+    ] {
+        let r = addr.send(subscribe(c, l, s)).await.unwrap();
+        assert!(matches!(r, Err(ReplicaError::Mismatch(_))), "{:?}", r.err());
+    }
+    let mut sub = addr
+        .send(subscribe(CONFIG, layout_hash, state_digest))
+        .await
+        .unwrap()
+        .unwrap();
+    // One standby per shard.
+    let again = addr.send(subscribe(CONFIG, layout_hash, state_digest)).await.unwrap();
+    assert!(matches!(again, Err(ReplicaError::Taken)));
+    join(&addr, 0).await;
+    // The push is applied at once, but its outcome waits for the standby's acknowledgement of its entry.
+    let pushing = tokio::spawn({
+        let addr = addr.clone();
+        async move { push(&addr, 0, 0, 0).await }
+    });
+    let mut entries = Vec::new();
+    while entries.len() < 2 {
+        let bytes = tokio::time::timeout(Duration::from_secs(5), sub.log.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let e = replica::decode(&bytes).unwrap();
+        if !matches!(e.input, Input::Tick { .. }) {
+            entries.push(e);
+        }
+    }
+    assert!(matches!(entries[0].input, Input::Hello { worker: 0, .. }));
+    assert!(matches!(entries[1].input, Input::Push { .. }));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!pushing.is_finished(), "the outcome left before the standby had the push");
+    assert_eq!(addr.send(GetStats).await.unwrap().0, 1, "applied at the primary");
+    sub.acked.send_replace(entries[1].seq);
+    let outcome = tokio::time::timeout(Duration::from_secs(5), pushing)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome, Ok(1));
+    // Once the standby is gone, nothing waits for it.
+    addr.send(ReplicaLost).await.unwrap();
+    drop(sub);
+    assert_eq!(push(&addr, 0, 1, 1).await, Ok(2));
+    arbiter.stop();
+    // A standby that comes after workers joined could not hold the primary's state: refused.
+    let (late, arbiter) = start_with_digest();
+    let (l, s) = late.send(GetDigests).await.unwrap();
+    join(&late, 0).await;
+    let r = late.send(subscribe(CONFIG, l, s)).await.unwrap();
+    assert!(matches!(r, Err(ReplicaError::TooLate)), "{:?}", r.err());
+    arbiter.stop();
+}
