@@ -1,5 +1,6 @@
 //! Feeds arbitrary bytes to every wire decoder: the framing reader (slice and async), bincode control
-//! messages, validated rkyv bulk frames and delta replies (header, frame list, and the codec frames they carry).
+//! messages, validated rkyv bulk frames and delta replies (header, frame list, and the codec frames they carry), and
+//! replication log entries.
 //! Any panic is a finding; errors must carry a wire code.
 #![no_main]
 
@@ -7,11 +8,12 @@ use libfuzzer_sys::fuzz_target;
 use rkyv::util::AlignedVec;
 use tether_common::protocol::*;
 
-const ALL: [FrameKind; 4] = [
+const ALL: [FrameKind; 5] = [
     FrameKind::Control,
     FrameKind::Push,
     FrameKind::Params,
     FrameKind::Delta,
+    FrameKind::Replica,
 ];
 
 fn decode_body(kind: FrameKind, body: &[u8]) {
@@ -40,6 +42,14 @@ fn decode_body(kind: FrameKind, body: &[u8]) {
                 let _ = view.precision();
                 let _ = view.check_shape(0, 1000);
                 decode_params(body).expect("validated reply must deserialize");
+            }
+        }
+        FrameKind::Replica => {
+            if let Ok(entry) = tether_server::replica::decode(body) {
+                // What decodes must survive its own round trip.
+                let mut again = Vec::new();
+                tether_server::replica::encode(&entry, &mut again).expect("re-encode");
+                assert_eq!(tether_server::replica::decode(&again).expect("decode re-encoded"), entry);
             }
         }
         FrameKind::Delta => {

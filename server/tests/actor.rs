@@ -460,7 +460,10 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
         .unwrap()
         .unwrap();
     // One standby per shard.
-    let again = addr.send(subscribe(CONFIG, layout_hash, state_digest)).await.unwrap();
+    let again = addr
+        .send(subscribe(CONFIG, layout_hash, state_digest))
+        .await
+        .unwrap();
     assert!(matches!(again, Err(ReplicaError::Taken)));
     join(&addr, 0).await;
     // The push is applied at once, but its outcome waits for the standby's acknowledgement of its entry.
@@ -482,8 +485,15 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
     assert!(matches!(entries[0].input, Input::Hello { worker: 0, .. }));
     assert!(matches!(entries[1].input, Input::Push { .. }));
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!pushing.is_finished(), "the outcome left before the standby had the push");
-    assert_eq!(addr.send(GetStats).await.unwrap().0, 1, "applied at the primary");
+    assert!(
+        !pushing.is_finished(),
+        "the outcome left before the standby had the push"
+    );
+    assert_eq!(
+        addr.send(GetStats).await.unwrap().0,
+        1,
+        "applied at the primary"
+    );
     sub.acked.send_replace(entries[1].seq);
     let outcome = tokio::time::timeout(Duration::from_secs(5), pushing)
         .await

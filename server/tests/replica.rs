@@ -210,7 +210,11 @@ fn schedule(seed: u64, steps: usize) -> Vec<Input> {
     out
 }
 
-fn state(p: &ShardProtocol) -> (u64, u64, Vec<u32>, u64, Option<(u64, Vec<u32>)>) {
+/// What a standby must hold exactly as its primary: version, state fingerprint, weight bits, updates applied, and
+/// the public copy (its cut and value bits).
+type State = (u64, u64, Vec<u32>, u64, Option<(u64, Vec<u32>)>);
+
+fn state(p: &ShardProtocol) -> State {
     let public = p.public().map(|(cut, v)| {
         (
             cut.seq ^ cut.lineage.rotate_left(17),
