@@ -21,6 +21,8 @@
 # only workers (a killed primary is not started again: its standby took over).
 # A shard's recovery time is measured from its kill to the first update its restarted process applies (polled on
 # its /metrics every 20 ms); the table gives the median and the largest.
+# PLOT=FILE.png also plots rank 0's curve (accuracy, or validation loss for the GPT) against wall time for every run
+# (`tether-bench curves`; build it with `cargo build --release -p tether-bench`).
 # Prints one line per run and a table: time to the target and rank 0's whole run, each with its goodput (the
 # undisturbed run's time / this run's), and the final accuracy. A run whose rank 0 wrote no report (it gave up on a
 # shard that never came back) shows dashes.
@@ -261,3 +263,12 @@ for t in "${periods[@]+"${periods[@]}"}"; do run "kill-every-${t}s" every "$t" 2
 [ "$LOST" = 0 ] || run shard-lost shard 2>/dev/null
 echo
 table
+if [ -n "${PLOT:-}" ]; then
+  args=()
+  while IFS=$'\t' read -r name _ d; do
+    [ -f "$d/worker-0.json" ] && args+=("$name=$d/worker-0.json")
+  done < "$results"
+  curve=accuracy_curve
+  [ "$MODEL" = gpt ] && curve=val_loss_curve
+  "$BIN/tether-bench" curves --curve "$curve" --title "rank 0 under failure schedules ($MODEL)" --out "$PLOT" "${args[@]}"
+fi

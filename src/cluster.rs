@@ -79,7 +79,8 @@ pub fn block_on_system<F: std::future::Future>(fut: F) -> F::Output {
 
 /// A cluster of `config.cluster.servers.len()` shards and `config.cluster.workers` workers in this process.
 pub struct LocalCluster {
-    /// The configuration; `cluster.servers` only sets the shard count (shards bind ephemeral loopback ports).
+    /// The configuration; `cluster.servers` only sets the shard count (shards bind ephemeral loopback ports), and
+    /// `cluster.standbys` is ignored (an in-process cluster has no standby processes).
     pub config: Config,
     /// Where certificates and checkpoints go.
     pub work_dir: PathBuf,
@@ -178,6 +179,8 @@ impl LocalCluster {
             },
         )?;
         cfg.cluster.tls_dir = certs.clone();
+        // One process: no standbys to wait for or fail over to.
+        cfg.cluster.standbys.clear();
         if cfg.checkpoint.dir.is_relative() {
             cfg.checkpoint.dir = self.work_dir.join(&cfg.checkpoint.dir);
         }

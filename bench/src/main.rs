@@ -51,6 +51,21 @@ enum Cmd {
         #[command(flatten)]
         args: SimArgs,
     },
+    /// Plots run reports' curves against wall time (e.g. rank 0's accuracy in each run of scripts/goodput.sh).
+    Curves {
+        /// `LABEL=REPORT.json`, one per series.
+        #[arg(required = true)]
+        runs: Vec<String>,
+        /// The curve: `accuracy_curve`, `val_loss_curve` or `loss_curve`.
+        #[arg(long, default_value = "accuracy_curve")]
+        curve: String,
+        /// The plot's title.
+        #[arg(long, default_value = "")]
+        title: String,
+        /// Write the PNG here.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
     /// The study: emulated links, stragglers, scaling, simulator validation and prediction → BENCHMARKS.md.
     Study {
         #[command(flatten)]
@@ -187,6 +202,35 @@ fn run() -> Result<()> {
             }
         }
         Cmd::Study { args } => study::run(&args)?,
+        Cmd::Curves {
+            runs,
+            curve,
+            title,
+            out,
+        } => {
+            let mut series = Vec::with_capacity(runs.len());
+            for run in &runs {
+                let (label, path) = run
+                    .split_once('=')
+                    .ok_or_else(|| anyhow::anyhow!("{run:?}: give LABEL=REPORT.json"))?;
+                let report: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(path).map_err(|e| {
+                        anyhow::anyhow!("cannot read report {path}: {e}")
+                    })?)?;
+                // Each point is [step, seconds, value].
+                let points: Vec<(f64, f64)> = report
+                    .get(&curve)
+                    .and_then(|c| c.as_array())
+                    .ok_or_else(|| anyhow::anyhow!("{path} has no {curve}"))?
+                    .iter()
+                    .filter_map(|p| Some((p.get(1)?.as_f64()?, p.get(2)?.as_f64()?)))
+                    .collect();
+                series.push((label.to_string(), points));
+            }
+            let y = curve.trim_end_matches("_curve").replace('_', " ");
+            plot::lines(&out, &title, "wall time (s)", &y, &series, (false, false))?;
+            println!("plot: {}", out.display());
+        }
     }
     Ok(())
 }
