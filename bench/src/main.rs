@@ -213,10 +213,10 @@ fn run() -> Result<()> {
                 let (label, path) = run
                     .split_once('=')
                     .ok_or_else(|| anyhow::anyhow!("{run:?}: give LABEL=REPORT.json"))?;
-                let report: serde_json::Value =
-                    serde_json::from_str(&std::fs::read_to_string(path).map_err(|e| {
-                        anyhow::anyhow!("cannot read report {path}: {e}")
-                    })?)?;
+                let report: serde_json::Value = serde_json::from_str(
+                    &std::fs::read_to_string(path)
+                        .map_err(|e| anyhow::anyhow!("cannot read report {path}: {e}"))?,
+                )?;
                 // Each point is [step, seconds, value].
                 let points: Vec<(f64, f64)> = report
                     .get(&curve)
