@@ -323,7 +323,9 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
         _ = wait_for_end(&running, cli.exit_after_workers) => {}
         why = running.standby_failed() => anyhow::bail!("standby of shard {shard}: {why}"),
     }
-    let (_, stats) = running.shutdown(true).await?;
+    // A standby that never took over writes no checkpoint: its primary's are the shard's.
+    let final_checkpoint = !running.is_following();
+    let (_, stats) = running.shutdown(final_checkpoint).await?;
     if let Some(path) = &cli.report {
         shard_report(&cfg, &stats)
             .write_json(path)

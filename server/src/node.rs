@@ -72,6 +72,8 @@ pub struct RunningShard {
     accept: tokio::task::JoinHandle<()>,
     /// A standby's link to its primary.
     follower: Option<tokio::task::JoinHandle<()>>,
+    /// Set while this process is a standby that follows its primary.
+    following: Arc<AtomicBool>,
     /// A standby's follower reports here why it cannot follow (a refusal by the primary, a bad log).
     standby_failed: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
@@ -267,6 +269,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     }
     let (addr, arbiter) = actor.start_on_own_arbiter();
     let following = Arc::new(AtomicBool::new(opts.standby));
+    let ctx_following = following.clone();
     let ctx = Arc::new(ConnectionContext {
         shard_actor: addr.clone(),
         shard: opts.shard,
@@ -316,6 +319,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         accept,
         follower,
         standby_failed,
+        following: ctx_following,
     })
 }
 
@@ -554,6 +558,11 @@ impl RunningShard {
             .send(GetStats)
             .await
             .map_err(|_| Error::ActorGone)
+    }
+
+    /// Whether this process is a standby that still follows its primary (it has not taken over).
+    pub fn is_following(&self) -> bool {
+        self.following.load(Ordering::Acquire)
     }
 
     /// Resolves with the reason when this standby cannot follow its primary (refused, or a bad log); never for a
