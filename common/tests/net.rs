@@ -195,6 +195,7 @@ async fn keygen_separates_the_authority_from_per_node_bundles() {
     for (bundle_name, stem) in [
         ("server-0", "server"),
         ("server-1", "server"),
+        ("standby-1", "server"),
         ("worker-0", "worker"),
         ("worker-2", "worker"),
         ("client", "client"),
@@ -228,7 +229,8 @@ async fn keygen_separates_the_authority_from_per_node_bundles() {
     assert!(!dir.path().join("worker-3").exists());
     // issued.txt lists every serial with its name.
     let log = std::fs::read_to_string(dir.path().join("ca/issued.txt")).unwrap();
-    assert_eq!(log.lines().count(), 6, "{log}");
+    // 2 shards, their 2 standbys, 3 workers and the shared client.
+    assert_eq!(log.lines().count(), 8, "{log}");
     assert!(
         log.lines().any(|l| l.contains(" tether-server-1 ")),
         "{log}"
