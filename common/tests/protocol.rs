@@ -190,6 +190,7 @@ fn error_codes_are_stable() {
         (ErrorCode::RolledBack, 18),
         (ErrorCode::ConfigMismatch, 19),
         (ErrorCode::Superseded, 20),
+        (ErrorCode::NotPrimary, 21),
     ];
     assert_eq!(table, expected);
     for (code, n) in expected {
@@ -197,7 +198,7 @@ fn error_codes_are_stable() {
         assert_eq!(code.close_code().into_inner(), u64::from(n));
     }
     assert_eq!(ErrorCode::from_code(0), None);
-    assert_eq!(ErrorCode::from_code(21), None);
+    assert_eq!(ErrorCode::from_code(22), None);
 }
 
 #[test]
