@@ -474,6 +474,12 @@ impl Sim {
             standby.proto.version(),
             standby.follower.applied()
         ));
+        self.break_shard_conns(k);
+        self.shards[k].proto = Some(standby.proto);
+    }
+
+    /// Breaks every live connection to shard `k` (its process is gone); the workers notice.
+    fn break_shard_conns(&mut self, k: usize) {
         let dead: Vec<ConnId> = self
             .conns
             .iter()
@@ -483,7 +489,6 @@ impl Sim {
         for conn in dead {
             self.break_conn(conn, true);
         }
-        self.shards[k].proto = Some(standby.proto);
     }
 
     /// Crashes shard `k`: its connections break, and it restarts from its last checkpoint 0.1 to 3.1 s later. A
@@ -509,15 +514,7 @@ impl Sim {
         }
         let _ = start;
         self.note(format!("shard {k} crashed (back to v{})", snap.version));
-        let dead: Vec<ConnId> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.alive && c.shard == k)
-            .map(|(id, _)| *id)
-            .collect();
-        for conn in dead {
-            self.break_conn(conn, true);
-        }
+        self.break_shard_conns(k);
         let t = self.now + 100 + self.rng.below(3_000);
         self.at(t, Ev::ShardRestart { shard: k });
     }
