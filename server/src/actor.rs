@@ -211,8 +211,6 @@ pub struct ShardActor {
     replica: Option<Replication>,
     /// Standby: the log applied so far, while following.
     following: Option<Follower>,
-    /// Reused buffer of encoded entries.
-    encoded: Vec<u8>,
     /// Fingerprint of the configuration this shard runs under ([`replica::config_digest`]).
     config_digest: u64,
     /// A primary with a configured standby serves nobody until the standby follows, or until this instant.
@@ -263,7 +261,6 @@ impl ShardActor {
             hellos: 0,
             replica: None,
             following: None,
-            encoded: Vec::new(),
             config_digest: 0,
             await_standby: None,
         }
@@ -310,21 +307,20 @@ impl ShardActor {
     }
 
     /// Appends `input` to the replication log, if a standby follows (before the protocol takes it).
-    fn log(&mut self, input: &Input) {
+    fn log(&mut self, input: Input) {
         let Some(r) = self.replica.as_mut() else {
             return;
         };
         r.seq += 1;
-        let entry = Entry {
-            seq: r.seq,
-            input: input.clone(),
-        };
-        if let Err(e) = replica::encode(&entry, &mut self.encoded) {
+        let entry = Entry { seq: r.seq, input };
+        // The channel owns each encoded entry: one buffer per entry, written once.
+        let mut encoded = Vec::new();
+        if let Err(e) = replica::encode(&entry, &mut encoded) {
             warn!(shard = self.proto.shard(), error = %e, "cannot encode a replication entry; dropping the standby");
             self.replica = None;
             return;
         }
-        if r.log.send(self.encoded.clone()).is_err() {
+        if r.log.send(encoded).is_err() {
             warn!(
                 shard = self.proto.shard(),
                 "replication link gone; serving without a standby"
@@ -491,7 +487,7 @@ impl ShardActor {
             return;
         }
         let now = self.now_ms();
-        self.log(&Input::Tick { now_ms: now });
+        self.log(Input::Tick { now_ms: now });
         let evicted = self.proto.tick(now);
         self.run_actions();
         if !evicted.is_empty() {
@@ -511,7 +507,7 @@ impl ShardActor {
             .collect();
         for t in gone {
             self.waiting.remove(&t);
-            self.log(&Input::Cancel { token: t });
+            self.log(Input::Cancel { token: t });
             self.proto.cancel(t);
             self.run_actions();
         }
@@ -558,7 +554,7 @@ impl Handler<Hello> for ShardActor {
         }
         let now = self.now_ms();
         self.hellos += 1;
-        self.log(&Input::Hello {
+        self.log(Input::Hello {
             conn: msg.conn,
             worker: msg.worker,
             clock: msg.clock,
@@ -588,7 +584,7 @@ impl Handler<Heartbeat> for ShardActor {
             return;
         }
         let now = self.now_ms();
-        self.log(&Input::Heartbeat {
+        self.log(Input::Heartbeat {
             conn: msg.conn,
             worker: msg.worker,
             now_ms: now,
@@ -605,7 +601,7 @@ impl Handler<Goodbye> for ShardActor {
             return;
         }
         let now = self.now_ms();
-        self.log(&Input::Goodbye {
+        self.log(Input::Goodbye {
             conn: msg.conn,
             worker: msg.worker,
             clock: msg.clock,
@@ -624,7 +620,7 @@ impl Handler<Closed> for ShardActor {
         if self.following.is_some() {
             return;
         }
-        self.log(&Input::Closed { conn: msg.conn });
+        self.log(Input::Closed { conn: msg.conn });
         self.proto.closed(msg.conn);
         self.kicks.remove(&msg.conn);
         self.run_actions();
@@ -658,7 +654,7 @@ impl ShardActor {
         let now = self.now_ms();
         let frame = access_push(&msg.body)?;
         if self.replica.is_some() {
-            self.log(&Input::Push {
+            self.log(Input::Push {
                 conn: msg.conn,
                 now_ms: now,
                 body: msg.body.to_vec(),
@@ -709,7 +705,7 @@ impl Handler<Pull> for ShardActor {
             return Err(ShardError::NotPrimary);
         }
         let now = self.now_ms();
-        self.log(&Input::Pull {
+        self.log(Input::Pull {
             conn: msg.conn,
             worker: msg.worker,
             request: msg.request,

@@ -321,16 +321,8 @@ impl Follower {
                 });
             }
         }
-        if let Input::Push { body, .. } = &entry.input {
-            // Validated before the protocol sees it, so a bad frame changes nothing.
-            self.scratch.clear();
-            self.scratch.extend_from_slice(body);
-            access_push(&self.scratch).map_err(|e| ReplicaError::BadPush(e.to_string()))?;
-        }
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let applied = apply(proto, &entry.input, &mut scratch);
-        self.scratch = scratch;
-        applied?;
+        // `apply` validates a push frame before the protocol sees it, so a bad one changes nothing.
+        apply(proto, &entry.input, &mut self.scratch)?;
         self.applied = entry.seq;
         if let Some(now) = entry.input.now_ms() {
             self.last_now_ms = now;

@@ -94,20 +94,29 @@ impl TlsFiles {
         )
     }
 
+    /// A shard-side bundle (stem `server`) from `dir/name/`, or from `dir` itself when only that bundle is mounted
+    /// there; `missing` says what keygen would have written.
+    fn load_shard_bundle(
+        dir: &Path,
+        name: &str,
+        missing: impl FnOnce() -> String,
+    ) -> Result<TlsFiles, NetError> {
+        let bundle = dir.join(name);
+        if bundle.is_dir() {
+            Self::load(&bundle, "server")
+        } else if dir.join("server.pem").exists() {
+            Self::load(dir, "server")
+        } else {
+            Err(bad(&bundle, missing()))
+        }
+    }
+
     /// Shard `shard`'s identity from `dir` (`cluster.tls_dir`): the bundle `dir/server-K/`, or `dir` itself when
     /// only that node's bundle is mounted there. Refuses a certificate issued to another shard.
     pub fn for_server(dir: &Path, shard: u32) -> Result<TlsFiles, NetError> {
-        let bundle = dir.join(format!("server-{shard}"));
-        let tls = if bundle.is_dir() {
-            Self::load(&bundle, "server")?
-        } else if dir.join("server.pem").exists() {
-            Self::load(dir, "server")?
-        } else {
-            return Err(bad(
-                &bundle,
-                format!("no bundle for shard {shard} (keygen writes server-{shard}/)"),
-            ));
-        };
+        let tls = Self::load_shard_bundle(dir, &format!("server-{shard}"), || {
+            format!("no bundle for shard {shard} (keygen writes server-{shard}/)")
+        })?;
         let leaf = tls.cert.first().ok_or_else(|| bad(dir, "empty chain"))?;
         let named = super::identity::server_shard(leaf)?;
         if named != shard {
@@ -122,20 +131,12 @@ impl TlsFiles {
     /// Shard `shard`'s standby identity from `dir` (`cluster.tls_dir`): the bundle `dir/standby-K/`, or `dir` itself
     /// when only that bundle is mounted there. Refuses any certificate but shard `shard`'s standby's.
     pub fn for_standby(dir: &Path, shard: u32) -> Result<TlsFiles, NetError> {
-        let bundle = dir.join(format!("standby-{shard}"));
-        let tls = if bundle.is_dir() {
-            Self::load(&bundle, "server")?
-        } else if dir.join("server.pem").exists() {
-            Self::load(dir, "server")?
-        } else {
-            return Err(bad(
-                &bundle,
-                format!(
-                    "no bundle for shard {shard}'s standby (`keygen --standbys` writes standby-{shard}/; \
-                     `keygen issue --standby {shard}` adds one)"
-                ),
-            ));
-        };
+        let tls = Self::load_shard_bundle(dir, &format!("standby-{shard}"), || {
+            format!(
+                "no bundle for shard {shard}'s standby (`keygen --standbys` writes standby-{shard}/; \
+                 `keygen issue --standby {shard}` adds one)"
+            )
+        })?;
         let leaf = tls.cert.first().ok_or_else(|| bad(dir, "empty chain"))?;
         match super::PeerIdentity::from_certificate(leaf) {
             Ok(super::PeerIdentity::Standby(k)) if k == shard => Ok(tls),
