@@ -64,14 +64,19 @@ pub enum OptimError {
 }
 
 /// The optimizer of one shard's range: its hyper-parameters, its step count and its state slots.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Optimizer {
+    /// Settings come from the local configuration, never from a transferred state (see [`Optimizer::adopt_settings`]).
+    #[serde(skip)]
     cfg: OptimizerConfig,
     len: usize,
     steps: u64,
     slots: Vec<Vec<f32>>,
+    /// Which kernels this process runs: a property of the machine, never of a transferred state.
+    #[serde(skip)]
     simd: bool,
     /// Sub-ranges (relative to the range, sorted, disjoint) where weight decay is not applied.
+    #[serde(skip)]
     exempt: Vec<Range<usize>>,
 }
 
@@ -120,6 +125,28 @@ impl Optimizer {
     /// The sub-ranges exempt from weight decay.
     pub fn decay_exempt(&self) -> &[Range<usize>] {
         &self.exempt
+    }
+
+    /// Completes a decoded optimizer (a peer's state image carries only the step count and the state slots) with
+    /// `local`'s settings, decay exemptions and kernels, after checking that the slots fit them: as many as the
+    /// kind keeps, each of `local`'s length. On an error nothing changes.
+    pub fn adopt_settings(&mut self, local: &Optimizer) -> Result<(), String> {
+        if self.len != local.len
+            || self.slots.len() != slot_count(local.cfg.kind)
+            || self.slots.iter().any(|s| s.len() != local.len)
+        {
+            return Err(format!(
+                "optimizer state of {} slots over {} parameters where {} over {} are due",
+                self.slots.len(),
+                self.len,
+                slot_count(local.cfg.kind),
+                local.len
+            ));
+        }
+        self.cfg = local.cfg.clone();
+        self.exempt = local.exempt.clone();
+        self.simd = local.simd;
+        Ok(())
     }
 
     /// Forces the portable kernels (no runtime-detected AVX2); results are identical, only speed differs.

@@ -77,7 +77,7 @@ pub enum ClockError {
 }
 
 /// One worker's row in the table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct Row {
     /// Completed push rounds.
     clock: u64,
@@ -90,8 +90,9 @@ struct Row {
 }
 
 /// Clocks of the workers known to one shard and the SSP gate over them.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClockTable {
+    #[serde(with = "crate::image::staleness")]
     staleness: Staleness,
     timeout_ms: u64,
     rows: BTreeMap<u32, Row>,
@@ -107,6 +108,16 @@ pub struct ClockTable {
 }
 
 impl ClockTable {
+    /// Checks a decoded table (a peer's state image): the live count matches the rows and the quorum state is
+    /// well formed.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let live = self.rows.values().filter(|r| r.live).count();
+        if live != self.live {
+            return Err(format!("{} live rows counted as {}", live, self.live));
+        }
+        self.rounds.check()
+    }
+
     /// An empty table with staleness bound `staleness`; workers silent for `timeout_ms` are evicted by
     /// [`evict_silent`](Self::evict_silent).
     pub fn new(staleness: Staleness, timeout_ms: u64) -> Self {

@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod clock;
 mod connection;
 mod error;
+pub mod image;
 mod median;
 pub mod node;
 pub mod norm_guard;

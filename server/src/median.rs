@@ -13,15 +13,28 @@ pub fn lower_median(values: &mut [f32]) -> Option<f32> {
 }
 
 /// The last `window` values pushed and their median.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RunningMedian {
     window: usize,
     values: VecDeque<f32>,
     /// Scratch for sorting: keeps the median query free of allocation.
+    #[serde(skip)]
     sorted: Vec<f32>,
 }
 
 impl RunningMedian {
+    /// Checks a decoded window (a peer's state image): a window of at least one holding at most that many values.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if self.window == 0 || self.values.len() > self.window {
+            return Err(format!(
+                "a median window of {} holds {} values",
+                self.window,
+                self.values.len()
+            ));
+        }
+        Ok(())
+    }
+
     /// An empty window of `window` values (at least 1).
     pub fn new(window: usize) -> Self {
         let window = window.max(1);

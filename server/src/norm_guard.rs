@@ -32,7 +32,7 @@ pub const FALLBACK_FLOOR: f32 = 1e-3;
 const ADAM_EXACT_STEPS: u32 = 10_000;
 
 /// What the guard enforces.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GuardSettings {
     /// Relative factor (0 = no relative check).
     pub factor: f32,
@@ -145,22 +145,29 @@ pub fn adam_ratio_bound(beta1: f64, beta2: f64) -> Option<f64> {
 }
 
 /// One worker's recent norms and, once warm, their cached upper median.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct WorkerNorms {
     recent: RunningMedian,
     median: Option<f32>,
 }
 
 /// The guard of one shard: settings plus one window of norms per worker.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct NormGuard {
     settings: GuardSettings,
+    #[serde(with = "crate::image::sorted_map")]
     workers: HashMap<u32, WorkerNorms>,
     /// Scratch for the median across workers (keeps [`NormGuard::judge`] free of allocation once warm).
+    #[serde(skip)]
     votes: Vec<f32>,
 }
 
 impl NormGuard {
+    /// Checks a decoded guard (a peer's state image): every worker's window is well formed.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        self.workers.values().try_for_each(|w| w.recent.check())
+    }
+
     /// A guard with no norms seen.
     pub fn new(settings: GuardSettings) -> Self {
         Self {

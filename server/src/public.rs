@@ -28,10 +28,11 @@ pub const DELTA_CHUNK: usize = 1 << 16;
 pub const MAX_LOG_CUTS: usize = 32;
 
 /// One cut in the log.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Cut {
     seq: u64,
     /// The cut's frames, concatenated.
+    #[serde(with = "crate::image::bytes")]
     bytes: Bytes,
     /// Each frame's length.
     lens: Vec<u32>,
@@ -56,8 +57,10 @@ pub enum Answer {
 }
 
 /// The public copy of one shard and its delta log.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct PublicCopy {
     /// Shared with the full-copy replies in flight; a cut copies it only while one is (copy on write).
+    #[serde(with = "crate::image::shared_values")]
     values: Arc<Vec<f32>>,
     lineage: u64,
     seq: u64,
@@ -66,10 +69,16 @@ pub struct PublicCopy {
     log: VecDeque<Cut>,
     log_bytes: usize,
     log_budget: usize,
+    // Scratch, rebuilt locally after a state image (see `PublicCopy::rebuild_scratch`).
+    #[serde(skip, default = "crate::image::placeholder_encoder")]
     encoder: Encoder,
+    #[serde(skip)]
     decoder: Decoder,
+    #[serde(skip)]
     delta: Vec<f32>,
+    #[serde(skip)]
     decoded: Vec<f32>,
+    #[serde(skip)]
     frame: Vec<u8>,
 }
 
@@ -111,6 +120,37 @@ impl PublicCopy {
             decoded: vec![0.0; chunk],
             frame: Vec::new(),
         })
+    }
+
+    /// Checks a decoded copy (a peer's state image) against a range of `len` parameters and rebuilds its scratch
+    /// for `codec`: the values have the range's length and every cut's frame lengths add up to its bytes.
+    pub(crate) fn adopt_local(&mut self, len: usize, codec: CodecConfig) -> Result<(), String> {
+        if self.values.len() != len {
+            return Err(format!(
+                "a public copy of {} values for a range of {len}",
+                self.values.len()
+            ));
+        }
+        let mut total = 0usize;
+        for cut in &self.log {
+            let sum = cut
+                .lens
+                .iter()
+                .try_fold(0usize, |a, l| a.checked_add(*l as usize));
+            if sum != Some(cut.bytes.len()) {
+                return Err("a cut's frame lengths do not add up to its bytes".into());
+            }
+            total = total.saturating_add(cut.bytes.len());
+        }
+        if total != self.log_bytes {
+            return Err("the delta log's byte count does not match its cuts".into());
+        }
+        let chunk = DELTA_CHUNK.min(len.max(1));
+        self.encoder = Encoder::new(codec).map_err(|e| e.to_string())?;
+        self.decoder = Decoder::new(chunk);
+        self.delta = vec![0.0; chunk];
+        self.decoded = vec![0.0; chunk];
+        Ok(())
     }
 
     /// The public values.

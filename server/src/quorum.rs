@@ -21,7 +21,7 @@ pub const HISTORY: usize = 8;
 pub const GRACE_MIN_MS: u64 = 5;
 
 /// How rounds close: the quorum and the grace window (from `[cluster]`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct QuorumSettings {
     /// Pushes that close a round (`cluster.quorum`); 0 = every live worker (plain SSP). Capped at the live count.
     pub quorum: u32,
@@ -53,7 +53,7 @@ pub struct Settled {
 
 /// The quorum state of one clock table: the rounds closed so far, when the open round reached its quorum, and the
 /// recent round times.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RoundCloser {
     settings: QuorumSettings,
     /// Rounds below this are closed: the gate stands at `max(m, closed)`.
@@ -72,6 +72,14 @@ pub struct RoundCloser {
 }
 
 impl RoundCloser {
+    /// Checks a decoded closer (a peer's state image): its ring of round times is in bounds.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if self.len > HISTORY || self.next >= HISTORY {
+            return Err("the ring of round times is out of bounds".into());
+        }
+        Ok(())
+    }
+
     /// A closer at round 0 with `settings`.
     pub fn new(settings: QuorumSettings) -> Self {
         Self {

@@ -142,6 +142,9 @@ pub enum ReplicaError {
     /// The bytes are not an entry (or longer than [`MAX_ENTRY_BYTES`]).
     #[error("undecodable replication entry: {0}")]
     Decode(String),
+    /// A state image is undecodable or does not fit this shard (see [`crate::image`]).
+    #[error("unusable state image: {0}")]
+    Image(String),
     /// An entry came out of order: the log has a gap or a repeat.
     #[error("replication entry {got} where {expected} was due")]
     OutOfOrder {
@@ -180,6 +183,7 @@ impl ReplicaError {
         use tether_common::protocol::ErrorCode;
         match self {
             ReplicaError::Decode(_)
+            | ReplicaError::Image(_)
             | ReplicaError::OutOfOrder { .. }
             | ReplicaError::BadPush(_)
             | ReplicaError::TimeBackwards { .. } => ErrorCode::BadFrame,
@@ -283,6 +287,16 @@ impl Follower {
     /// A follower that has applied nothing.
     pub fn new() -> Follower {
         Follower::default()
+    }
+
+    /// A follower of a log that continues a state image taken at `now_ms` (see [`crate::image`]): the first entry
+    /// due is 1, and time may not run back before the image's.
+    pub fn seeded(now_ms: u64, max_conn: ConnId) -> Follower {
+        Follower {
+            last_now_ms: now_ms,
+            max_conn,
+            ..Follower::default()
+        }
     }
 
     /// The newest entry applied (0: none).

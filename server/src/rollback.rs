@@ -25,7 +25,7 @@ use crate::spike::{round_value, SpikeDetector, Verdict};
 pub const MAX_ROUNDS_AHEAD: u64 = 4096;
 
 /// A shard's state at a round boundary, kept in memory to roll back to.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RollbackPoint {
     /// The boundary: a multiple of `every`.
     pub round: u64,
@@ -42,7 +42,7 @@ pub struct RollbackPoint {
 }
 
 /// One rollback a shard carried out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RollbackRecord {
     /// The shard.
     pub shard: u32,
@@ -94,7 +94,7 @@ pub fn report_fields<'a>(
 }
 
 /// Rollback bookkeeping of one shard.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RollbackState {
     cfg: RollbackConfig,
     margin: u64,
@@ -110,6 +110,21 @@ pub struct RollbackState {
 }
 
 impl RollbackState {
+    /// Checks a decoded state (a peer's state image) against a range of `len` parameters whose optimizer keeps
+    /// `slots` state slots: every snapshot has that shape.
+    pub(crate) fn check(&self, len: usize, slots: usize) -> Result<(), String> {
+        self.detector.check()?;
+        let bad = self.ring.iter().any(|p| {
+            p.weights.len() != len
+                || p.slots.len() != slots
+                || p.slots.iter().any(|s| s.len() != len)
+        });
+        if bad {
+            return Err("a rollback snapshot does not fit the range".into());
+        }
+        Ok(())
+    }
+
     /// Bookkeeping for `cfg` with snapshot margin `margin` (see [`RollbackConfig::margin`]); rounds below
     /// `min_clock` are taken as complete already.
     pub fn new(cfg: &RollbackConfig, margin: u64, min_clock: u64) -> Self {

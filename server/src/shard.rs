@@ -300,11 +300,12 @@ pub struct Applied {
 }
 
 /// Counters a shard keeps for reports and metrics.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct ShardStats {
     /// Updates applied.
     pub updates_applied: u64,
     /// Rejections by reason label.
+    #[serde(with = "crate::image::reasons")]
     pub rejected: HashMap<&'static str, u64>,
     /// Encoded bytes received in accepted and rejected pushes.
     pub wire_bytes: u64,
@@ -368,6 +369,7 @@ impl ShardStats {
 }
 
 /// One shard's state: weights, optimizer, version, clock table.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct ShardCore {
     shard: u32,
     range: Range<u64>,
@@ -377,7 +379,10 @@ pub struct ShardCore {
     staleness_aware: bool,
     version: u64,
     clocks: ClockTable,
+    // Scratch, rebuilt locally after a state image (see `ShardCore::adopt_local`).
+    #[serde(skip)]
     decoder: Decoder,
+    #[serde(skip)]
     scratch: Vec<f32>,
     /// The gradient-norm guard, one per streamed fragment (each part's norms have their own scale).
     guards: Vec<NormGuard>,
@@ -410,7 +415,7 @@ pub struct ShardCore {
 }
 
 /// Who may join a shard and how long a member may hold the SSP gate without progress (from `[cluster]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Membership {
     /// Ranks `0..workers` may join (`None`: any rank, for tests and benches that build a bare core).
     pub workers: Option<u32>,
@@ -1039,6 +1044,46 @@ impl ShardCore {
         self.stats.max_lead = self.stats.max_lead.max(lead);
         self.stats.pulled_bytes += bytes;
         lead
+    }
+
+    /// Completes a decoded core (a peer's state image, see [`crate::image`]) with `local`'s settings and scratch,
+    /// after checking that it is the same shard of the same layout and that every part has the range's shape.
+    /// Changes only `self`.
+    pub(crate) fn adopt_local(&mut self, local: &ShardCore) -> Result<(), String> {
+        if self.shard != local.shard
+            || self.range != local.range
+            || self.layout_hash != local.layout_hash
+            || self.fragments != local.fragments
+        {
+            return Err(format!(
+                "an image of shard {} over {:?} where shard {} over {:?} of this layout is due",
+                self.shard, self.range, local.shard, local.range
+            ));
+        }
+        let n = local.weights.len();
+        if self.weights.len() != n {
+            return Err(format!("{} weights for a range of {n}", self.weights.len()));
+        }
+        if self.guards.len() != local.guards.len() {
+            return Err("a guard per fragment is due".into());
+        }
+        self.guards.iter().try_for_each(NormGuard::check)?;
+        if self.dirty.start > self.dirty.end || self.dirty.end > n {
+            return Err("the changed hull lies outside the range".into());
+        }
+        self.clocks.check()?;
+        let slots = local.optimizer.slots().len();
+        if let Some(r) = &self.rollback {
+            r.check(n, slots)?;
+        }
+        if let Some(p) = &mut self.public {
+            p.adopt_local(n, local.pull_codec)?;
+        }
+        self.optimizer.adopt_settings(&local.optimizer)?;
+        self.pull_codec = local.pull_codec;
+        self.decoder = Decoder::new(n);
+        self.scratch = vec![0.0; n];
+        Ok(())
     }
 
     /// A consistent copy of everything a checkpoint holds.

@@ -39,7 +39,7 @@ pub enum Verdict {
 }
 
 /// The loss-spike detector of one shard.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SpikeDetector {
     factor: f32,
     rounds: u32,
@@ -50,6 +50,11 @@ pub struct SpikeDetector {
 }
 
 impl SpikeDetector {
+    /// Checks a decoded detector (a peer's state image).
+    pub(crate) fn check(&self) -> Result<(), String> {
+        self.good.check()
+    }
+
     /// A detector calling `rounds` consecutive rounds above `factor` × the median of the last `window` good rounds
     /// (or non-finite) a spike.
     pub fn new(factor: f32, rounds: u32, window: usize) -> Self {

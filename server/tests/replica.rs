@@ -8,6 +8,7 @@ use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::Staleness;
 use tether_common::protocol::{encode_push, Precision, PullMode, PushFrame};
 use tether_common::testing::{flat_layout, sgd, TestRng};
+use tether_server::image;
 use tether_server::protocol::ShardProtocol;
 use tether_server::quorum::QuorumSettings;
 use tether_server::replica::{self, Entry, Follower, Input, ReplicaError};
@@ -260,7 +261,110 @@ fn a_standby_that_applies_the_log_holds_the_primarys_state_bit_for_bit() {
             primary.core().clocks().clocks().collect::<Vec<_>>(),
             "seed {seed}: clock tables"
         );
+        // Everything else too: members, outcome windows, parked pulls, guard and quorum state, counters.
+        assert!(
+            image::encode(&standby, 0).unwrap() == image::encode(&primary, 0).unwrap(),
+            "seed {seed}: full state images differ"
+        );
     }
+}
+
+#[test]
+fn a_standby_seeded_from_an_image_mid_run_then_following_the_log_holds_the_primarys_state() {
+    for seed in 0..30u64 {
+        let quorum = (seed % 3) as u32;
+        let mut rng = TestRng::new(seed ^ 0x5eed);
+        let inputs = schedule(seed, 400);
+        let cut = 20 + rng.below(inputs.len() as u64 - 40) as usize;
+        let mut primary = shard(quorum);
+        let mut standby = shard(quorum);
+        let mut follower = None;
+        let mut seq = 0;
+        let mut wire = Vec::new();
+        for (i, input) in inputs.into_iter().enumerate() {
+            if i == cut {
+                // The primary has served workers for a while: the standby starts from its image instead.
+                let now = input.now_ms().unwrap_or(0);
+                let bytes = image::encode(&primary, now).unwrap();
+                assert_eq!(image::restore(&bytes, &mut standby).unwrap(), now);
+                assert_eq!(
+                    state(&standby),
+                    state(&primary),
+                    "seed {seed}: restored state"
+                );
+                follower = Some(Follower::seeded(now, standby.max_conn()));
+                seq = 0;
+            }
+            seq += 1;
+            let entry = primary_takes(&mut primary, seq, input);
+            if let Some(f) = follower.as_mut() {
+                replica::encode(&entry, &mut wire).unwrap();
+                f.accept(&mut standby, &replica::decode(&wire).unwrap())
+                    .unwrap();
+            }
+        }
+        assert!(primary.stats().updates_applied > 50, "seed {seed}");
+        assert_eq!(state(&standby), state(&primary), "seed {seed}: final state");
+        assert!(
+            image::encode(&standby, 0).unwrap() == image::encode(&primary, 0).unwrap(),
+            "seed {seed}: full state images differ"
+        );
+    }
+}
+
+#[test]
+fn images_that_do_not_fit_or_do_not_decode_are_refused_and_change_nothing() {
+    let mut primary = shard(0);
+    for input in schedule(3, 200) {
+        primary_takes(&mut primary, 0, input);
+    }
+    let good = image::encode(&primary, 77).unwrap();
+    let fresh = image::encode(&shard(0), 0).unwrap();
+    // Another shard's layout: a range of a different length.
+    let mut other = {
+        let spec = ShardSpec {
+            shard: 0,
+            shards: 1,
+            seed: 1,
+            optimizer: sgd(0.5),
+            staleness: Staleness::Bounded(1),
+            worker_timeout_ms: 1_000,
+            spike_factor: 0.0,
+        };
+        ShardProtocol::new(ShardCore::new(&flat_layout(N + 1), &spec))
+    };
+    let other_before = image::encode(&other, 0).unwrap();
+    assert!(matches!(
+        image::restore(&good, &mut other),
+        Err(ReplicaError::Image(_))
+    ));
+    assert!(image::encode(&other, 0).unwrap() == other_before);
+    let mut trailing = good.clone();
+    trailing.push(0);
+    let mut format = good.clone();
+    format[0] = 9;
+    for bytes in [
+        &good[..good.len() - 1],
+        &good[..good.len() / 2],
+        &trailing[..],
+        &format[..],
+        &[][..],
+        &[0xff; 64][..],
+    ] {
+        let mut local = shard(0);
+        assert!(
+            matches!(
+                image::restore(bytes, &mut local),
+                Err(ReplicaError::Image(_))
+            ),
+            "{} bytes",
+            bytes.len()
+        );
+        assert!(image::encode(&local, 0).unwrap() == fresh);
+    }
+    let mut local = shard(0);
+    assert_eq!(image::restore(&good, &mut local).unwrap(), 77);
+    assert_eq!(state(&local), state(&primary));
 }
 
 #[test]

@@ -518,6 +518,13 @@ impl fmt::Debug for Decoder {
     }
 }
 
+impl Default for Decoder {
+    /// A decoder of empty frames (a placeholder until a sized one replaces it).
+    fn default() -> Self {
+        Decoder::new(0)
+    }
+}
+
 impl Decoder {
     /// Creates a decoder that accepts frames of at most `max_len` elements, with the fastest kernel available.
     pub fn new(max_len: usize) -> Self {

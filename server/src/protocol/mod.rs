@@ -94,7 +94,7 @@ pub enum Action {
     },
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 struct Parked {
     token: u64,
     conn: ConnId,
@@ -105,7 +105,7 @@ struct Parked {
 }
 
 /// Per-worker protocol state besides its clock-table row.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 struct Member {
     /// The connection that speaks for the worker now (pulls and heartbeats on older ones are ignored).
     conn: Option<ConnId>,
@@ -115,7 +115,7 @@ struct Member {
     leaving: Option<Leaving>,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
 struct Leaving {
     conn: ConnId,
     clock: u64,
@@ -213,13 +213,19 @@ enum Queued {
 ///
 /// Read-only views ([`version`](Self::version), [`stats`](Self::stats), [`snapshot`](Self::snapshot), ...) serve
 /// metrics and checkpoints; they change nothing.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct ShardProtocol {
     core: ShardCore,
     members: BTreeMap<u32, Member>,
     parked: Vec<Parked>,
+    /// Empty whenever an image is taken (the shell drains it after every input).
+    #[serde(skip)]
     actions: VecDeque<Queued>,
     next_token: u64,
+    /// The highest connection id any input named: a shard that takes over hands out ids above it.
+    max_conn: ConnId,
     /// Converted values of full replies, kept between replies so the allocation is reused.
+    #[serde(skip)]
     scratch: Vec<u8>,
 }
 
@@ -232,8 +238,44 @@ impl ShardProtocol {
             parked: Vec::new(),
             actions: VecDeque::new(),
             next_token: 0,
+            max_conn: 0,
             scratch: Vec::new(),
         }
+    }
+
+    /// Completes a decoded protocol (a peer's state image, see [`crate::image`]) with `local`'s settings and
+    /// scratch, after checking its shapes: outcome windows and parked pulls within their bounds, every parked token
+    /// below the next one, and the core (see [`ShardCore::adopt_local`]). Changes only `self`.
+    pub(crate) fn adopt_local(&mut self, local: &ShardProtocol) -> Result<(), String> {
+        if self
+            .members
+            .values()
+            .any(|m| m.outcomes.len() > OUTCOME_WINDOW)
+        {
+            return Err("an outcome window is longer than the protocol keeps".into());
+        }
+        for p in &self.parked {
+            if p.token >= self.next_token {
+                return Err("a parked pull's token was never handed out".into());
+            }
+            if self.parked.iter().filter(|q| q.worker == p.worker).count() > MAX_PARKED_PER_WORKER {
+                return Err(format!("worker {} has too many parked pulls", p.worker));
+            }
+        }
+        self.core.adopt_local(&local.core)?;
+        self.actions.clear();
+        self.scratch.clear();
+        Ok(())
+    }
+
+    /// Whether actions wait in the queue (an image is taken only with none pending).
+    pub(crate) fn has_pending_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
+    /// The highest connection id any hello named: a shard that takes over hands out ids above it.
+    pub fn max_conn(&self) -> ConnId {
+        self.max_conn
     }
 
     /// The shard core (weights, version, clock table, counters), read-only.
@@ -362,6 +404,7 @@ impl ShardProtocol {
         now_ms: u64,
     ) -> Result<Welcome, ShardError> {
         let clock = self.core.join_at(worker, clock, now_ms)?;
+        self.max_conn = self.max_conn.max(conn);
         let member = self.members.entry(worker).or_default();
         let old = member.conn.replace(conn);
         if let Some(old) = old.filter(|c| *c != conn) {
