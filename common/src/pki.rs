@@ -534,14 +534,12 @@ impl Authority {
                     }
                 }
                 params.subject_alt_names = names.into_iter().map(san).collect::<Result<_, _>>()?;
-                params.extended_key_usages = match node {
-                    // A standby also dials its primary as a client.
-                    Node::Standby { .. } => vec![
-                        ExtendedKeyUsagePurpose::ServerAuth,
-                        ExtendedKeyUsagePurpose::ClientAuth,
-                    ],
-                    _ => vec![ExtendedKeyUsagePurpose::ServerAuth],
-                };
+                // Both nodes of a replicated shard also dial each other as clients (a standby its primary, a
+                // restarted primary the standby that took over).
+                params.extended_key_usages = vec![
+                    ExtendedKeyUsagePurpose::ServerAuth,
+                    ExtendedKeyUsagePurpose::ClientAuth,
+                ];
             }
             Node::Worker { .. } | Node::SharedClient => {
                 params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];

@@ -191,6 +191,7 @@ fn error_codes_are_stable() {
         (ErrorCode::ConfigMismatch, 19),
         (ErrorCode::Superseded, 20),
         (ErrorCode::NotPrimary, 21),
+        (ErrorCode::Unseeded, 22),
     ];
     assert_eq!(table, expected);
     for (code, n) in expected {
@@ -198,7 +199,7 @@ fn error_codes_are_stable() {
         assert_eq!(code.close_code().into_inner(), u64::from(n));
     }
     assert_eq!(ErrorCode::from_code(0), None);
-    assert_eq!(ErrorCode::from_code(22), None);
+    assert_eq!(ErrorCode::from_code(23), None);
 }
 
 #[test]

@@ -8,12 +8,13 @@ use libfuzzer_sys::fuzz_target;
 use rkyv::util::AlignedVec;
 use tether_common::protocol::*;
 
-const ALL: [FrameKind; 5] = [
+const ALL: [FrameKind; 6] = [
     FrameKind::Control,
     FrameKind::Push,
     FrameKind::Params,
     FrameKind::Delta,
     FrameKind::Replica,
+    FrameKind::ReplicaImage,
 ];
 
 fn decode_body(kind: FrameKind, body: &[u8]) {
@@ -51,6 +52,22 @@ fn decode_body(kind: FrameKind, body: &[u8]) {
                 tether_server::replica::encode(&entry, &mut again).expect("re-encode");
                 assert_eq!(tether_server::replica::decode(&again).expect("decode re-encoded"), entry);
             }
+        }
+        FrameKind::ReplicaImage => {
+            let spec = tether_server::shard::ShardSpec {
+                shard: 0,
+                shards: 1,
+                seed: 1,
+                optimizer: tether_common::testing::sgd(0.1),
+                staleness: tether_common::config::Staleness::Bounded(1),
+                worker_timeout_ms: 1_000,
+                spike_factor: 0.0,
+            };
+            let mut proto = tether_server::protocol::ShardProtocol::new(tether_server::shard::ShardCore::new(
+                &tether_common::testing::flat_layout(16),
+                &spec,
+            ));
+            let _ = tether_server::image::restore(body, &mut proto);
         }
         FrameKind::Delta => {
             let mut aligned = AlignedVec::<16>::with_capacity(body.len());

@@ -21,6 +21,7 @@ use tether_common::protocol::{
 };
 
 use crate::checkpoint::CheckpointStore;
+use crate::image;
 use crate::protocol::{Action, ConnId, ShardProtocol, WireReply};
 use crate::remote::RemoteStore;
 use crate::replica::{self, Entry, Follower, Input, ReplicaError};
@@ -122,10 +123,11 @@ pub struct GetWeights;
 #[rtype(result = "Option<(PublicRef, Vec<f32>)>")]
 pub struct GetPublic;
 
-/// A standby asks to follow this shard (see [`crate::replica`]): granted only to a primary that has no standby and
-/// has served nobody yet, whose configuration, layout and state match the standby's. On success the log's encoded
-/// entries come out of the receiver, and the shard holds every reply back until the standby acknowledged, through
-/// the watch, the entry that produced it.
+/// A standby asks to follow this shard (see [`crate::replica`]): granted only by a primary (not a node that follows
+/// or is still finding its role) that has no standby, whose configuration and layout match the standby's. On success
+/// the standby gets the shard's state image as of now (see [`crate::image`]), then the encoded log entries after
+/// it out of the receiver, and the shard holds every reply back until the standby acknowledged, through the watch,
+/// the entry that produced it.
 #[derive(Message)]
 #[rtype(result = "Result<Subscription, ReplicaError>")]
 pub struct Subscribe {
@@ -133,14 +135,14 @@ pub struct Subscribe {
     pub config_digest: u64,
     /// The standby's layout fingerprint.
     pub layout_hash: u64,
-    /// The standby's state fingerprint ([`replica::state_digest`]).
-    pub state_digest: u64,
 }
 
 /// What a granted [`Subscribe`] hands the replication link.
 pub struct Subscription {
     /// The public-copy lineage the standby takes over.
     pub lineage: u64,
+    /// The shard's state image, which the log continues.
+    pub image: Vec<u8>,
     /// Encoded log entries, in order.
     pub log: mpsc::UnboundedReceiver<Vec<u8>>,
     /// Where the link reports the newest entry the standby applied (`u64::MAX`: the standby is gone, stop waiting).
@@ -157,12 +159,13 @@ pub struct ReplicaLost;
 #[rtype(result = "(u64, u64)")]
 pub struct GetDigests;
 
-/// Standby: start following with the primary's lineage.
+/// A node finding its role: adopt the primary's state image and follow its log from there (refused, changing
+/// nothing, when the image does not fit this shard or this node serves already).
 #[derive(Message)]
-#[rtype(result = "()")]
+#[rtype(result = "Result<(), ReplicaError>")]
 pub struct Follow {
-    /// The primary's public-copy lineage.
-    pub lineage: u64,
+    /// The primary's state image ([`crate::image`]).
+    pub image: Vec<u8>,
 }
 
 /// Standby: apply one entry of the primary's log; returns its number.
@@ -170,10 +173,11 @@ pub struct Follow {
 #[rtype(result = "Result<u64, ReplicaError>")]
 pub struct Replicate(pub Entry);
 
-/// Standby: the primary is gone; serve as shard K from the state the log built. Returns the version taken over and
-/// the number of entries applied.
+/// A node that followed (or was finding its role): serve as shard K from the state it holds (the image and log it
+/// followed; its own, for a designated primary that found no primary). Returns the version taken over, the number of
+/// entries applied and the highest connection id the state names (new connections take ids above it).
 #[derive(Message)]
-#[rtype(result = "(u64, u64)")]
+#[rtype(result = "(u64, u64, ConnId)")]
 pub struct TakeOver;
 
 /// The link to the standby while it follows.
@@ -205,16 +209,12 @@ pub struct ShardActor {
     epoch: u64,
     /// Milliseconds added to the time since `started` (a standby that took over continues its primary's clock).
     clock_base: u64,
-    /// Hellos taken so far (a standby may start following only a shard that has taken none).
-    hellos: u64,
     /// The link to this shard's standby, while one follows.
     replica: Option<Replication>,
     /// Standby: the log applied so far, while following.
     following: Option<Follower>,
     /// Fingerprint of the configuration this shard runs under ([`replica::config_digest`]).
     config_digest: u64,
-    /// A primary with a configured standby serves nobody until the standby follows, or until this instant.
-    await_standby: Option<Instant>,
 }
 
 impl ShardActor {
@@ -258,19 +258,10 @@ impl ShardActor {
             grace_armed: None,
             epoch: 0,
             clock_base: 0,
-            hellos: 0,
             replica: None,
             following: None,
             config_digest: 0,
-            await_standby: None,
         }
-    }
-
-    /// A primary whose standby is configured: workers are turned away ([`ShardError::NotPrimary`]) until the standby
-    /// follows, for at most `wait` (then it serves without one), so that the standby starts from the same state.
-    pub fn awaiting_standby(mut self, wait: std::time::Duration) -> Self {
-        self.await_standby = Some(Instant::now() + wait);
-        self
     }
 
     /// Records the configuration fingerprint a standby must match ([`replica::config_digest`]).
@@ -279,7 +270,8 @@ impl ShardActor {
         self
     }
 
-    /// A standby: it applies its primary's log ([`Replicate`]) and serves nobody until [`TakeOver`].
+    /// A node of a replicated shard finding its role: it serves nobody until [`TakeOver`]; after [`Follow`] it
+    /// applies its primary's log ([`Replicate`]).
     pub fn following(mut self) -> Self {
         self.following = Some(Follower::new());
         self
@@ -540,20 +532,7 @@ impl Handler<Hello> for ShardActor {
         if self.following.is_some() {
             return Err(ShardError::NotPrimary);
         }
-        if let Some(until) = self.await_standby {
-            if self.replica.is_none() && Instant::now() < until {
-                return Err(ShardError::NotPrimary);
-            }
-            if self.replica.is_none() {
-                warn!(
-                    shard = self.proto.shard(),
-                    "no standby followed in time; serving without one"
-                );
-            }
-            self.await_standby = None;
-        }
         let now = self.now_ms();
-        self.hellos += 1;
         self.log(Input::Hello {
             conn: msg.conn,
             worker: msg.worker,
@@ -774,16 +753,13 @@ async fn wait_acked(mut acked: watch::Receiver<u64>, seq: u64) {
 impl Handler<Subscribe> for ShardActor {
     type Result = Result<Subscription, ReplicaError>;
     fn handle(&mut self, msg: Subscribe, _: &mut Context<Self>) -> Self::Result {
-        if self.following.is_some() {
-            return Err(ReplicaError::Mismatch(
-                "it dialled a standby, not its primary".into(),
-            ));
+        if let Some(f) = &self.following {
+            return Err(ReplicaError::NotLeading {
+                seeded: f.is_seeded(),
+            });
         }
         if self.replica.is_some() {
             return Err(ReplicaError::Taken);
-        }
-        if self.hellos > 0 {
-            return Err(ReplicaError::TooLate);
         }
         let core = self.proto.core();
         if msg.layout_hash != core.layout_hash() {
@@ -794,13 +770,9 @@ impl Handler<Subscribe> for ShardActor {
                 "configurations differ (compare cluster.toml of both)".into(),
             ));
         }
-        if msg.state_digest != replica::state_digest(&self.proto.snapshot()) {
-            return Err(ReplicaError::Mismatch(
-                "starting states differ (weights, optimizer state or clocks: resume both from the same checkpoint, \
-                 or neither)"
-                    .into(),
-            ));
-        }
+        let lineage = core.lineage();
+        // The actions were drained after the last input, so the image is the state every reply so far reflects.
+        let image = image::encode(&self.proto, self.now_ms())?;
         let (log_tx, log_rx) = mpsc::unbounded_channel();
         let (acked_tx, acked_rx) = watch::channel(0);
         self.replica = Some(Replication {
@@ -808,13 +780,18 @@ impl Handler<Subscribe> for ShardActor {
             seq: 0,
             acked: acked_rx,
         });
-        self.await_standby = None;
         if let Some(m) = &self.metrics {
             m.replica_connected.set(1);
         }
-        info!(shard = self.proto.shard(), "standby following");
+        info!(
+            shard = self.proto.shard(),
+            version = self.proto.version(),
+            image_bytes = image.len(),
+            "standby following from a state image"
+        );
         Ok(Subscription {
-            lineage: core.lineage(),
+            lineage,
+            image,
             log: log_rx,
             acked: acked_tx,
         })
@@ -847,10 +824,17 @@ impl Handler<GetDigests> for ShardActor {
 }
 
 impl Handler<Follow> for ShardActor {
-    type Result = ();
-    fn handle(&mut self, msg: Follow, _: &mut Context<Self>) {
-        let codec = self.proto.core().pull_codec();
-        self.proto.core_mut().set_public(codec, msg.lineage);
+    type Result = Result<(), ReplicaError>;
+    fn handle(&mut self, msg: Follow, _: &mut Context<Self>) -> Self::Result {
+        if self.following.is_none() {
+            return Err(ReplicaError::Mismatch("this node serves already".into()));
+        }
+        let now_ms = image::restore(&msg.image, &mut self.proto)?;
+        self.following = Some(Follower::seeded(now_ms, self.proto.max_conn()));
+        if let Some(m) = &self.metrics {
+            m.version.set(self.proto.version() as i64);
+        }
+        Ok(())
     }
 }
 
@@ -874,26 +858,34 @@ impl Handler<TakeOver> for ShardActor {
     type Result = MessageResult<TakeOver>;
     fn handle(&mut self, _: TakeOver, ctx: &mut Context<Self>) -> Self::Result {
         let Some(follower) = self.following.take() else {
-            return MessageResult((self.proto.version(), 0));
+            return MessageResult((self.proto.version(), 0, self.proto.max_conn()));
         };
-        // The shard's clock continues from the newest time of the log.
+        // The shard's clock continues from the newest time of the image and the log.
         self.clock_base = follower.last_now_ms();
         self.started = Instant::now();
-        self.hellos = u64::from(follower.applied() > 0);
         let version = self.proto.version();
-        info!(
-            shard = self.proto.shard(),
-            version,
-            entries = follower.applied(),
-            "standby took over"
-        );
+        if follower.is_seeded() {
+            info!(
+                shard = self.proto.shard(),
+                version,
+                entries = follower.applied(),
+                "standby took over"
+            );
+        } else {
+            info!(
+                shard = self.proto.shard(),
+                version, "no primary to follow: serving as the shard's primary"
+            );
+        }
         if let Some(m) = &self.metrics {
             m.version.set(version as i64);
-            m.takeovers.inc();
+            if follower.is_seeded() {
+                m.takeovers.inc();
+            }
         }
         self.update_live();
         self.arm_grace(ctx);
-        MessageResult((version, follower.applied()))
+        MessageResult((version, follower.applied(), self.proto.max_conn()))
     }
 }
 

@@ -80,7 +80,7 @@ impl AdmissionLimits {
             PeerIdentity::Worker(_) => self.per_identity,
             PeerIdentity::Client => self.shared_client,
             // One replication link, and a spare while a restarted standby's old connection times out.
-            PeerIdentity::Standby(_) => 2,
+            PeerIdentity::Standby(_) | PeerIdentity::Shard(_) => 2,
         }
     }
 }

@@ -102,17 +102,15 @@ pub async fn serve_connection(
         }
     };
     match identity {
-        PeerIdentity::Standby(k) if k == ctx.shard && !ctx.following.load(Ordering::Acquire) => {
+        // The other node of this shard (its standby, or its designated primary restarted): the actor decides whether
+        // this node leads and can seed it, or tells it to wait (NotPrimary) or to lead itself (Unseeded).
+        PeerIdentity::Standby(k) | PeerIdentity::Shard(k) if k == ctx.shard => {
             serve_standby(conn, ctx).await;
             return;
         }
-        PeerIdentity::Standby(k) => {
-            warn!(shard = ctx.shard, %peer, standby_of = k, "refusing a standby of another shard, or a standby's standby");
-            close_with(
-                &conn,
-                ErrorCode::Unauthorized,
-                "not this shard's primary's standby",
-            );
+        PeerIdentity::Standby(k) | PeerIdentity::Shard(k) => {
+            warn!(shard = ctx.shard, %peer, node_of = k, "refusing a node of another shard");
+            close_with(&conn, ErrorCode::Unauthorized, "not a node of this shard");
             return;
         }
         _ if ctx.following.load(Ordering::Acquire) => {
@@ -251,7 +249,6 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
         shard,
         layout_hash,
         config_digest,
-        state_digest,
     } = hello
     else {
         let e = ProtocolError::UnexpectedMessage(format!("{} from a standby", hello.name()));
@@ -271,7 +268,6 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
         .send(Subscribe {
             config_digest,
             layout_hash,
-            state_digest,
         })
         .await
     {
@@ -296,6 +292,13 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
             .await?;
         let (_sender, mut receiver) = control.split();
         let mut stream = conn.open_uni().await?;
+        let header = FrameHeader::encode(FrameKind::ReplicaImage, sub.image.len())?;
+        stream.write_all(&header).await.map_err(NetError::Write)?;
+        stream
+            .write_all(&sub.image)
+            .await
+            .map_err(NetError::Write)?;
+        drop(sub.image);
         info!(shard = ctx.shard, %peer, "standby following: replies wait for its acknowledgement");
         let writer = async {
             while let Some(entry) = log.recv().await {

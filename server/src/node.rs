@@ -262,36 +262,44 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     )
     .with_remote(remote, cfg.checkpoint.local)
     .with_config_digest(replica::config_digest(cfg));
-    if opts.standby {
+    // Both nodes of a replicated shard start by finding their role: each asks the other to seed it.
+    let replicated = opts.standby || cfg.cluster.replicated();
+    if replicated {
         actor = actor.following();
-    } else if cfg.cluster.replicated() {
-        actor = actor.awaiting_standby(STANDBY_WAIT);
     }
     let (addr, arbiter) = actor.start_on_own_arbiter();
-    let following = Arc::new(AtomicBool::new(opts.standby));
+    let following = Arc::new(AtomicBool::new(replicated));
     let ctx_following = following.clone();
     let ctx = Arc::new(ConnectionContext {
         shard_actor: addr.clone(),
         shard: opts.shard,
         layout_hash,
         limits,
-        next_conn: AtomicU64::new(if opts.standby {
-            replica::TAKEOVER_CONN_BASE
-        } else {
-            0
-        }),
+        next_conn: AtomicU64::new(0),
         admission: Admission::new(AdmissionLimits::for_workers(cfg.cluster.rank_limit())),
         following: following.clone(),
     });
-    let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx));
-    let (follower, standby_failed) = if opts.standby {
+    let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
+    let (follower, standby_failed) = if replicated {
         let (failed_tx, failed_rx) = tokio::sync::watch::channel(None);
+        let addresses = cfg.cluster.shard_addresses(opts.shard as usize);
+        let peer = if opts.standby {
+            addresses.first()
+        } else {
+            addresses.get(1)
+        }
+        .cloned()
+        .ok_or(Error::Replica(replica::ReplicaError::Mismatch(format!(
+            "shard {} has no standby address in cluster.standbys",
+            opts.shard
+        ))))?;
         let link = FollowLink {
-            primary: cfg.cluster.servers[opts.shard as usize].clone(),
+            peer,
+            designated_primary: !opts.standby,
             tls: tls.clone(),
             tuning: TransportTuning::for_failover(cfg.cluster.failover_ms).sized_for(&limits),
             actor: addr.clone(),
-            following,
+            ctx,
             shard: opts.shard,
             config_digest: replica::config_digest(cfg),
             limits,
@@ -323,39 +331,45 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     })
 }
 
-/// A primary with a configured standby turns workers away for at most this long while it waits for the standby to
-/// follow (then it serves without one).
-pub const STANDBY_WAIT: Duration = Duration::from_secs(30);
-
-/// How long a standby keeps dialling a primary that does not answer before it gives up.
+/// How long a node of a replicated shard keeps asking its peer to seed it before it gives up (a standby whose
+/// primary never answers, or a node whose peer keeps saying it follows someone else).
 pub const FOLLOW_DEADLINE: Duration = Duration::from_secs(60);
 
-/// A standby's link to its primary: dial, say hello with this shard's fingerprints, apply the log entry by entry and
-/// acknowledge each; take over when the link is lost once the log has started.
+/// How one node of a replicated shard finds its role and then follows. It dials the shard's other node and asks to
+/// be its standby:
+/// - the peer leads: it sends its state image and then its log; this node applies both and acknowledges each entry,
+///   and takes over when the link is silent for `cluster.failover_ms`;
+/// - the peer holds no state either (`Unseeded`: both nodes are starting) or does not answer: the designated
+///   primary (`cluster.servers[K]`) leads; a standby asks again;
+/// - the peer follows, holding the shard's state (`NotPrimary`: its primary has just died and it has not taken
+///   over yet), or has a standby already: ask again.
+///
+/// So a primary that restarts after its standby took over comes back as that node's standby, seeded from its image.
 struct FollowLink {
-    primary: String,
+    peer: String,
+    designated_primary: bool,
     tls: TlsFiles,
     tuning: TransportTuning,
     actor: Addr<ShardActor>,
-    following: Arc<AtomicBool>,
+    ctx: Arc<ConnectionContext>,
     shard: u32,
     config_digest: u64,
     limits: FrameLimits,
 }
 
-/// Why a standby stopped following without taking over.
+/// Why a node stopped following without taking over.
 #[derive(Debug, thiserror::Error)]
 enum FollowError {
-    #[error("shard {shard}: the primary at {primary} refused this standby: {message}")]
+    #[error("shard {shard}: the shard's other node at {peer} refused this one: {message}")]
     Refused {
         shard: u32,
-        primary: String,
+        peer: String,
         message: String,
     },
-    #[error("shard {shard}: the primary at {primary} did not answer for {waited:?}: {last}")]
+    #[error("shard {shard}: the shard's other node at {peer} did not seed this one for {waited:?}: {last}")]
     Unreachable {
         shard: u32,
-        primary: String,
+        peer: String,
         waited: Duration,
         last: String,
     },
@@ -371,11 +385,15 @@ fn link_shard(e: &FollowError) -> u32 {
     }
 }
 
-/// How a standby's session with its primary ended.
+/// How a session with the shard's other node ended.
 enum Session {
-    /// Never got as far as the log (the primary is not up yet): dial again.
+    /// It did not answer (not up yet, or dead).
     NotStarted(String),
-    /// The log had started and the link is gone: take over.
+    /// It holds no state either.
+    Unseeded(String),
+    /// It follows holding the shard's state, or has a standby already: ask again.
+    Wait(String),
+    /// This node was seeded and followed, and the link is gone: take over.
     Lost(String),
 }
 
@@ -385,41 +403,53 @@ impl FollowLink {
         let endpoint =
             client_endpoint(&self.tls, &self.tuning).map_err(|e| FollowError::Unreachable {
                 shard: self.shard,
-                primary: self.primary.clone(),
+                peer: self.peer.clone(),
                 waited: Duration::ZERO,
                 last: e.to_string(),
             })?;
         let started = std::time::Instant::now();
         loop {
-            match self.session(&endpoint).await? {
-                Session::NotStarted(last) => {
-                    if started.elapsed() > FOLLOW_DEADLINE {
-                        return Err(FollowError::Unreachable {
-                            shard: self.shard,
-                            primary: self.primary.clone(),
-                            waited: FOLLOW_DEADLINE,
-                            last,
-                        });
-                    }
-                    debug!(shard = self.shard, primary = %self.primary, error = %last, "primary not reachable yet");
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                }
+            let last = match self.session(&endpoint).await? {
                 Session::Lost(why) => {
-                    warn!(shard = self.shard, primary = %self.primary, reason = %why, "primary lost: taking over");
-                    self.following.store(false, Ordering::Release);
-                    let (version, entries) = self
-                        .actor
-                        .send(TakeOver)
-                        .await
-                        .map_err(|_| FollowError::ActorGone { shard: self.shard })?;
-                    info!(
-                        shard = self.shard,
-                        version, entries, "serving as the shard's primary"
-                    );
-                    return Ok(());
+                    warn!(shard = self.shard, peer = %self.peer, reason = %why, "primary lost: taking over");
+                    return self.lead().await;
                 }
+                Session::NotStarted(why) | Session::Unseeded(why) if self.designated_primary => {
+                    info!(shard = self.shard, peer = %self.peer, reason = %why, "no primary to follow: leading");
+                    return self.lead().await;
+                }
+                Session::NotStarted(why) | Session::Unseeded(why) | Session::Wait(why) => why,
+            };
+            if started.elapsed() > FOLLOW_DEADLINE {
+                return Err(FollowError::Unreachable {
+                    shard: self.shard,
+                    peer: self.peer.clone(),
+                    waited: FOLLOW_DEADLINE,
+                    last,
+                });
             }
+            debug!(shard = self.shard, peer = %self.peer, reason = %last, "not seeded yet; asking again");
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
+    }
+
+    /// Serves as the shard's primary from the state this node holds.
+    async fn lead(&self) -> Result<(), FollowError> {
+        let (version, entries, max_conn) = self
+            .actor
+            .send(TakeOver)
+            .await
+            .map_err(|_| FollowError::ActorGone { shard: self.shard })?;
+        // New connections take ids above every id the state names, before any worker is let in.
+        self.ctx
+            .next_conn
+            .fetch_max(max_conn.saturating_add(1), Ordering::AcqRel);
+        self.ctx.following.store(false, Ordering::Release);
+        info!(
+            shard = self.shard,
+            version, entries, "serving as the shard's primary"
+        );
+        Ok(())
     }
 
     async fn session(&self, endpoint: &quinn::Endpoint) -> Result<Session, FollowError> {
@@ -428,20 +458,17 @@ impl FollowLink {
         let shard = self.shard;
         let refused = |message: String| FollowError::Refused {
             shard,
-            primary: self.primary.clone(),
+            peer: self.peer.clone(),
             message,
         };
         let gone = || FollowError::ActorGone { shard };
-        let Ok(addr) = resolve(&self.primary) else {
-            return Ok(Session::NotStarted(format!(
-                "cannot resolve {}",
-                self.primary
-            )));
+        let Ok(addr) = resolve(&self.peer) else {
+            return Ok(Session::NotStarted(format!("cannot resolve {}", self.peer)));
         };
         let host = self
-            .primary
+            .peer
             .rsplit_once(':')
-            .map_or(self.primary.as_str(), |(h, _)| h)
+            .map_or(self.peer.as_str(), |(h, _)| h)
             .trim_start_matches('[')
             .trim_end_matches(']')
             .to_string();
@@ -450,7 +477,7 @@ impl FollowLink {
             Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
-        let (layout_hash, state_digest) = self.actor.send(GetDigests).await.map_err(|_| gone())?;
+        let (layout_hash, _) = self.actor.send(GetDigests).await.map_err(|_| gone())?;
         let start = async {
             let mut control = ControlChannel::open(&conn).await?;
             control
@@ -458,7 +485,6 @@ impl FollowLink {
                     shard,
                     layout_hash,
                     config_digest: self.config_digest,
-                    state_digest,
                 })
                 .await?;
             let answer = control.recv().await?;
@@ -466,25 +492,58 @@ impl FollowLink {
         };
         let (control, answer) = match start.await {
             Ok(x) => x,
+            Err(e) if e.is_unseeded() => return Ok(Session::Unseeded(e.to_string())),
+            Err(e) if e.is_not_primary() => return Ok(Session::Wait(e.to_string())),
             Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
-        let lineage = match answer {
-            Control::ReplicaWelcome { lineage } => lineage,
-            Control::Error { code, message } => return Err(refused(format!("{code}: {message}"))),
+        match answer {
+            Control::ReplicaWelcome { .. } => {}
+            Control::Error { code, message } => {
+                let why = format!("{code}: {message}");
+                return match code {
+                    ErrorCode::Unseeded => Ok(Session::Unseeded(why)),
+                    ErrorCode::NotPrimary | ErrorCode::Overloaded => Ok(Session::Wait(why)),
+                    _ => Err(refused(why)),
+                };
+            }
             other => return Err(refused(format!("{} instead of a welcome", other.name()))),
-        };
-        self.actor
-            .send(Follow { lineage })
-            .await
-            .map_err(|_| gone())?;
-        info!(shard, primary = %self.primary, "following the primary");
+        }
         let (mut sender, _receiver) = control.split();
         let mut stream = match conn.accept_uni().await {
             Ok(s) => s,
-            Err(e) => return Ok(Session::Lost(e.to_string())),
+            Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
         let mut buf = rkyv::util::AlignedVec::new();
+        // The state image first: until it is adopted this node holds nothing it could take over with.
+        match read_frame(
+            &mut stream,
+            &self.limits,
+            &[FrameKind::ReplicaImage],
+            &mut buf,
+        )
+        .await
+        {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                return Ok(Session::NotStarted(
+                    "the peer ended before its image".into(),
+                ))
+            }
+            Err(tether_common::protocol::ReadFrameError::Protocol(p)) => {
+                return Err(refused(format!("bad image frame: {p}")))
+            }
+            Err(e) => return Ok(Session::NotStarted(e.to_string())),
+        }
+        let image_bytes = buf.len();
+        self.actor
+            .send(Follow {
+                image: buf.to_vec(),
+            })
+            .await
+            .map_err(|_| gone())?
+            .map_err(|e| refused(e.to_string()))?;
+        info!(shard, peer = %self.peer, image_bytes, "seeded from the primary's image; following its log");
         loop {
             match read_frame(&mut stream, &self.limits, &[FrameKind::Replica], &mut buf).await {
                 Ok(Some(_)) => {}

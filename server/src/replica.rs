@@ -167,11 +167,13 @@ pub enum ReplicaError {
     /// The standby and its primary disagree on something that must be equal before the log starts.
     #[error("standby and primary differ: {0}")]
     Mismatch(String),
-    /// The primary has taken inputs already, so a standby starting now could not hold its state.
-    #[error(
-        "the primary has served workers already: a standby must follow it from the start (restart the pair)"
-    )]
-    TooLate,
+    /// The node asked is not its shard's primary: it follows another node, or holds no state yet (`seeded` false:
+    /// it has just started and is finding its role).
+    #[error("not the shard's primary ({})", if *seeded { "it follows, holding the shard's state" } else { "it holds no state yet" })]
+    NotLeading {
+        /// Whether it holds the shard's state (it follows a primary, or was seeded by one).
+        seeded: bool,
+    },
     /// The shard has a standby already.
     #[error("the shard already has a standby")]
     Taken,
@@ -187,7 +189,9 @@ impl ReplicaError {
             | ReplicaError::OutOfOrder { .. }
             | ReplicaError::BadPush(_)
             | ReplicaError::TimeBackwards { .. } => ErrorCode::BadFrame,
-            ReplicaError::Mismatch(_) | ReplicaError::TooLate => ErrorCode::ConfigMismatch,
+            ReplicaError::Mismatch(_) => ErrorCode::ConfigMismatch,
+            ReplicaError::NotLeading { seeded: true } => ErrorCode::NotPrimary,
+            ReplicaError::NotLeading { seeded: false } => ErrorCode::Unseeded,
             ReplicaError::Taken => ErrorCode::Overloaded,
         }
     }
@@ -277,6 +281,7 @@ pub fn apply(
 /// anything changes.
 #[derive(Debug, Default)]
 pub struct Follower {
+    seeded: bool,
     applied: u64,
     last_now_ms: u64,
     max_conn: ConnId,
@@ -293,10 +298,16 @@ impl Follower {
     /// due is 1, and time may not run back before the image's.
     pub fn seeded(now_ms: u64, max_conn: ConnId) -> Follower {
         Follower {
+            seeded: true,
             last_now_ms: now_ms,
             max_conn,
             ..Follower::default()
         }
+    }
+
+    /// Whether it holds its shard's state: seeded from an image, or some entries applied.
+    pub fn is_seeded(&self) -> bool {
+        self.seeded || self.applied > 0
     }
 
     /// The newest entry applied (0: none).

@@ -430,7 +430,7 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
 
 #[actix_rt::test]
 async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_are_refused() {
-    use tether_server::actor::{GetDigests, ReplicaLost, Subscribe};
+    use tether_server::actor::{Follow, GetDigests, ReplicaLost, Subscribe, TakeOver};
     use tether_server::replica::{self, Input, ReplicaError};
     const CONFIG: u64 = 7;
     let start_with_digest = || {
@@ -439,31 +439,23 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
             .start_on_own_arbiter()
     };
     let (addr, arbiter) = start_with_digest();
-    let (layout_hash, state_digest) = addr.send(GetDigests).await.unwrap();
-    let subscribe = |config_digest, layout_hash, state_digest| Subscribe {
+    let (layout_hash, _) = addr.send(GetDigests).await.unwrap();
+    let subscribe = |config_digest, layout_hash| Subscribe {
         config_digest,
         layout_hash,
-        state_digest,
     };
-    // Another configuration, layout or starting state: refused.
-    for (c, l, s) in [
-        (CONFIG + 1, layout_hash, state_digest),
-        (CONFIG, layout_hash ^ 1, state_digest),
-        (CONFIG, layout_hash, state_digest ^ 1),
-    ] {
-        let r = addr.send(subscribe(c, l, s)).await.unwrap();
+    // Another configuration or layout: refused.
+    for (c, l) in [(CONFIG + 1, layout_hash), (CONFIG, layout_hash ^ 1)] {
+        let r = addr.send(subscribe(c, l)).await.unwrap();
         assert!(matches!(r, Err(ReplicaError::Mismatch(_))), "{:?}", r.err());
     }
     let mut sub = addr
-        .send(subscribe(CONFIG, layout_hash, state_digest))
+        .send(subscribe(CONFIG, layout_hash))
         .await
         .unwrap()
         .unwrap();
     // One standby per shard.
-    let again = addr
-        .send(subscribe(CONFIG, layout_hash, state_digest))
-        .await
-        .unwrap();
+    let again = addr.send(subscribe(CONFIG, layout_hash)).await.unwrap();
     assert!(matches!(again, Err(ReplicaError::Taken)));
     join(&addr, 0).await;
     // The push is applied at once, but its outcome waits for the standby's acknowledgement of its entry.
@@ -505,11 +497,60 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
     drop(sub);
     assert_eq!(push(&addr, 0, 1, 1).await, Ok(2));
     arbiter.stop();
-    // A standby that comes after workers joined could not hold the primary's state: refused.
+    // A standby that comes after workers joined and pushes were applied is seeded from the primary's image.
     let (late, arbiter) = start_with_digest();
-    let (l, s) = late.send(GetDigests).await.unwrap();
+    let (l, _) = late.send(GetDigests).await.unwrap();
     join(&late, 0).await;
-    let r = late.send(subscribe(CONFIG, l, s)).await.unwrap();
-    assert!(matches!(r, Err(ReplicaError::TooLate)), "{:?}", r.err());
-    arbiter.stop();
+    for clock in 0..3u64 {
+        assert_eq!(push(&late, 0, clock, clock).await, Ok(clock + 1));
+    }
+    let sub = late.send(subscribe(CONFIG, l)).await.unwrap().unwrap();
+    let standby = || {
+        ShardActor::new(core(Staleness::Unbounded, 60_000), None, 0, 60_000, None)
+            .with_config_digest(CONFIG)
+            .following()
+            .start_on_own_arbiter()
+    };
+    let (seeded, seeded_arbiter) = standby();
+    let (unseeded, unseeded_arbiter) = standby();
+    // A node finding its role answers a peer's request: it holds no state yet (the designated primary leads).
+    let r = unseeded.send(subscribe(CONFIG, l)).await.unwrap();
+    assert!(
+        matches!(r, Err(ReplicaError::NotLeading { seeded: false })),
+        "{:?}",
+        r.err()
+    );
+    // A bad image is refused and changes nothing; the primary's is adopted.
+    let mut bad = sub.image.clone();
+    bad.truncate(bad.len() / 2);
+    let r = seeded.send(Follow { image: bad }).await.unwrap();
+    assert!(matches!(r, Err(ReplicaError::Image(_))), "{r:?}");
+    assert_eq!(seeded.send(GetWeights).await.unwrap().0, 0);
+    seeded
+        .send(Follow {
+            image: sub.image.clone(),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    let (v, weights) = seeded.send(GetWeights).await.unwrap();
+    assert_eq!((v, bits(&weights)), {
+        let (v, w) = late.send(GetWeights).await.unwrap();
+        (v, bits(&w))
+    });
+    // While it follows it tells a third node to wait, and serves no worker.
+    let r = seeded.send(subscribe(CONFIG, l)).await.unwrap();
+    assert!(
+        matches!(r, Err(ReplicaError::NotLeading { seeded: true })),
+        "{:?}",
+        r.err()
+    );
+    // After a takeover it continues the primary's run: worker 0 rejoins at clock 3 and its next push applies.
+    let (version, entries, _) = seeded.send(TakeOver).await.unwrap();
+    assert_eq!((version, entries), (3, 0));
+    assert_eq!(join(&seeded, 0).await, 3);
+    assert_eq!(push(&seeded, 0, 3, 3).await, Ok(4));
+    for a in [arbiter, seeded_arbiter, unseeded_arbiter] {
+        a.stop();
+    }
 }

@@ -47,6 +47,7 @@ use tether::common::config::Staleness;
 use tether::common::layout::Layout;
 use tether::common::protocol::{Precision, PullMode};
 use tether::common::testing::{flat_layout, sgd, TestRng};
+use tether::server::image;
 use tether::server::protocol::{ConnId, ShardProtocol};
 use tether::server::quorum::QuorumSettings;
 use tether::server::replica::{self, Entry, Follower, Input};
@@ -460,7 +461,9 @@ impl Sim {
             && replica::state_digest(&primary.snapshot())
                 == replica::state_digest(&standby.proto.snapshot())
             && primary.public().map(|(c, v)| (c, bits_of(v)))
-                == standby.proto.public().map(|(c, v)| (c, bits_of(v)));
+                == standby.proto.public().map(|(c, v)| (c, bits_of(v)))
+            // Everything else as well: members, outcome windows, parked pulls, quorum and guard state, counters.
+            && image::encode(&primary, 0).ok() == image::encode(&standby.proto, 0).ok();
         if !same {
             self.diverged.get_or_insert(format!(
                 "shard {k}'s standby does not hold the primary's state at the failover (v{} against v{})",
@@ -475,6 +478,26 @@ impl Sim {
             standby.follower.applied()
         ));
         self.break_shard_conns(k);
+        // The dead primary's process comes back as the new primary's standby, seeded from its state image, so the
+        // shard can fail over again.
+        let mut core = shard_core(&self.layout, k, &self.faults);
+        // Its own configuration's pull codec, as a real node sets it before it asks to be seeded.
+        core.set_public(lossless(), 0);
+        let mut twin = ShardProtocol::new(core);
+        let seeded = image::encode(&standby.proto, self.now)
+            .and_then(|bytes| image::restore(&bytes, &mut twin));
+        match seeded {
+            Ok(now) => {
+                self.shards[k].standby = Some(Standby {
+                    follower: Follower::seeded(now, twin.max_conn()),
+                    proto: twin,
+                });
+            }
+            Err(e) => {
+                self.diverged
+                    .get_or_insert(format!("shard {k}'s new standby cannot be seeded: {e}"));
+            }
+        }
         self.shards[k].proto = Some(standby.proto);
     }
 

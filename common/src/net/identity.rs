@@ -17,6 +17,9 @@ pub enum PeerIdentity {
     Client,
     /// Shard K's standby (`tether-standby-K`): may follow shard K, and claims no rank.
     Standby(u32),
+    /// Shard K's designated primary (`tether-server-K`) dialling as a client: may follow shard K (a restarted
+    /// primary whose standby took over), and claims no rank.
+    Shard(u32),
 }
 
 /// A canonical decimal index after `prefix` ("+1", "01" and the like are refused).
@@ -57,7 +60,7 @@ impl PeerIdentity {
         match self {
             PeerIdentity::Worker(r) => r == rank,
             PeerIdentity::Client => true,
-            PeerIdentity::Standby(_) => false,
+            PeerIdentity::Standby(_) | PeerIdentity::Shard(_) => false,
         }
     }
 
@@ -69,6 +72,7 @@ impl PeerIdentity {
         index_after(cn, WORKER_CN_PREFIX)
             .map(PeerIdentity::Worker)
             .or_else(|| index_after(cn, STANDBY_CN_PREFIX).map(PeerIdentity::Standby))
+            .or_else(|| index_after(cn, SERVER_CN_PREFIX).map(PeerIdentity::Shard))
     }
 
     /// The identity in a DER certificate's subject common name.
@@ -88,6 +92,7 @@ impl std::fmt::Display for PeerIdentity {
             PeerIdentity::Worker(r) => write!(f, "{WORKER_CN_PREFIX}{r}"),
             PeerIdentity::Client => f.write_str(CLIENT_CN),
             PeerIdentity::Standby(k) => write!(f, "{STANDBY_CN_PREFIX}{k}"),
+            PeerIdentity::Shard(k) => write!(f, "{SERVER_CN_PREFIX}{k}"),
         }
     }
 }

@@ -101,7 +101,7 @@ impl NetError {
     /// connection with an application code other than `Overloaded`, or a QUIC version mismatch. Everything else
     /// (unreachable, timed out, reset, not resolved yet, a shard whose connection budget is full) is transient.
     pub fn is_permanent(&self) -> bool {
-        if self.is_not_primary() {
+        if self.is_not_primary() || self.is_unseeded() {
             return false;
         }
         matches!(
@@ -122,6 +122,14 @@ impl NetError {
         match self {
             NetError::Protocol(p) => p.code() == ErrorCode::NotPrimary,
             _ => self.remote_close_code() == Some(not_primary),
+        }
+    }
+
+    /// Whether the peer is a node of a replicated shard that holds no state yet ([`ErrorCode::Unseeded`]).
+    pub fn is_unseeded(&self) -> bool {
+        match self {
+            NetError::Protocol(p) => p.code() == ErrorCode::Unseeded,
+            _ => self.remote_close_code() == Some(u64::from(ErrorCode::Unseeded.code())),
         }
     }
 

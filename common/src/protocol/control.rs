@@ -85,7 +85,9 @@ pub enum Control {
         /// The worker's clock when it said goodbye.
         clock: u64,
     },
-    /// A standby asks shard `shard`'s primary for its replication log (the first message on its control stream).
+    /// A node of shard `shard` asks the shard's other node to be its standby (the first message on its control
+    /// stream): a primary answers with a welcome, anything else with an error (`NotPrimary`: wait; `Unseeded`: it
+    /// holds no state either).
     ReplicaHello {
         /// The shard it follows.
         shard: u32,
@@ -93,10 +95,9 @@ pub enum Control {
         layout_hash: u64,
         /// Fingerprint of its configuration, which must be the primary's.
         config_digest: u64,
-        /// Fingerprint of its starting state (weights, optimizer state, clocks), which must be the primary's.
-        state_digest: u64,
     },
-    /// The primary accepts a standby: the log follows on one unidirectional stream.
+    /// The primary accepts a standby: one unidirectional stream carries the shard's state image (a `ReplicaImage`
+    /// frame), then the log that continues it.
     ReplicaWelcome {
         /// The lineage of the primary's public copy (delta pulls), which the standby takes over.
         lineage: u64,

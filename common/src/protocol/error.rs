@@ -75,11 +75,14 @@ pub enum ErrorCode {
     Superseded = 20,
     /// This address is a standby that follows its primary: the worker tries the shard's other address.
     NotPrimary = 21,
+    /// This node of a replicated shard holds no state of it yet (it has just started and is finding its role): the
+    /// shard's designated primary serves, and a standby waits.
+    Unseeded = 22,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 21] = [
+    pub const ALL: [ErrorCode; 22] = [
         ErrorCode::BadFrame,
         ErrorCode::Oversized,
         ErrorCode::Truncated,
@@ -101,6 +104,7 @@ impl ErrorCode {
         ErrorCode::ConfigMismatch,
         ErrorCode::Superseded,
         ErrorCode::NotPrimary,
+        ErrorCode::Unseeded,
     ];
 
     /// The stable numeric value.

@@ -31,6 +31,8 @@ pub enum FrameKind {
     Delta = 4,
     /// One entry of a shard's replication log, primary to standby (bincode; see the server's `replica` module).
     Replica = 5,
+    /// A state image of a shard, primary to standby, once before its log (bincode; the server's `image` module).
+    ReplicaImage = 6,
 }
 
 impl FrameKind {
@@ -42,10 +44,17 @@ impl FrameKind {
             3 => Some(FrameKind::Params),
             4 => Some(FrameKind::Delta),
             5 => Some(FrameKind::Replica),
+            6 => Some(FrameKind::ReplicaImage),
             _ => None,
         }
     }
 }
+
+/// A state image holds at most this many f32 copies of the range (see [`FrameKind::ReplicaImage`]).
+const IMAGE_COPIES: usize = 64;
+
+/// Room in a state image for what is not a copy of the range (members, windows, counters).
+const IMAGE_SLACK: usize = 64 << 20;
 
 /// Largest body accepted per frame kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +107,13 @@ impl FrameLimits {
                 .saturating_add(super::delta::MAX_DELTA_HEADER_BYTES),
             // A log entry carries at most one push frame besides its few control fields.
             FrameKind::Replica => self.push.saturating_add(self.control),
+            // Weights, optimizer slots, the public copy and its delta log, rollback snapshots: a few dozen f32
+            // copies of the range at most, plus the members' windows.
+            FrameKind::ReplicaImage => self
+                .params
+                .saturating_mul(IMAGE_COPIES)
+                .saturating_add(IMAGE_SLACK)
+                .min(u32::MAX as usize),
         }
     }
 }
