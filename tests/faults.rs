@@ -688,3 +688,107 @@ fn a_shard_killed_for_good_fails_over_to_its_standby_without_losing_an_applied_u
     );
     assert!(acc > 0.85, "accuracy {acc}");
 }
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn a_restarted_primary_is_seeded_by_the_standby_that_took_over_and_takes_over_in_turn() {
+    let _serial = serial();
+    let c = Cluster::new(Spec {
+        standbys: true,
+        epochs: 8,
+        ..spec()
+    });
+    let n = c.spec.workers.to_string();
+    let exit_args = |report: &str| -> Vec<String> {
+        vec![
+            "--exit-after-workers".into(),
+            n.clone(),
+            "--report".into(),
+            report.into(),
+        ]
+    };
+    let (a0, s0, s1) = (
+        exit_args("server-0.json"),
+        exit_args("standby-0.json"),
+        exit_args("standby-1.json"),
+    );
+    let mut servers = c.servers(&[]);
+    let mut standby0 = c.standby(0, &strs(&s0));
+    let mut standby1 = c.standby(1, &strs(&s1));
+    // Slower steps than the other tests: two failovers and a re-seeding must land while the workers train.
+    let slow = |report: &'static str| vec!["--report", report, "--step-delay-ms", "100"];
+    let mut w0 = c.worker(0, &slow("w0.json"));
+    let mut w1 = c.worker(1, &slow("w1.json"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !w0.log_text().contains("progress") {
+        assert!(
+            w0.alive() && Instant::now() < deadline,
+            "worker 0 never trained:\n{}",
+            w0.log_tail(3000)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(
+        w0.alive() && w1.alive(),
+        "the workers ended before the kill"
+    );
+    // Shard 0's primary dies; its standby takes over. The primary's process comes back a second later with the same
+    // flags, finds the node that took over leading, and is seeded from its state image.
+    servers[0].kill9();
+    std::thread::sleep(Duration::from_millis(1000));
+    let mut again = c.server(0, &strs(&a0));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !again.log_text().contains("seeded from the primary's image") {
+        assert!(
+            again.alive(),
+            "the restarted primary died:\n{}",
+            again.log_tail(3000)
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the restarted primary was never seeded:\n{}\nstandby:\n{}",
+            again.log_tail(3000),
+            standby0.log_tail(3000)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        w0.alive() || w1.alive(),
+        "the workers ended before the second kill"
+    );
+    // Now the node that took over dies for good: the restarted primary takes over in turn.
+    standby0.kill9();
+    w0.wait_success(Duration::from_secs(120));
+    w1.wait_success(Duration::from_secs(120));
+    again.wait_success(Duration::from_secs(30));
+    servers[1].wait_success(Duration::from_secs(30));
+    standby1.wait_success(Duration::from_secs(30));
+    let (r0, r1) = (c.report("w0.json"), c.report("w1.json"));
+    let steps = num(&r0, "steps") + num(&r1, "steps");
+    let (applied0, applied1) = (
+        num(&c.report("server-0.json"), "updates_applied"),
+        num(&c.report("server-1.json"), "updates_applied"),
+    );
+    let acc = num(&r0, "final_test_accuracy");
+    println!(
+        "two failovers of shard 0 (primary, then the standby that took over): applied {applied0} (shard 1: \
+         {applied1}) for {steps} steps, accuracy {acc:.4}, longest stall {:.2} s",
+        max_step_gap(&r0)
+    );
+    assert!(
+        again.log_text().contains("standby took over"),
+        "the restarted primary never took over:\n{}",
+        again.log_tail(3000)
+    );
+    // Every step pushed once to each shard; every push applied exactly once across three nodes' lives.
+    assert_eq!(applied1, steps, "shard 1 lost or doubled an update");
+    assert_eq!(
+        applied0, steps,
+        "shard 0 lost or doubled an update across two failovers"
+    );
+    assert!(acc > 0.85, "accuracy {acc}");
+}

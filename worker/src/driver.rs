@@ -88,6 +88,9 @@ impl LinkIo {
 /// primary.
 const NOT_PRIMARY_RETRIES: u32 = 3;
 
+/// The delay before asking a replicated shard again after a node answered `NotPrimary`.
+const NOT_PRIMARY_BACKOFF: Duration = Duration::from_millis(100);
+
 /// Reconnect state of one shard.
 #[derive(Default)]
 struct Outage {
@@ -663,6 +666,11 @@ impl Driver {
                     Err(e) => {
                         debug!(rank = self.rank, shard, standby, error = %e, "connect failed");
                         let outage = &mut self.outages[shard];
+                        if e.is_not_primary() {
+                            // An answer, not a silence: the shard's nodes are settling who leads (a takeover, or
+                            // both starting), which takes about one failover period; ask again soon, not later.
+                            outage.backoff = NOT_PRIMARY_BACKOFF;
+                        }
                         if e.is_not_primary() && outage.not_primary < NOT_PRIMARY_RETRIES {
                             // A standby that is about to take over (its primary's link times out as ours did): ask
                             // it again before dialling the primary, which costs a handshake timeout if it is dead.
