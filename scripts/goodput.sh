@@ -18,9 +18,11 @@
 # final validation loss + 1%).
 # STANDBY=1 gives every shard a standby (cluster.standbys, `tether-server --standby`; FAILOVER sets
 # cluster.failover_ms, default 1000): the shard-lost run then fails over instead of ending, and periodic kills pick
-# only workers (a killed primary is not started again: its standby took over).
+# from workers 1-3 and both nodes of each shard (VICTIMS default "w1 w2 w3 s0 s1 b0 b1"); a killed shard node is
+# started again 1 s later with the same flags and is seeded by the node that leads (no --resume).
 # A shard's recovery time is measured from its kill to the first update its restarted process applies (polled on
-# its /metrics every 20 ms); the table gives the median and the largest.
+# its /metrics every 20 ms; without standbys), or, in the shard-lost run with standbys, to the first update the
+# standby applies as the primary; the table gives the median and the largest.
 # PLOT=FILE.png also plots rank 0's curve (accuracy, or validation loss for the GPT) against wall time for every run
 # (`tether-bench curves`; build it with `cargo build --release -p tether-bench`).
 # Prints one line per run and a table: time to the target and rank 0's whole run, each with its goodput (the
@@ -41,7 +43,7 @@ VICTIMS=${VICTIMS:-w1 w2 w3 s0 s1}
 LOST=${LOST:-1}
 STANDBY=${STANDBY:-0}
 FAILOVER=${FAILOVER:-1000}
-[ "$STANDBY" = 1 ] && VICTIMS=${VICTIMS_SET:-w1 w2 w3}
+[ "$STANDBY" = 1 ] && VICTIMS=${VICTIMS_SET:-w1 w2 w3 s0 s1 b0 b1}
 periods=("$@")
 [ ${#periods[@]} -gt 0 ] || periods=(30 10 5)
 [ "${periods[0]}" = none ] && periods=()
@@ -238,7 +240,10 @@ CONF
         [ "$STANDBY" = 1 ] && recovery "$killed_ms" "$((p0 + 21))" >> "$dir/recovery.txt" &
       else
         sleep 1
-        if [ "${v:0:1}" = s ]; then
+        if [ "$STANDBY" = 1 ] && [ "${v:0:1}" != w ]; then
+          # The shard's other node leads (or takes over); this one comes back as its standby, seeded by it.
+          start "$v"
+        elif [ "${v:0:1}" = s ]; then
           start "$v" --resume
           recovery "$killed_ms" "$((p0 + 10 + ${v#s}))" >> "$dir/recovery.txt" &
         else
