@@ -475,6 +475,8 @@ impl FollowLink {
         let conn = match connect_shard(endpoint, addr, &host, shard).await {
             Ok(c) => c,
             Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
+            // It answered (it is alive, but busy): never a reason for a designated primary to lead.
+            Err(e) if e.remote_close_code().is_some() => return Ok(Session::Wait(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
         let (layout_hash, _) = self.actor.send(GetDigests).await.map_err(|_| gone())?;
@@ -495,6 +497,7 @@ impl FollowLink {
             Err(e) if e.is_unseeded() => return Ok(Session::Unseeded(e.to_string())),
             Err(e) if e.is_not_primary() => return Ok(Session::Wait(e.to_string())),
             Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
+            Err(e) if e.remote_close_code().is_some() => return Ok(Session::Wait(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
         match answer {
