@@ -21,9 +21,6 @@ use crate::protocol::{ConnId, ShardProtocol};
 /// frame limit is tighter for a given shard.
 pub const MAX_ENTRY_BYTES: usize = 1 << 30;
 
-/// Connection ids a standby hands out after a takeover start here, above any its primary could have used.
-pub const TAKEOVER_CONN_BASE: ConnId = 1 << 48;
-
 /// One input of the shard protocol, as the primary took it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Input {

@@ -27,6 +27,11 @@ fn lossless() -> CodecConfig {
 
 /// A shard as both sides build it from the same configuration; `quorum` 0 is plain SSP.
 fn shard(quorum: u32) -> ShardProtocol {
+    shard_of(N, quorum)
+}
+
+/// A shard of `n` parameters.
+fn shard_of(n: usize, quorum: u32) -> ShardProtocol {
     let spec = ShardSpec {
         shard: 0,
         shards: 1,
@@ -36,7 +41,7 @@ fn shard(quorum: u32) -> ShardProtocol {
         worker_timeout_ms: 1_000,
         spike_factor: 0.0,
     };
-    let mut core = ShardCore::new(&flat_layout(N), &spec);
+    let mut core = ShardCore::new(&flat_layout(n), &spec);
     core.set_public(lossless(), 0xfeed);
     core.set_quorum(QuorumSettings {
         quorum,
@@ -321,18 +326,7 @@ fn images_that_do_not_fit_or_do_not_decode_are_refused_and_change_nothing() {
     let good = image::encode(&primary, 77).unwrap();
     let fresh = image::encode(&shard(0), 0).unwrap();
     // Another shard's layout: a range of a different length.
-    let mut other = {
-        let spec = ShardSpec {
-            shard: 0,
-            shards: 1,
-            seed: 1,
-            optimizer: sgd(0.5),
-            staleness: Staleness::Bounded(1),
-            worker_timeout_ms: 1_000,
-            spike_factor: 0.0,
-        };
-        ShardProtocol::new(ShardCore::new(&flat_layout(N + 1), &spec))
-    };
+    let mut other = shard_of(N + 1, 0);
     let other_before = image::encode(&other, 0).unwrap();
     assert!(matches!(
         image::restore(&good, &mut other),
