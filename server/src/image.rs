@@ -148,7 +148,8 @@ pub(crate) mod reasons {
     pub fn deserialize<'de, D: Deserializer<'de>>(
         d: D,
     ) -> Result<HashMap<&'static str, u64>, D::Error> {
-        let pairs = Vec::<(String, u64)>::deserialize(d)?;
+        // Borrowed from the input: a claimed length is checked against the bytes there, never allocated up front.
+        let pairs = Vec::<(&'de str, u64)>::deserialize(d)?;
         let mut map = HashMap::with_capacity(pairs.len().min(REJECT_REASONS.len()));
         for (label, n) in pairs {
             let Some(known) = REJECT_REASONS.iter().find(|r| **r == label) else {
@@ -173,7 +174,11 @@ pub(crate) mod bytes {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<::bytes::Bytes, D::Error> {
-        Ok(::bytes::Bytes::from(Vec::<u8>::deserialize(d)?))
+        // Borrowed from the input, then copied: a claimed length is checked against the bytes there, never
+        // allocated up front.
+        Ok(::bytes::Bytes::copy_from_slice(<&'de [u8]>::deserialize(
+            d,
+        )?))
     }
 }
 

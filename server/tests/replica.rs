@@ -356,6 +356,21 @@ fn images_that_do_not_fit_or_do_not_decode_are_refused_and_change_nothing() {
         );
         assert!(image::encode(&local, 0).unwrap() == fresh);
     }
+    // Found by the image_loader fuzz target: 85 bytes whose rejection-reason label claimed 4 GiB, which the
+    // decoder allocated before it found the input too short. Labels and cut bytes are now borrowed from the input.
+    let claims_4_gib: &[u8] = &[
+        0xd1, 0xfc, 0xbc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc,
+        0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0x33, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0xfc, 0xfc, 0xfc, 0xfc, 0xfe, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc,
+        0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0xfc, 0x0a,
+    ];
+    let mut local = shard(0);
+    assert!(matches!(
+        image::restore(claims_4_gib, &mut local),
+        Err(ReplicaError::Image(_))
+    ));
+    assert!(image::encode(&local, 0).unwrap() == fresh);
     let mut local = shard(0);
     assert_eq!(image::restore(&good, &mut local).unwrap(), 77);
     assert_eq!(state(&local), state(&primary));
