@@ -154,10 +154,10 @@ pub struct Subscription {
 #[rtype(result = "()")]
 pub struct ReplicaLost;
 
-/// This shard's fingerprints: configuration is the caller's; layout and state come from the shard.
+/// This shard's layout fingerprint, which a node asking to be seeded sends (its configuration's is its own).
 #[derive(Message)]
-#[rtype(result = "(u64, u64)")]
-pub struct GetDigests;
+#[rtype(result = "u64")]
+pub struct GetLayoutHash;
 
 /// A node finding its role: adopt the primary's state image and follow its log from there (refused, changing
 /// nothing, when the image does not fit this shard or this node serves already).
@@ -813,13 +813,10 @@ impl Handler<ReplicaLost> for ShardActor {
     }
 }
 
-impl Handler<GetDigests> for ShardActor {
-    type Result = MessageResult<GetDigests>;
-    fn handle(&mut self, _: GetDigests, _: &mut Context<Self>) -> Self::Result {
-        MessageResult((
-            self.proto.core().layout_hash(),
-            replica::state_digest(&self.proto.snapshot()),
-        ))
+impl Handler<GetLayoutHash> for ShardActor {
+    type Result = u64;
+    fn handle(&mut self, _: GetLayoutHash, _: &mut Context<Self>) -> u64 {
+        self.proto.core().layout_hash()
     }
 }
 

@@ -21,7 +21,9 @@ use tether_common::pki::{CheckpointKey, PkiError, CHECKPOINT_KEY_FILE};
 use tether_common::protocol::{ErrorCode, FrameKind, FrameLimits};
 use tether_common::report::RunReport;
 
-use crate::actor::{CheckpointNow, Follow, GetDigests, GetStats, Replicate, ShardActor, TakeOver};
+use crate::actor::{
+    CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, TakeOver,
+};
 use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
@@ -479,7 +481,7 @@ impl FollowLink {
             Err(e) if e.remote_close_code().is_some() => return Ok(Session::Wait(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
-        let (layout_hash, _) = self.actor.send(GetDigests).await.map_err(|_| gone())?;
+        let layout_hash = self.actor.send(GetLayoutHash).await.map_err(|_| gone())?;
         let start = async {
             let mut control = ControlChannel::open(&conn).await?;
             control

@@ -430,7 +430,7 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
 
 #[actix_rt::test]
 async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_are_refused() {
-    use tether_server::actor::{Follow, GetDigests, ReplicaLost, Subscribe, TakeOver};
+    use tether_server::actor::{Follow, GetLayoutHash, ReplicaLost, Subscribe, TakeOver};
     use tether_server::replica::{self, Input, ReplicaError};
     const CONFIG: u64 = 7;
     let start_with_digest = || {
@@ -439,7 +439,7 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
             .start_on_own_arbiter()
     };
     let (addr, arbiter) = start_with_digest();
-    let (layout_hash, _) = addr.send(GetDigests).await.unwrap();
+    let layout_hash = addr.send(GetLayoutHash).await.unwrap();
     let subscribe = |config_digest, layout_hash| Subscribe {
         config_digest,
         layout_hash,
@@ -499,7 +499,7 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
     arbiter.stop();
     // A standby that comes after workers joined and pushes were applied is seeded from the primary's image.
     let (late, arbiter) = start_with_digest();
-    let (l, _) = late.send(GetDigests).await.unwrap();
+    let l = late.send(GetLayoutHash).await.unwrap();
     join(&late, 0).await;
     for clock in 0..3u64 {
         assert_eq!(push(&late, 0, clock, clock).await, Ok(clock + 1));
