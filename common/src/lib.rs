@@ -5,6 +5,7 @@ pub mod codec;
 pub mod config;
 pub mod cpu;
 pub mod error_chain;
+pub mod fence;
 pub mod layout;
 pub mod logging;
 pub mod metrics;

@@ -35,6 +35,8 @@ pub const SERVER_CN_PREFIX: &str = "tether-server-";
 
 /// Common-name prefix of per-shard standby certificates (`tether-standby-K`).
 pub const STANDBY_CN_PREFIX: &str = "tether-standby-";
+/// Common name of the witness's certificate (the third vote of every replicated shard).
+pub const WITNESS_CN: &str = "tether-witness";
 
 /// Common name of the cluster CA.
 pub const CA_CN: &str = "tether-cluster-ca";
@@ -134,6 +136,11 @@ pub enum Node {
         /// Its own host names or addresses.
         hosts: Vec<String>,
     },
+    /// The witness (`tether-witness`), reachable at `hosts`: the third vote that fences replicated shards.
+    Witness {
+        /// Its own host names or addresses.
+        hosts: Vec<String>,
+    },
 }
 
 impl Node {
@@ -144,13 +151,14 @@ impl Node {
             Node::Worker { rank } => worker_file_stem(*rank),
             Node::SharedClient => "client".into(),
             Node::Standby { shard, .. } => format!("standby-{shard}"),
+            Node::Witness { .. } => "witness".into(),
         }
     }
 
     /// The file stem inside the bundle: `server`, `worker` or `client`.
     pub fn stem(&self) -> &'static str {
         match self {
-            Node::Server { .. } | Node::Standby { .. } => "server",
+            Node::Server { .. } | Node::Standby { .. } | Node::Witness { .. } => "server",
             Node::Worker { .. } => "worker",
             Node::SharedClient => "client",
         }
@@ -163,6 +171,7 @@ impl Node {
             Node::Worker { rank } => worker_cn(*rank),
             Node::SharedClient => CLIENT_CN.into(),
             Node::Standby { shard, .. } => standby_cn(*shard),
+            Node::Witness { .. } => WITNESS_CN.into(),
         }
     }
 }
@@ -521,7 +530,7 @@ impl Authority {
         params.serial_number = Some(serial.clone());
         validity.apply(&mut params);
         match node {
-            Node::Server { hosts, .. } | Node::Standby { hosts, .. } => {
+            Node::Server { hosts, .. } | Node::Standby { hosts, .. } | Node::Witness { hosts } => {
                 let mut names: Vec<&str> = Vec::new();
                 for host in hosts
                     .iter()
@@ -709,6 +718,9 @@ impl Plan {
                 })
                 .collect();
             nodes.extend(standbys);
+            nodes.push(Node::Witness {
+                hosts: self.hosts.clone(),
+            });
         }
         nodes.extend((0..self.workers).map(|rank| Node::Worker { rank }));
         if self.shared_client {

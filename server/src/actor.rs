@@ -21,6 +21,7 @@ use tether_common::protocol::{
 };
 
 use crate::checkpoint::CheckpointStore;
+use crate::fence_link::Fence;
 use crate::image;
 use crate::protocol::{Action, ConnId, ShardProtocol, WireReply};
 use crate::remote::RemoteStore;
@@ -137,22 +138,52 @@ pub struct Subscribe {
     pub layout_hash: u64,
 }
 
+/// The log bound: a standby this many entries behind is dropped (the primary serves on without it, fenced).
+pub const LOG_QUEUE: usize = 4096;
+
 /// What a granted [`Subscribe`] hands the replication link.
 pub struct Subscription {
     /// The public-copy lineage the standby takes over.
     pub lineage: u64,
     /// The shard's state image, which the log continues.
     pub image: Vec<u8>,
-    /// Encoded log entries, in order.
-    pub log: mpsc::UnboundedReceiver<Vec<u8>>,
-    /// Where the link reports the newest entry the standby applied (`u64::MAX`: the standby is gone, stop waiting).
-    pub acked: watch::Sender<u64>,
+    /// The log position of the image: entries continue at `seq + 1`.
+    pub seq: u64,
+    /// Encoded log entries, in order (bounded by [`LOG_QUEUE`]).
+    pub log: mpsc::Receiver<Vec<u8>>,
+    /// Where the link reports the newest entry the standby applied.
+    pub acked: Arc<watch::Sender<u64>>,
+    /// Names this link in [`ReplicaLost`].
+    pub link: u64,
 }
 
-/// The replication link to the standby ended: replies stop waiting for it.
+/// The replication link `0` to the standby ended. Held replies wait until the fence recorded that this node serves
+/// alone, or a new standby acknowledged them.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct ReplicaLost;
+pub struct ReplicaLost(pub u64);
+
+/// The standby of link `link`, incarnation `incarnation`, adopted the image and acknowledges the log: the fence may
+/// name it as the node that holds every acknowledged update.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StandbySynced {
+    /// The link.
+    pub link: u64,
+    /// The standby process's incarnation.
+    pub incarnation: u64,
+}
+
+/// The fence recorded that this node serves alone: release what waits for a standby.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SoloRecorded;
+
+/// The node lost its lease: stop serving, close every worker connection (`NotPrimary`), drop the standby, and
+/// follow again (the state stays until a primary's image replaces it).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StepDown;
 
 /// This shard's layout fingerprint, which a node asking to be seeded sends (its configuration's is its own).
 #[derive(Message)]
@@ -166,6 +197,8 @@ pub struct GetLayoutHash;
 pub struct Follow {
     /// The primary's state image ([`crate::image`]).
     pub image: Vec<u8>,
+    /// Its log position: the first entry due is `seq + 1`.
+    pub seq: u64,
 }
 
 /// Standby: apply one entry of the primary's log; returns its number.
@@ -182,9 +215,8 @@ pub struct TakeOver;
 
 /// The link to the standby while it follows.
 struct Replication {
-    log: mpsc::UnboundedSender<Vec<u8>>,
-    seq: u64,
-    acked: watch::Receiver<u64>,
+    log: mpsc::Sender<Vec<u8>>,
+    link: u64,
 }
 
 /// One shard of the parameter server.
@@ -215,6 +247,13 @@ pub struct ShardActor {
     following: Option<Follower>,
     /// Fingerprint of the configuration this shard runs under ([`replica::config_digest`]).
     config_digest: u64,
+    /// A replicated shard's fence: this node serves only while it holds the lease.
+    fence: Option<Arc<Fence>>,
+    /// The newest log position (advanced for every input of a fenced shard, logged or not).
+    seq: u64,
+    /// The newest position a standby acknowledged (`u64::MAX`: nothing needs to wait).
+    acked: Arc<watch::Sender<u64>>,
+    links: u64,
 }
 
 impl ShardActor {
@@ -261,7 +300,24 @@ impl ShardActor {
             replica: None,
             following: None,
             config_digest: 0,
+            fence: None,
+            seq: 0,
+            acked: Arc::new(watch::channel(u64::MAX).0),
+            links: 0,
         }
+    }
+
+    /// Fences this node: it serves only while `fence` holds the lease, and holds replies until its standby
+    /// acknowledged them or the fence recorded that it serves alone.
+    pub fn with_fence(mut self, fence: Arc<Fence>) -> Self {
+        self.fence = Some(fence);
+        self.acked.send_replace(0);
+        self
+    }
+
+    /// Whether this node serves now: it leads, and (fenced) holds the lease.
+    fn serves(&self) -> bool {
+        self.following.is_none() && self.fence.as_ref().is_none_or(|f| f.serving())
     }
 
     /// Records the configuration fingerprint a standby must match ([`replica::config_digest`]).
@@ -298,32 +354,60 @@ impl ShardActor {
         self.clock_base + self.started.elapsed().as_millis() as u64
     }
 
-    /// Appends `input` to the replication log, if a standby follows (before the protocol takes it).
+    /// Appends `input` to the replication log, if a standby follows (before the protocol takes it). A fenced shard
+    /// numbers every input, logged or not, so that a reply never waits for less than the input that made it.
     fn log(&mut self, input: Input) {
+        if self.fence.is_none() {
+            return;
+        }
+        self.seq += 1;
         let Some(r) = self.replica.as_mut() else {
             return;
         };
-        r.seq += 1;
-        let entry = Entry { seq: r.seq, input };
+        let entry = Entry {
+            seq: self.seq,
+            input,
+        };
         // The channel owns each encoded entry: one buffer per entry, written once.
         let mut encoded = Vec::new();
         if let Err(e) = replica::encode(&entry, &mut encoded) {
             warn!(shard = self.proto.shard(), error = %e, "cannot encode a replication entry; dropping the standby");
-            self.replica = None;
+            self.standby_gone();
             return;
         }
-        if r.log.send(encoded).is_err() {
+        if let Err(e) = r.log.try_send(encoded) {
+            let why = match e {
+                mpsc::error::TrySendError::Full(_) => "the standby fell a whole log queue behind",
+                mpsc::error::TrySendError::Closed(_) => "replication link gone",
+            };
             warn!(
                 shard = self.proto.shard(),
-                "replication link gone; serving without a standby"
+                why, "serving without a standby once the fence records it"
             );
-            self.replica = None;
+            self.standby_gone();
         }
     }
 
-    /// What a reply produced now must wait for before it leaves: the standby's acknowledgement of the newest entry.
-    fn ack_gate(&self) -> Option<(watch::Receiver<u64>, u64)> {
-        self.replica.as_ref().map(|r| (r.acked.clone(), r.seq))
+    /// The standby is gone: replies wait until the fence recorded that this node serves alone.
+    fn standby_gone(&mut self) {
+        self.replica = None;
+        if let Some(m) = &self.metrics {
+            m.replica_connected.set(0);
+        }
+        if let Some(f) = &self.fence {
+            f.set_successor(tether_common::fence::Successor::Nobody);
+            if f.solo() {
+                self.acked.send_replace(u64::MAX);
+            }
+        }
+    }
+
+    /// What a reply produced now must wait for before it leaves: the standby's acknowledgement of the newest entry
+    /// (or a recorded solo), then the lease.
+    fn ack_gate(&self) -> Option<(watch::Receiver<u64>, u64, Arc<Fence>)> {
+        self.fence
+            .as_ref()
+            .map(|f| (self.acked.subscribe(), self.seq, f.clone()))
     }
 
     /// Carries out what the protocol asks for: sends finished replies, refuses dropped pulls, closes connections.
@@ -354,11 +438,16 @@ impl ShardActor {
                         m.pull_wait.observe(since.elapsed().as_secs_f64());
                     }
                     match self.ack_gate() {
-                        // The reply may reflect updates only once the standby holds them too.
-                        Some((acked, seq)) => {
+                        // The reply may reflect updates only once the standby holds them too, and leaves only
+                        // while this node holds the lease.
+                        Some((acked, seq, fence)) => {
                             actix::spawn(async move {
                                 wait_acked(acked, seq).await;
-                                let _ = tx.send(Ok(reply));
+                                let _ = tx.send(if fence.serving() {
+                                    Ok(reply)
+                                } else {
+                                    Err(ShardError::NotPrimary)
+                                });
                             });
                         }
                         None => {
@@ -475,7 +564,7 @@ impl Actor for ShardActor {
 impl ShardActor {
     /// The periodic sweep (and the grace-window timer): evictions, rounds whose grace ended, requesters gone.
     fn on_tick(&mut self, ctx: &mut Context<Self>) {
-        if self.following.is_some() {
+        if !self.serves() {
             return;
         }
         let now = self.now_ms();
@@ -529,7 +618,7 @@ impl ShardActor {
 impl Handler<Hello> for ShardActor {
     type Result = Result<Welcome, ShardError>;
     fn handle(&mut self, msg: Hello, ctx: &mut Context<Self>) -> Self::Result {
-        if self.following.is_some() {
+        if !self.serves() {
             return Err(ShardError::NotPrimary);
         }
         let now = self.now_ms();
@@ -612,9 +701,13 @@ impl Handler<ApplyPush> for ShardActor {
         let result = self.apply_push(msg, ctx);
         let gate = self.ack_gate();
         Box::pin(async move {
-            // The worker learns the outcome (and drops its copy of the push) only once the standby holds it too.
-            if let Some((acked, seq)) = gate {
+            // The worker learns the outcome (and drops its copy of the push) only once the standby holds it too,
+            // and only from a node that still holds the lease.
+            if let Some((acked, seq, fence)) = gate {
                 wait_acked(acked, seq).await;
+                if !fence.serving() {
+                    return Ok(Outcome::Refused(ErrorCode::NotPrimary));
+                }
             }
             result
         })
@@ -627,12 +720,12 @@ impl ShardActor {
         msg: ApplyPush,
         ctx: &mut Context<Self>,
     ) -> Result<Outcome, ProtocolError> {
-        if self.following.is_some() {
+        if !self.serves() {
             return Ok(Outcome::Refused(ErrorCode::NotPrimary));
         }
         let now = self.now_ms();
         let frame = access_push(&msg.body)?;
-        if self.replica.is_some() {
+        if self.fence.is_some() {
             self.log(Input::Push {
                 conn: msg.conn,
                 now_ms: now,
@@ -680,7 +773,7 @@ impl ShardActor {
 impl Handler<Pull> for ShardActor {
     type Result = Result<oneshot::Receiver<Result<WireReply, ShardError>>, ShardError>;
     fn handle(&mut self, msg: Pull, _: &mut Context<Self>) -> Self::Result {
-        if self.following.is_some() {
+        if !self.serves() {
             return Err(ShardError::NotPrimary);
         }
         let now = self.now_ms();
@@ -773,13 +866,15 @@ impl Handler<Subscribe> for ShardActor {
         let lineage = core.lineage();
         // The actions were drained after the last input, so the image is the state every reply so far reflects.
         let image = image::encode(&self.proto, self.now_ms())?;
-        let (log_tx, log_rx) = mpsc::unbounded_channel();
-        let (acked_tx, acked_rx) = watch::channel(0);
-        self.replica = Some(Replication {
-            log: log_tx,
-            seq: 0,
-            acked: acked_rx,
-        });
+        let (log_tx, log_rx) = mpsc::channel(LOG_QUEUE);
+        self.links += 1;
+        let link = self.links;
+        self.replica = Some(Replication { log: log_tx, link });
+        // Released already (this node served alone): nothing waits at or below the image, so from here on replies
+        // wait for this standby's acknowledgements.
+        if *self.acked.borrow() == u64::MAX {
+            self.acked.send_replace(self.seq);
+        }
         if let Some(m) = &self.metrics {
             m.replica_connected.set(1);
         }
@@ -792,24 +887,86 @@ impl Handler<Subscribe> for ShardActor {
         Ok(Subscription {
             lineage,
             image,
+            seq: self.seq,
             log: log_rx,
-            acked: acked_tx,
+            acked: self.acked.clone(),
+            link,
         })
     }
 }
 
 impl Handler<ReplicaLost> for ShardActor {
     type Result = ();
-    fn handle(&mut self, _: ReplicaLost, _: &mut Context<Self>) {
-        if self.replica.take().is_some() {
+    fn handle(&mut self, msg: ReplicaLost, _: &mut Context<Self>) {
+        if self.replica.as_ref().is_some_and(|r| r.link == msg.0) {
             warn!(
                 shard = self.proto.shard(),
-                "standby lost; serving without one"
+                "standby lost; serving without one once the fence records it"
             );
+            self.standby_gone();
         }
+    }
+}
+
+impl Handler<StandbySynced> for ShardActor {
+    type Result = ();
+    fn handle(&mut self, msg: StandbySynced, _: &mut Context<Self>) {
+        if let (Some(r), Some(f)) = (&self.replica, &self.fence) {
+            if r.link == msg.link {
+                f.set_successor(tether_common::fence::Successor::Node(msg.incarnation));
+                info!(
+                    shard = self.proto.shard(),
+                    "standby holds the log: it may take over"
+                );
+            }
+        }
+    }
+}
+
+impl Handler<SoloRecorded> for ShardActor {
+    type Result = ();
+    fn handle(&mut self, _: SoloRecorded, _: &mut Context<Self>) {
+        if self.replica.is_none() && self.fence.as_ref().is_some_and(|f| f.solo()) {
+            debug!(
+                shard = self.proto.shard(),
+                "the fence recorded that this node serves alone"
+            );
+            self.acked.send_replace(u64::MAX);
+        }
+    }
+}
+
+impl Handler<StepDown> for ShardActor {
+    type Result = ();
+    fn handle(&mut self, _: StepDown, _: &mut Context<Self>) {
+        if self.following.is_some() {
+            return;
+        }
+        if let Some(f) = &self.fence {
+            f.depose();
+        }
+        warn!(
+            shard = self.proto.shard(),
+            version = self.proto.version(),
+            "lost the lease: no longer serving"
+        );
+        for (_, kick) in self.kicks.drain() {
+            let _ = kick.send(Some(ErrorCode::NotPrimary));
+        }
+        for (_, (_, tx)) in self.waiting.drain() {
+            let _ = tx.send(Err(ShardError::NotPrimary));
+        }
+        self.replica = None;
         if let Some(m) = &self.metrics {
             m.replica_connected.set(0);
         }
+        // Held outcomes wake and see the lease gone: they answer NotPrimary.
+        self.acked.send_replace(u64::MAX);
+        self.following = Some(Follower::seeded(
+            self.now_ms(),
+            self.proto.max_conn(),
+            0,
+        ));
     }
 }
 
@@ -827,7 +984,7 @@ impl Handler<Follow> for ShardActor {
             return Err(ReplicaError::Mismatch("this node serves already".into()));
         }
         let now_ms = image::restore(&msg.image, &mut self.proto)?;
-        self.following = Some(Follower::seeded(now_ms, self.proto.max_conn()));
+        self.following = Some(Follower::seeded(now_ms, self.proto.max_conn(), msg.seq));
         if let Some(m) = &self.metrics {
             m.version.set(self.proto.version() as i64);
         }
@@ -860,6 +1017,10 @@ impl Handler<TakeOver> for ShardActor {
         // The shard's clock continues from the newest time of the image and the log.
         self.clock_base = follower.last_now_ms();
         self.started = Instant::now();
+        // Nothing of this node's own waits; replies from here on wait for a standby or a recorded solo.
+        if self.fence.is_some() {
+            self.acked.send_replace(self.seq);
+        }
         let version = self.proto.version();
         if follower.is_seeded() {
             info!(

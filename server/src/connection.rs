@@ -26,7 +26,8 @@ use tether_common::protocol::{
 };
 
 use crate::actor::{
-    ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ReplicaLost, ShardActor, Subscribe,
+    ApplyPush, Closed, Goodbye, Heartbeat, Hello, Pull, ReplicaLost, ShardActor, StandbySynced,
+    Subscribe,
 };
 use crate::admission::{Admission, HandshakeTicket};
 use crate::protocol::ConnId;
@@ -56,6 +57,8 @@ pub struct ConnectionContext {
     pub admission: Arc<Admission>,
     /// Set while this process is a standby following its primary: workers are turned away.
     pub following: Arc<AtomicBool>,
+    /// A replicated shard's fence: the other node's lease requests are answered with this node's vote.
+    pub fence: Option<Arc<crate::fence_link::Fence>>,
 }
 
 /// Serves one incoming connection until it closes: the TLS handshake holds `handshake` (given back as soon as it
@@ -105,7 +108,8 @@ pub async fn serve_connection(
         // The other node of this shard (its standby, or its designated primary restarted): the actor decides whether
         // this node leads and can seed it, or tells it to wait (NotPrimary) or to lead itself (Unseeded).
         PeerIdentity::Standby(k) | PeerIdentity::Shard(k) if k == ctx.shard => {
-            serve_standby(conn, ctx).await;
+            let node = u64::from(matches!(identity, PeerIdentity::Standby(_)));
+            serve_standby(conn, ctx, node).await;
             return;
         }
         PeerIdentity::Standby(k) | PeerIdentity::Shard(k) => {
@@ -223,7 +227,7 @@ pub async fn serve_connection(
 /// Serves this shard's standby (the primary's side of replication): checks its hello against this shard, then streams
 /// the log on one unidirectional stream and hands its acknowledgements to the actor until the link ends; then the
 /// shard stops holding replies for it.
-async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
+async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>, node: u64) {
     let peer = conn.remote_address();
     let start = async {
         let mut control = ControlChannel::accept(&conn).await?;
@@ -245,10 +249,29 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
             return;
         }
     };
+    // The other node asks for this node's vote (see `crate::fence_link`).
+    if let Control::LeaseRequest { shard, request } = hello {
+        let Some(fence) = ctx.fence.clone().filter(|_| shard == ctx.shard) else {
+            let e = ProtocolError::Rejected {
+                code: ErrorCode::WrongShard,
+                message: format!("shard {} takes no votes for shard {shard}", ctx.shard),
+            };
+            reject(&conn, Some(&mut control), &e).await;
+            return;
+        };
+        let answer = move |r: &tether_common::fence::Request| fence.answer(node, r);
+        if let Err(e) =
+            crate::fence_link::serve_votes(control, ctx.shard, node, request, answer).await
+        {
+            debug!(shard = ctx.shard, %peer, error = %e, "vote link ended");
+        }
+        return;
+    }
     let Control::ReplicaHello {
         shard,
         layout_hash,
         config_digest,
+        incarnation,
     } = hello
     else {
         let e = ProtocolError::UnexpectedMessage(format!("{} from a standby", hello.name()));
@@ -283,11 +306,17 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
         }
         Err(_) => return,
     };
-    let (acked, mut log) = (sub.acked, sub.log);
+    let (acked, mut log, image_seq, link_id) = (sub.acked, sub.log, sub.seq, sub.link);
+    // A standby that stops acknowledging while entries wait is dropped after one lease (the primary then serves on
+    // alone, once the fence records it).
+    let ack_deadline = Duration::from_millis(ctx.fence.as_ref().map_or(1000, |f| f.lease_ms()));
+    let written = AtomicU64::new(image_seq);
+    let stalled_since = std::sync::Mutex::new(None::<std::time::Instant>);
     let link = async {
         control
             .send(&Control::ReplicaWelcome {
                 lineage: sub.lineage,
+                seq: image_seq,
             })
             .await?;
         let (_sender, mut receiver) = control.split();
@@ -305,20 +334,49 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
                 let header = FrameHeader::encode(FrameKind::Replica, entry.len())?;
                 stream.write_all(&header).await.map_err(NetError::Write)?;
                 stream.write_all(&entry).await.map_err(NetError::Write)?;
+                written.fetch_add(1, Ordering::AcqRel);
             }
             Ok::<_, NetError>(())
         };
+        let watchdog = async {
+            let mut last_acked = 0;
+            loop {
+                tokio::time::sleep(ack_deadline / 4).await;
+                let now_acked = (*acked.borrow()).min(written.load(Ordering::Acquire));
+                let behind = now_acked < written.load(Ordering::Acquire);
+                let mut since = stalled_since.lock().unwrap_or_else(|p| p.into_inner());
+                if !behind || now_acked != last_acked {
+                    *since = None;
+                } else if since.get_or_insert_with(std::time::Instant::now).elapsed() > ack_deadline {
+                    return Err::<(), _>(NetError::Protocol(ProtocolError::Rejected {
+                        code: ErrorCode::Overloaded,
+                        message: "the standby stopped acknowledging the log".into(),
+                    }));
+                }
+                last_acked = now_acked;
+            }
+        };
+        let mut synced = false;
         let reader = async {
             loop {
                 match receiver.recv().await? {
                     Control::ReplicaAck { seq } => {
+                        // Never more than was sent: a standby cannot release what it has not taken.
+                        let seq = seq.min(written.load(Ordering::Acquire));
                         acked.send_if_modified(|a| {
-                            let newer = seq > *a;
+                            let newer = seq > *a && *a != u64::MAX;
                             if newer {
                                 *a = seq;
                             }
                             newer
                         });
+                        if !synced && seq >= image_seq {
+                            synced = true;
+                            ctx.shard_actor.do_send(StandbySynced {
+                                link: link_id,
+                                incarnation,
+                            });
+                        }
                     }
                     other => {
                         return Err(NetError::Protocol(ProtocolError::UnexpectedMessage(
@@ -331,12 +389,12 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>) {
         tokio::select! {
             r = writer => r,
             r = reader => r,
+            r = watchdog => r,
         }
     };
     let ended = link.await;
-    // Nothing waits for the standby any more.
-    acked.send_replace(u64::MAX);
-    ctx.shard_actor.do_send(ReplicaLost);
+    // Replies that wait for this standby now wait for the fence to record that the primary serves alone.
+    ctx.shard_actor.do_send(ReplicaLost(link_id));
     match ended {
         Err(NetError::Protocol(p)) => reject(&conn, None, &p).await,
         Err(e) => {

@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod clock;
 mod connection;
 mod error;
+pub mod fence_link;
 pub mod image;
 mod median;
 pub mod node;
@@ -25,5 +26,6 @@ pub mod rollback;
 pub mod shard;
 mod spike;
 pub mod update_rule;
+pub mod witness;
 
 pub use error::Error;

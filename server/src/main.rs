@@ -96,6 +96,19 @@ enum Command {
         #[arg(long)]
         owner: Option<String>,
     },
+    /// Run the witness: the third vote that fences every replicated shard (one per cluster, at cluster.witness,
+    /// with the `witness` bundle). It keeps what it granted in its state file; keep that file across restarts.
+    Witness {
+        /// Cluster configuration file (cluster.toml).
+        #[arg(long)]
+        config: PathBuf,
+        /// Listen address (overrides cluster.witness).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Where the witness keeps its votes (default: checkpoint.dir/witness.json).
+        #[arg(long)]
+        state: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -172,7 +185,10 @@ fn keygen(command: &Command) -> Result<()> {
         standbys,
         dev_shared_client,
         owner,
-    } = command;
+    } = command
+    else {
+        anyhow::bail!("not a keygen command");
+    };
     if let Some(KeygenCommand::CheckpointKey { bundle, force }) = command {
         let path = pki::write_checkpoint_key(bundle, *force)?;
         println!("wrote a new checkpoint key to {}", path.display());
@@ -268,8 +284,14 @@ fn main() {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    if let Some(command) = &cli.command {
-        return keygen(command);
+    match &cli.command {
+        Some(Command::Witness {
+            config,
+            listen,
+            state,
+        }) => return witness(config, *listen, state.clone()),
+        Some(command) => return keygen(command),
+        None => {}
     }
     let config_path = cli
         .config
@@ -287,6 +309,28 @@ fn run() -> Result<()> {
             .expect("cannot build the tokio runtime") // startup: no runtime, nothing to do
     };
     actix_rt::System::with_tokio_rt(runtime).block_on(serve(cli, cfg, shard))
+}
+
+/// Runs the witness until SIGINT or SIGTERM.
+fn witness(config: &std::path::Path, listen: Option<SocketAddr>, state: Option<PathBuf>) -> Result<()> {
+    let cfg = Config::load(config)?;
+    let state = state.unwrap_or_else(|| cfg.checkpoint.dir.join("witness.json"));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot build the tokio runtime")?;
+    runtime.block_on(async {
+        let running = tether_server::witness::start_witness(&cfg, listen, None, state).await?;
+        println!("witness listening on {}", running.local_addr);
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        running.shutdown();
+        Ok(())
+    })
 }
 
 async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {

@@ -22,8 +22,10 @@ use tether_common::protocol::{ErrorCode, FrameKind, FrameLimits};
 use tether_common::report::RunReport;
 
 use crate::actor::{
-    CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, TakeOver,
+    CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, SoloRecorded, StepDown,
+    TakeOver,
 };
+use crate::fence_link::{self, Fence, RemoteVoter, WITNESS_VOTER};
 use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
@@ -74,6 +76,8 @@ pub struct RunningShard {
     accept: tokio::task::JoinHandle<()>,
     /// A standby's link to its primary.
     follower: Option<tokio::task::JoinHandle<()>>,
+    /// The fence's rounds (replicated shards).
+    fence_task: Option<tokio::task::JoinHandle<()>>,
     /// Set while this process is a standby that follows its primary.
     following: Arc<AtomicBool>,
     /// A standby's follower reports here why it cannot follow (a refusal by the primary, a bad log).
@@ -264,12 +268,61 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     )
     .with_remote(remote, cfg.checkpoint.local)
     .with_config_digest(replica::config_digest(cfg));
-    // Both nodes of a replicated shard start by finding their role: each asks the other to seed it.
+    // Both nodes of a replicated shard start by finding their role: each asks the other to seed it. Each serves
+    // only while the fence grants it the lease.
     let replicated = opts.standby || cfg.cluster.replicated();
+    let node_index = u64::from(opts.standby);
+    let incarnation = std::hash::BuildHasher::hash_one(
+        &std::collections::hash_map::RandomState::new(),
+        (opts.shard, std::process::id(), node_index),
+    );
+    let fence = replicated.then(|| {
+        let role = if opts.standby { "standby" } else { "primary" };
+        Fence::new(
+            opts.shard,
+            node_index,
+            incarnation,
+            cfg.cluster.failover_ms,
+            Some(
+                cfg.checkpoint
+                    .dir
+                    .join(format!("shard-{}", opts.shard))
+                    .join(format!("fence-{role}.json")),
+            ),
+        )
+    });
     if replicated {
         actor = actor.following();
     }
+    if let Some(f) = &fence {
+        actor = actor.with_fence(f.clone());
+    }
     let (addr, arbiter) = actor.start_on_own_arbiter();
+    let fence_task = match (&fence, cfg.cluster.witness.as_deref()) {
+        (Some(f), Some(witness)) => {
+            let solo_actor = addr.clone();
+            f.on_solo(Box::new(move || solo_actor.do_send(SoloRecorded)));
+            let addresses = cfg.cluster.shard_addresses(opts.shard as usize);
+            let other = addresses.get(1 - node_index as usize).cloned().unwrap_or_default();
+            let voters = vec![
+                RemoteVoter {
+                    index: 1 - node_index as u8,
+                    addr: other,
+                },
+                RemoteVoter {
+                    index: WITNESS_VOTER,
+                    addr: witness.to_string(),
+                },
+            ];
+            Some(tokio::spawn(fence_link::run(f.clone(), voters, tls.clone())))
+        }
+        (Some(_), None) => {
+            return Err(Error::Address(
+                "replicated shards need cluster.witness (the third vote of the fence)".into(),
+            ))
+        }
+        _ => None,
+    };
     let following = Arc::new(AtomicBool::new(replicated));
     let ctx_following = following.clone();
     let ctx = Arc::new(ConnectionContext {
@@ -280,6 +333,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         next_conn: AtomicU64::new(0),
         admission: Admission::new(AdmissionLimits::for_workers(cfg.cluster.rank_limit())),
         following: following.clone(),
+        fence: fence.clone(),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
     let (follower, standby_failed) = if replicated {
@@ -305,6 +359,8 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
             shard: opts.shard,
             config_digest: replica::config_digest(cfg),
             limits,
+            fence: fence.clone(),
+            incarnation,
         };
         (
             Some(tokio::spawn(async move {
@@ -328,6 +384,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         arbiter,
         accept,
         follower,
+        fence_task,
         standby_failed,
         following: ctx_following,
     })
@@ -357,6 +414,8 @@ struct FollowLink {
     shard: u32,
     config_digest: u64,
     limits: FrameLimits,
+    fence: Option<Arc<Fence>>,
+    incarnation: u64,
 }
 
 /// Why a node stopped following without taking over.
@@ -409,20 +468,27 @@ impl FollowLink {
                 waited: Duration::ZERO,
                 last: e.to_string(),
             })?;
-        let started = std::time::Instant::now();
+        let mut started = std::time::Instant::now();
+        let mut seeded = false;
         loop {
-            let last = match self.session(&endpoint).await? {
+            let last = match self.session(&endpoint, &mut seeded).await? {
                 Session::Lost(why) => {
-                    warn!(shard = self.shard, peer = %self.peer, reason = %why, "primary lost: taking over");
-                    return self.lead().await;
+                    warn!(shard = self.shard, peer = %self.peer, reason = %why, "primary lost: asking for the lease");
+                    self.campaign().await?;
+                    started = std::time::Instant::now();
+                    continue;
                 }
-                Session::NotStarted(why) | Session::Unseeded(why) if self.designated_primary => {
-                    info!(shard = self.shard, peer = %self.peer, reason = %why, "no primary to follow: leading");
-                    return self.lead().await;
+                Session::NotStarted(why) | Session::Unseeded(why)
+                    if self.designated_primary || seeded =>
+                {
+                    info!(shard = self.shard, peer = %self.peer, reason = %why, "no primary to follow: asking for the lease");
+                    self.campaign().await?;
+                    started = std::time::Instant::now();
+                    continue;
                 }
                 Session::NotStarted(why) | Session::Unseeded(why) | Session::Wait(why) => why,
             };
-            if started.elapsed() > FOLLOW_DEADLINE {
+            if !seeded && started.elapsed() > FOLLOW_DEADLINE {
                 return Err(FollowError::Unreachable {
                     shard: self.shard,
                     peer: self.peer.clone(),
@@ -433,6 +499,38 @@ impl FollowLink {
             debug!(shard = self.shard, peer = %self.peer, reason = %last, "not seeded yet; asking again");
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
+    }
+
+    /// Asks the voters for the lease; with a majority, leads until the lease is lost, then steps down (and the
+    /// caller asks to be seeded again). Without one within two leases, returns to asking to be seeded.
+    async fn campaign(&self) -> Result<(), FollowError> {
+        let Some(fence) = &self.fence else {
+            return self.lead().await;
+        };
+        fence.want(true);
+        let deadline = std::time::Instant::now() + Duration::from_millis(2 * fence.lease_ms());
+        while !fence.serving() {
+            if std::time::Instant::now() > deadline {
+                fence.want(false);
+                debug!(shard = self.shard, "no majority for the lease; asking to be seeded again");
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Register for the loss before serving, so that no loss is missed.
+        let lost = fence.deposed();
+        tokio::pin!(lost);
+        lost.as_mut().enable();
+        self.lead().await?;
+        info!(shard = self.shard, term = fence.term(), "holding the lease");
+        lost.await;
+        fence.want(false);
+        self.ctx.following.store(true, Ordering::Release);
+        self.actor
+            .send(StepDown)
+            .await
+            .map_err(|_| FollowError::ActorGone { shard: self.shard })?;
+        Ok(())
     }
 
     /// Serves as the shard's primary from the state this node holds.
@@ -454,7 +552,11 @@ impl FollowLink {
         Ok(())
     }
 
-    async fn session(&self, endpoint: &quinn::Endpoint) -> Result<Session, FollowError> {
+    async fn session(
+        &self,
+        endpoint: &quinn::Endpoint,
+        seeded: &mut bool,
+    ) -> Result<Session, FollowError> {
         use tether_common::net::{connect_shard, ControlChannel};
         use tether_common::protocol::{read_frame, Control};
         let shard = self.shard;
@@ -489,6 +591,7 @@ impl FollowLink {
                     shard,
                     layout_hash,
                     config_digest: self.config_digest,
+                    incarnation: self.incarnation,
                 })
                 .await?;
             let answer = control.recv().await?;
@@ -502,8 +605,8 @@ impl FollowLink {
             Err(e) if e.remote_close_code().is_some() => return Ok(Session::Wait(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         };
-        match answer {
-            Control::ReplicaWelcome { .. } => {}
+        let image_seq = match answer {
+            Control::ReplicaWelcome { seq, .. } => seq,
             Control::Error { code, message } => {
                 let why = format!("{code}: {message}");
                 return match code {
@@ -513,7 +616,7 @@ impl FollowLink {
                 };
             }
             other => return Err(refused(format!("{} instead of a welcome", other.name()))),
-        }
+        };
         let (mut sender, _receiver) = control.split();
         let mut stream = match conn.accept_uni().await {
             Ok(s) => s,
@@ -541,32 +644,44 @@ impl FollowLink {
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
         }
         let image_bytes = buf.len();
-        self.actor
+        let adopted = self
+            .actor
             .send(Follow {
                 image: buf.to_vec(),
+                seq: image_seq,
             })
             .await
-            .map_err(|_| gone())?
-            .map_err(|e| refused(e.to_string()))?;
+            .map_err(|_| gone())?;
+        if let Err(e) = adopted {
+            // A bad image changes nothing here: this node keeps what it holds and asks again (or leads, if the
+            // voters let it), instead of stopping.
+            warn!(shard, peer = %self.peer, error = %e, "refused the peer's state image");
+            return Ok(Session::NotStarted(format!("refused its image: {e}")));
+        }
+        *seeded = true;
         info!(shard, peer = %self.peer, image_bytes, "seeded from the primary's image; following its log");
+        if let Err(e) = sender.send(&Control::ReplicaAck { seq: image_seq }).await {
+            return Ok(Session::Lost(e.to_string()));
+        }
         loop {
             match read_frame(&mut stream, &self.limits, &[FrameKind::Replica], &mut buf).await {
                 Ok(Some(_)) => {}
                 Ok(None) => return Ok(Session::Lost("the primary ended the log".into())),
                 Err(tether_common::protocol::ReadFrameError::Protocol(p)) => {
-                    return Err(refused(format!("bad replication frame: {p}")))
+                    return Ok(Session::Lost(format!("bad replication frame: {p}")))
                 }
                 Err(e) => return Ok(Session::Lost(e.to_string())),
             }
-            // A bad entry changes nothing here; the standby stops following rather than hold a state it cannot
-            // vouch for.
-            let entry = replica::decode(&buf).map_err(|e| refused(e.to_string()))?;
-            let seq = self
-                .actor
-                .send(Replicate(entry))
-                .await
-                .map_err(|_| gone())?
-                .map_err(|e| refused(e.to_string()))?;
+            // A bad entry changes nothing here; the standby stops following (it acknowledges nothing more, so the
+            // primary drops it and serves on once the fence records that) and asks again.
+            let entry = match replica::decode(&buf) {
+                Ok(e) => e,
+                Err(e) => return Ok(Session::Lost(format!("bad replication entry: {e}"))),
+            };
+            let seq = match self.actor.send(Replicate(entry)).await.map_err(|_| gone())? {
+                Ok(seq) => seq,
+                Err(e) => return Ok(Session::Lost(format!("refused replication entry: {e}"))),
+            };
             if let Err(e) = sender.send(&Control::ReplicaAck { seq }).await {
                 return Ok(Session::Lost(e.to_string()));
             }
@@ -652,6 +767,9 @@ impl RunningShard {
         if let Some(f) = &self.follower {
             f.abort();
         }
+        if let Some(f) = &self.fence_task {
+            f.abort();
+        }
         self.endpoint
             .close(ErrorCode::Shutdown.close_code(), b"server shutting down");
         if final_checkpoint {
@@ -677,6 +795,9 @@ impl RunningShard {
     pub fn kill(self) {
         self.accept.abort();
         if let Some(f) = &self.follower {
+            f.abort();
+        }
+        if let Some(f) = &self.fence_task {
             f.abort();
         }
         self.endpoint

@@ -291,11 +291,12 @@ impl Follower {
         Follower::default()
     }
 
-    /// A follower of a log that continues a state image taken at `now_ms` (see [`crate::image`]): the first entry
-    /// due is 1, and time may not run back before the image's.
-    pub fn seeded(now_ms: u64, max_conn: ConnId) -> Follower {
+    /// A follower of a log that continues a state image taken at `now_ms` at log position `seq` (see
+    /// [`crate::image`]): the first entry due is `seq + 1`, and time may not run back before the image's.
+    pub fn seeded(now_ms: u64, max_conn: ConnId, seq: u64) -> Follower {
         Follower {
             seeded: true,
+            applied: seq,
             last_now_ms: now_ms,
             max_conn,
             ..Follower::default()

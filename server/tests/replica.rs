@@ -297,7 +297,7 @@ fn a_standby_seeded_from_an_image_mid_run_then_following_the_log_holds_the_prima
                     state(&primary),
                     "seed {seed}: restored state"
                 );
-                follower = Some(Follower::seeded(now, standby.max_conn()));
+                follower = Some(Follower::seeded(now, standby.max_conn(), 0));
                 seq = 0;
             }
             seq += 1;

@@ -489,7 +489,7 @@ impl Sim {
         match seeded {
             Ok(now) => {
                 self.shards[k].standby = Some(Standby {
-                    follower: Follower::seeded(now, twin.max_conn()),
+                    follower: Follower::seeded(now, twin.max_conn(), 0),
                     proto: twin,
                 });
             }

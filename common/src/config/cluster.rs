@@ -115,6 +115,10 @@ pub struct ClusterConfig {
     /// of them a server's or another standby's). A standby follows its primary's every input over mutual-TLS QUIC and
     /// takes over, with every applied update, when the primary dies; workers then fail over to it.
     pub standbys: Vec<String>,
+    /// With standbys: the witness (`tether-server witness`), the third vote that fences every replicated shard: a
+    /// node serves only while two of {primary, standby, witness} granted it a lease of `failover_ms`, so at most one
+    /// node of a shard serves at any time (required with standbys; default none).
+    pub witness: Option<String>,
     /// With standbys: a link to a shard that stays silent this long counts as dead, for workers (which then fail over)
     /// and for the standby (which then takes over) (default 1000; 200 to `worker_timeout_ms`).
     pub failover_ms: u64,
@@ -139,6 +143,7 @@ impl Default for ClusterConfig {
             quorum: 0,
             grace_factor: 0.5,
             standbys: Vec::new(),
+            witness: None,
             failover_ms: 1000,
             tls_dir: PathBuf::from("certs"),
             revoked: Vec::new(),

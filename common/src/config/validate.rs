@@ -92,6 +92,13 @@ impl Config {
                 ),
             );
         }
+        if !standbys.is_empty() && self.cluster.witness.as_deref().is_none_or(|w| w.trim().is_empty()) {
+            return bad(
+                "cluster.witness",
+                "replicated shards need a witness address (run `tether-server witness`): without a third vote a \
+                 partition between a shard's two nodes would let both serve",
+            );
+        }
         for (k, addr) in standbys.iter().enumerate() {
             let clash = self
                 .cluster

@@ -108,6 +108,11 @@ pub fn server_shard(der: &CertificateDer<'_>) -> Result<u32, NetError> {
         })
 }
 
+/// Whether an established connection's peer presented the witness's certificate (`tether-witness`).
+pub fn peer_is_witness(conn: &quinn::Connection) -> Result<bool, NetError> {
+    Ok(common_name(&peer_leaf(conn)?)? == crate::pki::WITNESS_CN)
+}
+
 /// The leaf certificate an established connection's peer presented (verified by the handshake).
 fn peer_leaf(conn: &quinn::Connection) -> Result<CertificateDer<'static>, NetError> {
     let any = conn

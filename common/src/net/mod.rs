@@ -15,7 +15,9 @@ mod tuning;
 
 pub use endpoint::{client_endpoint, client_endpoint_on, connect, connect_shard, server_endpoint};
 pub use handshake::{client_handshake, server_accept_hello};
-pub use identity::{certificate_serial, peer_identity, peer_shard, server_shard, PeerIdentity};
+pub use identity::{
+    certificate_serial, peer_identity, peer_is_witness, peer_shard, server_shard, PeerIdentity,
+};
 pub use refusal::{HandshakeRefusal, RefusedBy};
 pub use streams::{
     close_with, recv_bulk, recv_bulk_any, reject, send_bulk, send_bulk_chunks, BulkFrame,

@@ -148,6 +148,29 @@ impl TlsFiles {
         }
     }
 
+    /// The witness's identity from `dir` (`cluster.tls_dir`): the bundle `dir/witness/`, or `dir` itself when only
+    /// that bundle is mounted there. Refuses any certificate but the witness's.
+    pub fn for_witness(dir: &Path) -> Result<TlsFiles, NetError> {
+        let tls = Self::load_shard_bundle(dir, "witness", || {
+            "no bundle for the witness (`keygen --standbys` writes witness/)".to_string()
+        })?;
+        let leaf = tls.cert.first().ok_or_else(|| bad(dir, "empty chain"))?;
+        let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref())
+            .map_err(|e| NetError::Identity(format!("unparsable certificate: {e}")))?;
+        let is_witness = cert
+            .subject()
+            .iter_common_name()
+            .filter_map(|cn| cn.as_str().ok())
+            .eq([crate::pki::WITNESS_CN]);
+        if !is_witness {
+            return Err(NetError::Identity(format!(
+                "the certificate in {} is not the witness's",
+                dir.display()
+            )));
+        }
+        Ok(tls)
+    }
+
     /// Worker `rank`'s identity from `dir` (`cluster.tls_dir`): the bundle `dir/worker-R/` or, mounted alone,
     /// `dir` itself; else the shared development bundle `dir/client/`. Refuses a certificate that may not claim
     /// `rank`.

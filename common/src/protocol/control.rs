@@ -95,17 +95,35 @@ pub enum Control {
         layout_hash: u64,
         /// Fingerprint of its configuration, which must be the primary's.
         config_digest: u64,
+        /// The asking process's incarnation (random per start), which the fence records once it holds the log.
+        incarnation: u64,
     },
     /// The primary accepts a standby: one unidirectional stream carries the shard's state image (a `ReplicaImage`
     /// frame), then the log that continues it.
     ReplicaWelcome {
         /// The lineage of the primary's public copy (delta pulls), which the standby takes over.
         lineage: u64,
+        /// The log position the image stands at: the first entry that follows is `seq + 1`, and the standby
+        /// acknowledges `seq` once it adopted the image.
+        seq: u64,
     },
     /// The standby applied the primary's log up to entry `seq` (the primary releases what waited on it).
     ReplicaAck {
         /// The newest entry applied.
         seq: u64,
+    },
+    /// A node of shard `shard` asks a voter (the shard's other node, or the witness) to grant or renew a term (see
+    /// [`crate::fence`]); the node index comes from the asker's certificate, never from this message.
+    LeaseRequest {
+        /// The shard.
+        shard: u32,
+        /// The term, incarnation, round and successor claimed.
+        request: crate::fence::Request,
+    },
+    /// The voter's answer to a [`Control::LeaseRequest`], in request order.
+    LeaseVote {
+        /// Granted, or refused with the voter's newest term.
+        vote: crate::fence::Vote,
     },
 }
 
@@ -132,6 +150,8 @@ impl Control {
             Control::ReplicaHello { .. } => "ReplicaHello",
             Control::ReplicaWelcome { .. } => "ReplicaWelcome",
             Control::ReplicaAck { .. } => "ReplicaAck",
+            Control::LeaseRequest { .. } => "LeaseRequest",
+            Control::LeaseVote { .. } => "LeaseVote",
         }
     }
 }
