@@ -633,6 +633,7 @@ fn a_shard_killed_for_good_fails_over_to_its_standby_without_losing_an_applied_u
     });
     let n = c.spec.workers.to_string();
     // Primaries and standbys alike exit once both workers finished, each writing its report.
+    let _witness = c.witness();
     let mut servers = c.servers(&[]);
     let mut standbys: Vec<Proc> = (0..c.spec.shards)
         .map(|k| {
@@ -715,6 +716,7 @@ fn a_restarted_primary_is_seeded_by_the_standby_that_took_over_and_takes_over_in
         exit_args("standby-0.json"),
         exit_args("standby-1.json"),
     );
+    let _witness = c.witness();
     let mut servers = c.servers(&[]);
     let mut standby0 = c.standby(0, &strs(&s0));
     let mut standby1 = c.standby(1, &strs(&s1));

@@ -55,6 +55,9 @@ pub enum Refusal {
     /// The requester does not hold every acknowledged update (it is not the recorded successor).
     #[error("the requester may lack acknowledged updates")]
     NotSynced,
+    /// A registration (term 0): the voter noted the requester's incarnation and grants nothing.
+    #[error("registration noted")]
+    Registered,
 }
 
 /// A voter's answer.
@@ -85,6 +88,8 @@ pub struct VoterState {
     pub round: u64,
     /// Who may take over from the holder.
     pub successor: Successor,
+    /// The newest incarnation heard from each node (an older one is dead: a process restarted).
+    pub known: [Option<u64>; 2],
 }
 
 impl Default for VoterState {
@@ -94,6 +99,30 @@ impl Default for VoterState {
             holder: None,
             round: 0,
             successor: Successor::Any,
+            known: [None, None],
+        }
+    }
+}
+
+impl VoterState {
+    /// Whether incarnation `inc` of node `node` is known to be dead (its node has since run another).
+    fn dead(&self, node: u64, inc: u64) -> bool {
+        self.known[node as usize % 2].is_some_and(|k| k != inc)
+    }
+
+    /// Whether the candidate `inc` of node `node` may take over from the recorded holder without losing an
+    /// acknowledged update that a live process still holds: it is the recorded successor, or the holder's process
+    /// is dead (its node has since run another incarnation) and the candidate is the other node, which then holds
+    /// the most of the shard's state that survives (updates the dead holder alone held died with it).
+    fn may_succeed(&self, node: u64, inc: u64) -> bool {
+        let Some(holder) = self.holder else {
+            return true;
+        };
+        let holder_node = self.term % NODES;
+        match self.successor {
+            Successor::Any => true,
+            Successor::Node(i) if i == inc => true,
+            _ => node != holder_node && self.dead(holder_node, holder),
         }
     }
 }
@@ -137,13 +166,20 @@ impl Voter {
         self.state
     }
 
-    /// Answers `node`'s request (`node` comes from the requester's certificate, never from its message); the state
-    /// changes only on a grant.
+    /// Answers `node`'s request (`node` comes from the requester's certificate, never from its message): a
+    /// registration (term 0) only notes the requester's incarnation, a claim is granted or refused; the state
+    /// changes only on a grant, besides the incarnation noted.
     pub fn request(&mut self, node: u64, req: &Request, now_ms: u64) -> Vote {
+        if node < NODES {
+            self.state.known[node as usize] = Some(req.incarnation);
+        }
         let refuse = |why| Vote::Refused {
             term: self.state.term,
             why,
         };
+        if req.term == 0 && node < NODES {
+            return refuse(Refusal::Registered);
+        }
         if req.term == 0 || req.term % NODES != node {
             return refuse(Refusal::WrongNode);
         }
@@ -163,12 +199,7 @@ impl Voter {
             if now_ms < self.promise_until {
                 return refuse(Refusal::Held);
             }
-            let synced = match self.state.successor {
-                Successor::Any => true,
-                Successor::Node(i) => i == req.incarnation,
-                Successor::Nobody => false,
-            };
-            if !synced {
+            if !self.state.may_succeed(node, req.incarnation) {
                 return refuse(Refusal::NotSynced);
             }
         }
@@ -177,6 +208,7 @@ impl Voter {
             holder: Some(req.incarnation),
             round: req.round,
             successor: req.successor,
+            known: self.state.known,
         };
         self.promise_until = now_ms.saturating_add(self.lease_ms);
         Vote::Granted { term: req.term }
@@ -256,7 +288,10 @@ impl Lease {
     /// request to send to every voter.
     pub fn round(&mut self, successor: Successor, now_ms: u64) -> (u64, Request) {
         if !self.held {
-            self.term = next_term(self.node, self.seen.max(self.term));
+            // Claim again the term a previous round claimed, unless a voter reported one at least as new.
+            if self.term == 0 || self.seen >= self.term {
+                self.term = next_term(self.node, self.seen.max(self.term));
+            }
             self.until_ms = 0;
         }
         let id = self.next_round;
@@ -277,6 +312,17 @@ impl Lease {
             successor,
         };
         (id, req)
+    }
+
+    /// A registration: tells a voter this incarnation runs (a voter learns from it that older incarnations of this
+    /// node are dead); it claims nothing, and its answer can be dropped.
+    pub fn registration(&self) -> Request {
+        Request {
+            term: 0,
+            incarnation: self.incarnation,
+            round: 0,
+            successor: Successor::Nobody,
+        }
     }
 
     /// Takes voter `voter`'s answer (0..[`VOTERS`]) to round `id`; a voter's second answer to a round counts once.
@@ -513,6 +559,9 @@ mod tests {
         );
         assert!(!lease.serving(501));
         let (_, r) = lease.round(Successor::Nobody, 600);
+        assert_eq!(r.term, 4);
+        // A round nobody answered with a newer term claims the same term again.
+        let (_, r) = lease.round(Successor::Nobody, 900);
         assert_eq!(r.term, 4);
     }
 }

@@ -229,8 +229,8 @@ async fn keygen_separates_the_authority_from_per_node_bundles() {
     assert!(!dir.path().join("worker-3").exists());
     // issued.txt lists every serial with its name.
     let log = std::fs::read_to_string(dir.path().join("ca/issued.txt")).unwrap();
-    // 2 shards, their 2 standbys, 3 workers and the shared client.
-    assert_eq!(log.lines().count(), 8, "{log}");
+    // 2 shards, their 2 standbys, the witness, 3 workers and the shared client.
+    assert_eq!(log.lines().count(), 9, "{log}");
     assert!(
         log.lines().any(|l| l.contains(" tether-server-1 ")),
         "{log}"

@@ -357,7 +357,7 @@ impl ShardActor {
     /// Appends `input` to the replication log, if a standby follows (before the protocol takes it). A fenced shard
     /// numbers every input, logged or not, so that a reply never waits for less than the input that made it.
     fn log(&mut self, input: Input) {
-        if self.fence.is_none() {
+        if self.fence.is_none() && self.replica.is_none() {
             return;
         }
         self.seq += 1;
@@ -394,9 +394,15 @@ impl ShardActor {
         if let Some(m) = &self.metrics {
             m.replica_connected.set(0);
         }
-        if let Some(f) = &self.fence {
-            f.set_successor(tether_common::fence::Successor::Nobody);
-            if f.solo() {
+        match &self.fence {
+            Some(f) => {
+                f.set_successor(tether_common::fence::Successor::Nobody);
+                if f.solo() {
+                    self.acked.send_replace(u64::MAX);
+                }
+            }
+            // Unfenced (an in-process standby without voters): nothing waits for a standby that is gone.
+            None => {
                 self.acked.send_replace(u64::MAX);
             }
         }
@@ -404,10 +410,9 @@ impl ShardActor {
 
     /// What a reply produced now must wait for before it leaves: the standby's acknowledgement of the newest entry
     /// (or a recorded solo), then the lease.
-    fn ack_gate(&self) -> Option<(watch::Receiver<u64>, u64, Arc<Fence>)> {
-        self.fence
-            .as_ref()
-            .map(|f| (self.acked.subscribe(), self.seq, f.clone()))
+    fn ack_gate(&self) -> Option<(watch::Receiver<u64>, u64, Option<Arc<Fence>>)> {
+        (self.fence.is_some() || self.replica.is_some())
+            .then(|| (self.acked.subscribe(), self.seq, self.fence.clone()))
     }
 
     /// Carries out what the protocol asks for: sends finished replies, refuses dropped pulls, closes connections.
@@ -443,7 +448,7 @@ impl ShardActor {
                         Some((acked, seq, fence)) => {
                             actix::spawn(async move {
                                 wait_acked(acked, seq).await;
-                                let _ = tx.send(if fence.serving() {
+                                let _ = tx.send(if fence.is_none_or(|f| f.serving()) {
                                     Ok(reply)
                                 } else {
                                     Err(ShardError::NotPrimary)
@@ -705,7 +710,7 @@ impl Handler<ApplyPush> for ShardActor {
             // and only from a node that still holds the lease.
             if let Some((acked, seq, fence)) = gate {
                 wait_acked(acked, seq).await;
-                if !fence.serving() {
+                if fence.is_some_and(|f| !f.serving()) {
                     return Ok(Outcome::Refused(ErrorCode::NotPrimary));
                 }
             }
@@ -725,7 +730,7 @@ impl ShardActor {
         }
         let now = self.now_ms();
         let frame = access_push(&msg.body)?;
-        if self.fence.is_some() {
+        if self.fence.is_some() || self.replica.is_some() {
             self.log(Input::Push {
                 conn: msg.conn,
                 now_ms: now,

@@ -273,10 +273,18 @@ pub async fn run(fence: Arc<Fence>, voters: Vec<RemoteVoter>, tls: TlsFiles) {
         .collect();
     let mut want = fence.want.subscribe();
     let every = Duration::from_millis((fence.lease_ms / 4).max(10));
+    let registration = fence.lock().lease.registration();
     loop {
         if !*want.borrow_and_update() {
-            if want.changed().await.is_err() {
-                return;
+            // Not campaigning: register every lease, so that voters learn which incarnation of this node runs (an
+            // older one is dead, and what only it held died with it).
+            fence.answer(fence.node, &registration);
+            for link in &links {
+                let _ = link.try_send((0, registration));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(4 * every) => {}
+                r = want.changed() => if r.is_err() { return; },
             }
             continue;
         }

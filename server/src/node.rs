@@ -470,6 +470,7 @@ impl FollowLink {
             })?;
         let mut started = std::time::Instant::now();
         let mut seeded = false;
+        let mut unseeded_since: Option<std::time::Instant> = None;
         loop {
             let last = match self.session(&endpoint, &mut seeded).await? {
                 Session::Lost(why) => {
@@ -486,7 +487,25 @@ impl FollowLink {
                     started = std::time::Instant::now();
                     continue;
                 }
-                Session::NotStarted(why) | Session::Unseeded(why) | Session::Wait(why) => why,
+                // Both nodes hold nothing (both restarted) and the designated primary has not led for a while:
+                // this node asks too (the voters pick one that leads without losing what a live process holds).
+                Session::Unseeded(why)
+                    if unseeded_since
+                        .get_or_insert_with(std::time::Instant::now)
+                        .elapsed()
+                        > 3 * self.tuning.idle_timeout =>
+                {
+                    info!(shard = self.shard, peer = %self.peer, reason = %why, "nobody holds the shard's state: asking for the lease");
+                    unseeded_since = None;
+                    self.campaign().await?;
+                    started = std::time::Instant::now();
+                    continue;
+                }
+                Session::Unseeded(why) => why,
+                Session::NotStarted(why) | Session::Wait(why) => {
+                    unseeded_since = None;
+                    why
+                }
             };
             if !seeded && started.elapsed() > FOLLOW_DEADLINE {
                 return Err(FollowError::Unreachable {

@@ -493,7 +493,7 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
         .unwrap();
     assert_eq!(outcome, Ok(1));
     // Once the standby is gone, nothing waits for it.
-    addr.send(ReplicaLost).await.unwrap();
+    addr.send(ReplicaLost(sub.link)).await.unwrap();
     drop(sub);
     assert_eq!(push(&addr, 0, 1, 1).await, Ok(2));
     arbiter.stop();
@@ -523,12 +523,19 @@ async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_ar
     // A bad image is refused and changes nothing; the primary's is adopted.
     let mut bad = sub.image.clone();
     bad.truncate(bad.len() / 2);
-    let r = seeded.send(Follow { image: bad }).await.unwrap();
+    let r = seeded
+        .send(Follow {
+            image: bad,
+            seq: sub.seq,
+        })
+        .await
+        .unwrap();
     assert!(matches!(r, Err(ReplicaError::Image(_))), "{r:?}");
     assert_eq!(seeded.send(GetWeights).await.unwrap().0, 0);
     seeded
         .send(Follow {
             image: sub.image.clone(),
+            seq: sub.seq,
         })
         .await
         .unwrap()

@@ -39,7 +39,7 @@ impl Clock {
 struct Node {
     lease: Lease,
     voter: Voter,
-    /// What the node's voter persisted (beside its checkpoints).
+    /// What the node's voter persisted (beside the shard's checkpoints): a restart keeps it.
     saved: VoterState,
     incarnation: u64,
     state: Vec<u64>,
@@ -82,6 +82,10 @@ struct Sim {
     mutation: Mutation,
     violations: Vec<String>,
     takeovers: u64,
+    /// Acknowledged updates whose every copy died with its processes.
+    crash_lost: u64,
+    /// Prints every grant, restart, seeding and term (`TETHER_FENCE_TRACE=1`, to replay one seed).
+    trace: bool,
     /// How long a follower waits without hearing its holder before it campaigns (drawn per schedule, from a
     /// quarter lease to two: the fence must not rely on detection being slow).
     silence: u64,
@@ -130,6 +134,8 @@ impl Sim {
             mutation,
             violations: Vec::new(),
             takeovers: 0,
+            crash_lost: 0,
+            trace: std::env::var_os("TETHER_FENCE_TRACE").is_some(),
         }
     }
 
@@ -188,6 +194,9 @@ impl Sim {
             let inc = self.rng.next_u64();
             let now = self.clocks[i].local(self.t);
             let n = &mut self.nodes[i];
+            if self.trace {
+                println!("t={} node {i} restarts as {inc}", self.t);
+            }
             n.incarnation = inc;
             n.lease = Lease::new(i as u64, inc, LEASE);
             n.voter = Voter::new(n.saved, LEASE, now);
@@ -213,11 +222,13 @@ impl Sim {
             *v = Voter::new(v.state(), LEASE, now.saturating_sub(LEASE));
         }
         let vote = v.request(node, req, now);
-        let state = v.state();
+        if self.trace && req.term > 0 {
+            println!("t={} voter {voter} on node {node} {req:?}: {vote:?}", self.t);
+        }
         if voter == WITNESS {
-            self.witness_saved = state;
+            self.witness_saved = self.witness.state();
         } else {
-            self.nodes[voter].saved = state;
+            self.nodes[voter].saved = self.nodes[voter].voter.state();
         }
         vote
     }
@@ -269,6 +280,9 @@ impl Sim {
                 let image = self.nodes[i].state.clone();
                 let o = &mut self.nodes[other];
                 if !o.lease.serving(other_now) {
+                    if self.trace {
+                        println!("t={} node {i} seeds node {other} ({} updates)", self.t, image.len());
+                    }
                     o.lease.depose();
                     o.state = image;
                     o.following = Some((inc, self.t));
@@ -284,17 +298,31 @@ impl Sim {
                     }
                 }
             }
-            // The first serving step of a term: the node must hold every acknowledged update.
+            // The first serving step of a term: the node must hold every acknowledged update that a live process
+            // still holds (an update whose every copy died with its processes is lost to the crash: counted).
             if term != self.nodes[i].last_term_checked {
                 self.nodes[i].last_term_checked = term;
                 self.takeovers += 1;
                 let have: HashSet<u64> = self.nodes[i].state.iter().copied().collect();
-                let lost = self.acked.iter().filter(|u| !have.contains(u)).count();
+                let elsewhere: HashSet<u64> = self.nodes[other].state.iter().copied().collect();
+                let missing: Vec<u64> = self
+                    .acked
+                    .iter()
+                    .filter(|u| !have.contains(u))
+                    .copied()
+                    .collect();
+                let lost = missing.iter().filter(|u| elsewhere.contains(u)).count();
                 if lost > 0 {
                     self.violations.push(format!(
-                        "t={} node {i} serves term {term} without {lost} acknowledged update(s)",
+                        "t={} node {i} serves term {term} without {lost} acknowledged update(s) node {other} holds",
                         self.t
                     ));
+                }
+                for u in missing {
+                    if !elsewhere.contains(&u) {
+                        self.acked.remove(&u);
+                        self.crash_lost += 1;
+                    }
                 }
             }
             // Apply an update; acknowledge it if the standby took it, or the node may serve alone.
@@ -314,12 +342,28 @@ impl Sim {
         }
         // Rounds: renew a held term, or campaign once the holder it followed is silent for a lease.
         if now >= self.nodes[i].next_round {
-            let n = &self.nodes[i];
-            let silent = match n.following {
+            let silent = match self.nodes[i].following {
                 Some((_, heard)) => self.t.saturating_sub(heard) > self.silence,
                 None => true,
             };
-            if n.lease.held() || silent {
+            let held = self.nodes[i].lease.held();
+            if !held && !silent {
+                // Not campaigning: register, so that voters learn which incarnation runs.
+                let req = self.nodes[i].lease.registration();
+                self.answer(i, i as u64, &req);
+                for to in [other, WITNESS] {
+                    self.send(
+                        i,
+                        to,
+                        Msg::Req {
+                            round: 0,
+                            node: i as u64,
+                            req,
+                        },
+                    );
+                }
+            }
+            if held || silent {
                 if silent {
                     self.nodes[i].following = None;
                 }
@@ -360,7 +404,7 @@ impl Sim {
         }
     }
 
-    fn run(mut self, steps: u64) -> (Vec<String>, u64, usize) {
+    fn run(mut self, steps: u64) -> (Vec<String>, u64, usize, u64) {
         for _ in 0..steps {
             self.t += STEP;
             self.nemesis();
@@ -374,7 +418,7 @@ impl Sim {
             }
         }
         let acked = self.acked.len();
-        (self.violations, self.takeovers, acked)
+        (self.violations, self.takeovers, acked, self.crash_lost)
     }
 }
 
@@ -382,29 +426,34 @@ fn schedules() -> u64 {
     std::env::var("TETHER_FENCE_SCHEDULES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(300)
+        .unwrap_or(2000)
 }
 
 /// Runs `n` schedules; returns the first failing seed with its violations, and the totals.
-fn sweep(n: u64, mutation: Mutation) -> (Option<(u64, Vec<String>)>, u64, usize) {
-    let (mut takeovers, mut acked) = (0, 0);
+/// Totals over a sweep: terms served, acknowledged updates kept, acknowledged updates lost to crashes.
+type Totals = (u64, usize, u64);
+
+fn sweep(n: u64, mutation: Mutation) -> (Option<(u64, Vec<String>)>, Totals) {
+    let (mut takeovers, mut acked, mut crash_lost) = (0, 0, 0);
     for seed in 0..n {
-        let (violations, t, a) = Sim::new(seed, mutation).run(6_000);
+        let (violations, t, a, c) = Sim::new(seed, mutation).run(6_000);
         takeovers += t;
         acked += a;
+        crash_lost += c;
         if !violations.is_empty() {
-            return (Some((seed, violations)), takeovers, acked);
+            return (Some((seed, violations)), (takeovers, acked, crash_lost));
         }
     }
-    (None, takeovers, acked)
+    (None, (takeovers, acked, crash_lost))
 }
 
 #[test]
 fn no_two_servers_and_no_lost_acknowledged_update() {
     let n = schedules();
-    let (failed, takeovers, acked) = sweep(n, Mutation::None);
+    let (failed, (takeovers, acked, crash_lost)) = sweep(n, Mutation::None);
     println!(
-        "fence sim: {n} schedules of 60 s, {takeovers} terms served, {acked} acknowledged updates"
+        "fence sim: {n} schedules of 60 s, {takeovers} terms served, {acked} acknowledged updates kept, \
+         {crash_lost} lost with every process that held them"
     );
     if let Some((seed, v)) = failed {
         panic!("seed {seed}: {v:#?}");
@@ -417,7 +466,7 @@ fn no_two_servers_and_no_lost_acknowledged_update() {
 
 #[test]
 fn the_checker_fails_without_the_promise() {
-    let (failed, _, _) = sweep(schedules(), Mutation::NoPromise);
+    let (failed, _) = sweep(schedules(), Mutation::NoPromise);
     let (seed, v) = failed.expect("a voter without its promise must let two nodes serve");
     println!("without the promise, seed {seed}: {}", v[0]);
     assert!(v.iter().any(|s| s.contains("both nodes serve")));
@@ -425,8 +474,18 @@ fn the_checker_fails_without_the_promise() {
 
 #[test]
 fn the_checker_fails_when_a_holder_acknowledges_alone_unrecorded() {
-    let (failed, _, _) = sweep(50, Mutation::EagerSolo);
+    let (failed, _) = sweep(50, Mutation::EagerSolo);
     let (seed, v) = failed.expect("acknowledging alone without a recorded Nobody must lose updates");
     println!("eager solo, seed {seed}: {}", v[0]);
     assert!(v.iter().any(|s| s.contains("acknowledged update")));
+}
+
+/// Replays one schedule with its trace: `TETHER_FENCE_SEED=N TETHER_FENCE_TRACE=1 cargo test --test fence replay`.
+#[test]
+fn replay() {
+    let Some(seed) = std::env::var("TETHER_FENCE_SEED").ok().and_then(|s| s.parse().ok()) else {
+        return;
+    };
+    let (violations, ..) = Sim::new(seed, Mutation::None).run(6_000);
+    println!("seed {seed}: {violations:#?}");
 }

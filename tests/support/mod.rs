@@ -273,6 +273,8 @@ pub struct Cluster {
     pub servers: Vec<SocketAddr>,
     /// Standby addresses, index = shard (empty without standbys).
     pub standbys: Vec<SocketAddr>,
+    /// The witness's address (with standbys).
+    pub witness: Option<SocketAddr>,
 }
 
 impl Cluster {
@@ -308,11 +310,15 @@ impl Cluster {
         } else {
             Vec::new()
         };
+        let witness = spec
+            .standbys
+            .then(|| SocketAddr::from(([127, 0, 0, 1], free_udp_port())));
         let c = Cluster {
             dir,
             spec,
             servers,
             standbys,
+            witness,
         };
         c.write_config("cluster.toml", &c.servers.clone());
         c
@@ -332,7 +338,12 @@ impl Cluster {
         let cluster_extra = if standbys.is_empty() {
             s.cluster_extra.clone()
         } else {
-            format!("{}standbys = [{}]\n", s.cluster_extra, standbys.join(", "))
+            format!(
+                "{}standbys = [{}]\nwitness = \"{}\"\n",
+                s.cluster_extra,
+                standbys.join(", "),
+                self.witness.map(|w| w.to_string()).unwrap_or_default()
+            )
         };
         let text = format!(
             "[cluster]\nservers = [{}]\nworkers = {}\nstaleness = {staleness}\nworker_timeout_ms = {}\n{}\
@@ -423,6 +434,27 @@ impl Cluster {
     }
 
     /// Starts shard `k`'s standby (`--standby`) with extra flags and waits (bounded) until it says it is listening.
+    /// Starts the witness (the fence's third vote) and waits (bounded) until it listens.
+    pub fn witness(&self) -> Proc {
+        let args = vec![
+            "witness".to_string(),
+            "--config".into(),
+            self.path("cluster.toml").display().to_string(),
+        ];
+        let mut p = self.spawn("witness".into(), &bins().server, &args);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !p.log_text().contains("witness listening on") {
+            assert!(p.alive(), "the witness died at start:\n{}", p.log_tail(3000));
+            assert!(
+                Instant::now() < deadline,
+                "the witness did not start:\n{}",
+                p.log_tail(3000)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        p
+    }
+
     pub fn standby(&self, k: usize, extra: &[&str]) -> Proc {
         let mut args = vec![
             "--config".into(),
