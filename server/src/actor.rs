@@ -710,8 +710,10 @@ impl Handler<ApplyPush> for ShardActor {
             // and only from a node that still holds the lease.
             if let Some((acked, seq, fence)) = gate {
                 wait_acked(acked, seq).await;
+                // Applied here, but this node lost the lease before the outcome could leave: the worker reconnects
+                // to the shard's primary and sends the push again (applied once, or answered as already applied).
                 if fence.is_some_and(|f| !f.serving()) {
-                    return Ok(Outcome::Refused(ErrorCode::NotPrimary));
+                    return Err(not_primary());
                 }
             }
             result
@@ -726,7 +728,7 @@ impl ShardActor {
         ctx: &mut Context<Self>,
     ) -> Result<Outcome, ProtocolError> {
         if !self.serves() {
-            return Ok(Outcome::Refused(ErrorCode::NotPrimary));
+            return Err(not_primary());
         }
         let now = self.now_ms();
         let frame = access_push(&msg.body)?;
@@ -840,6 +842,15 @@ impl Handler<CheckpointNow> for ShardActor {
             let _ = me.send(CheckpointDone).await;
             r
         })
+    }
+}
+
+/// The answer to a push at a node that does not hold the lease: the connection closes with `NotPrimary`, and the
+/// worker sends the push again to the shard's primary (an outcome would make it drop the push).
+fn not_primary() -> ProtocolError {
+    ProtocolError::Rejected {
+        code: ErrorCode::NotPrimary,
+        message: "not the shard's primary (it does not hold the lease)".into(),
     }
 }
 
@@ -1022,9 +1033,11 @@ impl Handler<TakeOver> for ShardActor {
         // The shard's clock continues from the newest time of the image and the log.
         self.clock_base = follower.last_now_ms();
         self.started = Instant::now();
-        // Nothing of this node's own waits; replies from here on wait for a standby or a recorded solo.
-        if self.fence.is_some() {
-            self.acked.send_replace(self.seq);
+        // Nothing of this node's own waits; replies from here on wait for a standby, or not at all once the fence
+        // recorded that this node serves alone (it won its term declaring no successor).
+        if let Some(f) = &self.fence {
+            self.acked
+                .send_replace(if f.solo() { u64::MAX } else { self.seq });
         }
         let version = self.proto.version();
         if follower.is_seeded() {

@@ -30,6 +30,7 @@ use crate::actor::{
     Subscribe,
 };
 use crate::admission::{Admission, HandshakeTicket};
+use crate::shard::ShardError;
 use crate::protocol::ConnId;
 
 /// A peer must finish the TLS handshake, and then the hello, each within this time.
@@ -499,6 +500,11 @@ impl WorkerConnection {
         };
         let rx = match self.ctx.shard_actor.send(msg).await {
             Ok(Ok(rx)) => rx,
+            // A node that does not hold the lease closes the connection: the worker finds the shard's primary.
+            Ok(Err(ShardError::NotPrimary)) => {
+                close_with(&self.conn, ErrorCode::NotPrimary, "not the shard's primary");
+                return false;
+            }
             Ok(Err(e)) => {
                 debug!(shard = self.ctx.shard, worker = self.worker, error = %e, "pull refused");
                 let _ = self.out.send(refuse(e.code())).await;
@@ -517,6 +523,10 @@ impl WorkerConnection {
             };
             let reply = match reply {
                 Ok(Ok(r)) => r,
+                Ok(Err(ShardError::NotPrimary)) => {
+                    close_with(&conn, ErrorCode::NotPrimary, "no longer the shard's primary");
+                    return;
+                }
                 Ok(Err(e)) => {
                     let _ = out.send(refuse(e.code())).await;
                     return;
