@@ -183,7 +183,13 @@ impl Voter {
         if req.term == 0 || req.term % NODES != node {
             return refuse(Refusal::WrongNode);
         }
-        if now_ms < self.quiet_until {
+        // A restarted voter may have promised its recorded holder before it died: it grants nothing until that
+        // promise has run out, unless the holder is dead too (promises only ever go to the recorded holder).
+        let holder_dead = self
+            .state
+            .holder
+            .is_none_or(|h| self.state.dead(self.state.term % NODES, h));
+        if now_ms < self.quiet_until && !holder_dead {
             return refuse(Refusal::Quiet);
         }
         if req.term < self.state.term {
@@ -437,14 +443,34 @@ mod tests {
 
     #[test]
     fn a_voter_refuses_a_wrong_node_a_quiet_start_and_a_held_lease() {
-        let mut v = Voter::new(VoterState::default(), L, 0);
+        // Restarted with a holder that may live: quiet for a lease. A dead holder (its node runs another
+        // incarnation) was promised nothing that still matters.
+        let held = VoterState {
+            term: 1,
+            holder: Some(5),
+            known: [None, Some(5)],
+            ..VoterState::default()
+        };
+        let mut q = Voter::new(held, L, 0);
         assert!(matches!(
-            v.request(0, &req(2, 7, Successor::Any), 10),
+            q.request(0, &req(2, 7, Successor::Any), 10),
             Vote::Refused {
                 why: Refusal::Quiet,
                 ..
             }
         ));
+        assert!(matches!(
+            q.request(1, &req(0, 6, Successor::Any), 20),
+            Vote::Refused {
+                why: Refusal::Registered,
+                ..
+            }
+        ));
+        assert_eq!(
+            q.request(0, &req(2, 7, Successor::Any), 30),
+            Vote::Granted { term: 2 }
+        );
+        let mut v = Voter::new(VoterState::default(), L, 0);
         assert!(matches!(
             v.request(1, &req(2, 7, Successor::Any), L),
             Vote::Refused {

@@ -41,6 +41,8 @@ pub struct Fence {
     solo: AtomicBool,
     want: watch::Sender<bool>,
     deposed: Notify,
+    /// Starts a round at once (a new successor should be recorded without waiting for the next renewal).
+    round_now: Notify,
     /// Called (outside the lock) when a majority recorded that this node serves alone.
     on_solo: Mutex<Option<Box<dyn Fn() + Send>>>,
 }
@@ -100,6 +102,7 @@ impl Fence {
             solo: AtomicBool::new(false),
             want,
             deposed: Notify::new(),
+            round_now: Notify::new(),
             on_solo: Mutex::new(None),
         })
     }
@@ -173,6 +176,9 @@ impl Fence {
             inner.lease.clear_solo();
             self.solo.store(false, Ordering::Release);
         }
+        drop(inner);
+        // Recorded at once: until a majority knows, a takeover by the new standby would be refused.
+        self.round_now.notify_one();
     }
 
     /// Starts (or stops) campaigning and renewing.
@@ -218,6 +224,11 @@ impl Fence {
     }
 
     fn take(&self, round: u64, voter: u8, vote: Vote) {
+        if let Vote::Refused { term, why } = vote {
+            if round > 0 {
+                debug!(shard = self.shard, voter, term, %why, "vote refused");
+            }
+        }
         let mut inner = self.lock();
         let held = inner.lease.held();
         let event = inner.lease.vote(round, voter, vote);
@@ -298,6 +309,7 @@ pub async fn run(fence: Arc<Fence>, voters: Vec<RemoteVoter>, tls: TlsFiles) {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = want.changed() => {}
+            _ = fence.round_now.notified() => {}
         }
     }
 }

@@ -693,3 +693,23 @@ impl Drop for UdpProxy {
         }
     }
 }
+
+impl Drop for Cluster {
+    /// With `TETHER_TEST_KEEP_LOGS=DIR`, every process log of the cluster is copied to DIR before the temp
+    /// directory goes (to read why a real-process test failed).
+    fn drop(&mut self) {
+        let Some(keep) = std::env::var_os("TETHER_TEST_KEEP_LOGS") else {
+            return;
+        };
+        let keep = PathBuf::from(keep);
+        let _ = std::fs::create_dir_all(&keep);
+        if let Ok(entries) = std::fs::read_dir(self.dir.path()) {
+            for e in entries.flatten() {
+                let p = e.path();
+                if p.extension().is_some_and(|x| x == "log") {
+                    let _ = std::fs::copy(&p, keep.join(e.file_name()));
+                }
+            }
+        }
+    }
+}
