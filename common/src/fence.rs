@@ -183,15 +183,6 @@ impl Voter {
         if req.term == 0 || req.term % NODES != node {
             return refuse(Refusal::WrongNode);
         }
-        // A restarted voter may have promised its recorded holder before it died: it grants nothing until that
-        // promise has run out, unless the holder is dead too (promises only ever go to the recorded holder).
-        let holder_dead = self
-            .state
-            .holder
-            .is_none_or(|h| self.state.dead(self.state.term % NODES, h));
-        if now_ms < self.quiet_until && !holder_dead {
-            return refuse(Refusal::Quiet);
-        }
         if req.term < self.state.term {
             return refuse(Refusal::Stale);
         }
@@ -201,7 +192,15 @@ impl Voter {
                 return refuse(Refusal::Stale);
             }
         } else if !same_holder && self.state.holder.is_some() {
-            // A takeover: only once the holder's promise ran out, and only by the node holding its updates.
+            // A takeover: only once the holder's promise ran out, and only by the node holding its updates. A
+            // restarted voter may have promised its recorded holder before it died: it grants no takeover until
+            // that promise has run out, unless the holder is dead too (promises only ever go to the recorded
+            // holder, so its renewals are answered at once).
+            if let Some(h) = self.state.holder {
+                if now_ms < self.quiet_until && !self.state.dead(self.state.term % NODES, h) {
+                    return refuse(Refusal::Quiet);
+                }
+            }
             if now_ms < self.promise_until {
                 return refuse(Refusal::Held);
             }

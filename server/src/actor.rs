@@ -978,11 +978,7 @@ impl Handler<StepDown> for ShardActor {
         }
         // Held outcomes wake and see the lease gone: they answer NotPrimary.
         self.acked.send_replace(u64::MAX);
-        self.following = Some(Follower::seeded(
-            self.now_ms(),
-            self.proto.max_conn(),
-            0,
-        ));
+        self.following = Some(Follower::seeded(self.now_ms(), self.proto.max_conn(), 0));
     }
 }
 

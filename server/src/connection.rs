@@ -30,8 +30,8 @@ use crate::actor::{
     Subscribe,
 };
 use crate::admission::{Admission, HandshakeTicket};
-use crate::shard::ShardError;
 use crate::protocol::ConnId;
+use crate::shard::ShardError;
 
 /// A peer must finish the TLS handshake, and then the hello, each within this time.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -348,7 +348,8 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>, nod
                 let mut since = stalled_since.lock().unwrap_or_else(|p| p.into_inner());
                 if !behind || now_acked != last_acked {
                     *since = None;
-                } else if since.get_or_insert_with(std::time::Instant::now).elapsed() > ack_deadline {
+                } else if since.get_or_insert_with(std::time::Instant::now).elapsed() > ack_deadline
+                {
                     return Err::<(), _>(NetError::Protocol(ProtocolError::Rejected {
                         code: ErrorCode::Overloaded,
                         message: "the standby stopped acknowledging the log".into(),
@@ -524,7 +525,11 @@ impl WorkerConnection {
             let reply = match reply {
                 Ok(Ok(r)) => r,
                 Ok(Err(ShardError::NotPrimary)) => {
-                    close_with(&conn, ErrorCode::NotPrimary, "no longer the shard's primary");
+                    close_with(
+                        &conn,
+                        ErrorCode::NotPrimary,
+                        "no longer the shard's primary",
+                    );
                     return;
                 }
                 Ok(Err(e)) => {

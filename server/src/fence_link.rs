@@ -14,7 +14,9 @@ use tokio::sync::{mpsc, watch, Notify};
 use tracing::{debug, info, warn};
 
 use tether_common::fence::{Lease, LeaseEvent, Request, Successor, Vote, Voter, VoterState};
-use tether_common::net::{connect, peer_is_witness, peer_shard, ControlChannel, NetError, TlsFiles};
+use tether_common::net::{
+    connect, peer_is_witness, peer_shard, ControlChannel, NetError, TlsFiles,
+};
 use tether_common::protocol::Control;
 
 use crate::node::resolve;
@@ -236,7 +238,10 @@ impl Fence {
         match event {
             LeaseEvent::Deposed => {
                 drop(inner);
-                info!(shard = self.shard, voter, "a newer term exists: stepping down");
+                info!(
+                    shard = self.shard,
+                    voter, "a newer term exists: stepping down"
+                );
                 self.deposed.notify_waiters();
             }
             LeaseEvent::Holding if !held => {

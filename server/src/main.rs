@@ -312,7 +312,11 @@ fn run() -> Result<()> {
 }
 
 /// Runs the witness until SIGINT or SIGTERM.
-fn witness(config: &std::path::Path, listen: Option<SocketAddr>, state: Option<PathBuf>) -> Result<()> {
+fn witness(
+    config: &std::path::Path,
+    listen: Option<SocketAddr>,
+    state: Option<PathBuf>,
+) -> Result<()> {
     let cfg = Config::load(config)?;
     let state = state.unwrap_or_else(|| cfg.checkpoint.dir.join("witness.json"));
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -322,8 +326,7 @@ fn witness(config: &std::path::Path, listen: Option<SocketAddr>, state: Option<P
     runtime.block_on(async {
         let running = tether_server::witness::start_witness(&cfg, listen, None, state).await?;
         println!("witness listening on {}", running.local_addr);
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}

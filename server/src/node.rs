@@ -25,11 +25,11 @@ use crate::actor::{
     CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, SoloRecorded, StepDown,
     TakeOver,
 };
-use crate::fence_link::{self, Fence, RemoteVoter, WITNESS_VOTER};
 use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::checkpoint::CheckpointStore;
 use crate::connection::{serve_connection, ConnectionContext};
 use crate::error::Error;
+use crate::fence_link::{self, Fence, RemoteVoter, WITNESS_VOTER};
 use crate::norm_guard::GuardSettings;
 use crate::quorum::QuorumSettings;
 use crate::remote::RemoteStore;
@@ -303,7 +303,10 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
             let solo_actor = addr.clone();
             f.on_solo(Box::new(move || solo_actor.do_send(SoloRecorded)));
             let addresses = cfg.cluster.shard_addresses(opts.shard as usize);
-            let other = addresses.get(1 - node_index as usize).cloned().unwrap_or_default();
+            let other = addresses
+                .get(1 - node_index as usize)
+                .cloned()
+                .unwrap_or_default();
             let voters = vec![
                 RemoteVoter {
                     index: 1 - node_index as u8,
@@ -314,7 +317,11 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
                     addr: witness.to_string(),
                 },
             ];
-            Some(tokio::spawn(fence_link::run(f.clone(), voters, tls.clone())))
+            Some(tokio::spawn(fence_link::run(
+                f.clone(),
+                voters,
+                tls.clone(),
+            )))
         }
         (Some(_), None) => {
             return Err(Error::Address(
@@ -531,7 +538,10 @@ impl FollowLink {
         while !fence.serving() {
             if std::time::Instant::now() > deadline {
                 fence.want(false);
-                debug!(shard = self.shard, "no majority for the lease; asking to be seeded again");
+                debug!(
+                    shard = self.shard,
+                    "no majority for the lease; asking to be seeded again"
+                );
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -697,7 +707,12 @@ impl FollowLink {
                 Ok(e) => e,
                 Err(e) => return Ok(Session::Lost(format!("bad replication entry: {e}"))),
             };
-            let seq = match self.actor.send(Replicate(entry)).await.map_err(|_| gone())? {
+            let seq = match self
+                .actor
+                .send(Replicate(entry))
+                .await
+                .map_err(|_| gone())?
+            {
                 Ok(seq) => seq,
                 Err(e) => return Ok(Session::Lost(format!("refused replication entry: {e}"))),
             };

@@ -86,12 +86,13 @@ pub async fn start_witness(
     tls: Option<TlsFiles>,
     state: PathBuf,
 ) -> Result<RunningWitness, Error> {
-    let listen = match listen {
-        Some(a) => a,
-        None => crate::node::resolve(cfg.cluster.witness.as_deref().ok_or_else(|| {
-            Error::Address("no --listen and no cluster.witness address".into())
-        })?)?,
-    };
+    let listen =
+        match listen {
+            Some(a) => a,
+            None => crate::node::resolve(cfg.cluster.witness.as_deref().ok_or_else(|| {
+                Error::Address("no --listen and no cluster.witness address".into())
+            })?)?,
+        };
     let tls = match tls {
         Some(t) => t,
         None => TlsFiles::for_witness(&cfg.cluster.tls_dir)?,
@@ -140,15 +141,15 @@ async fn accept_loop(endpoint: quinn::Endpoint, ballots: Arc<Mutex<Ballots>>) {
         let ballots = ballots.clone();
         tokio::spawn(async move {
             let peer = incoming.remote_address();
-            let conn = match tokio::time::timeout(crate::admission::MAX_HANDSHAKE_WAIT, incoming).await
-            {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => {
-                    debug!(%peer, error = %e, "witness: handshake failed");
-                    return;
-                }
-                Err(_) => return,
-            };
+            let conn =
+                match tokio::time::timeout(crate::admission::MAX_HANDSHAKE_WAIT, incoming).await {
+                    Ok(Ok(c)) => c,
+                    Ok(Err(e)) => {
+                        debug!(%peer, error = %e, "witness: handshake failed");
+                        return;
+                    }
+                    Err(_) => return,
+                };
             // Only a shard's nodes vote-request; the node index is the certificate's.
             let (shard, node) = match peer_identity(&conn) {
                 Ok(PeerIdentity::Shard(k)) => (k, 0),

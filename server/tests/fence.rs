@@ -7,8 +7,8 @@
 
 use std::collections::HashSet;
 
-use tether_common::splitmix::SplitMix64;
 use tether_common::fence::{Lease, LeaseEvent, Request, Successor, Vote, Voter, VoterState};
+use tether_common::splitmix::SplitMix64;
 
 const LEASE: u64 = 1000;
 const STEP: u64 = 10;
@@ -54,16 +54,8 @@ struct Node {
 }
 
 enum Msg {
-    Req {
-        round: u64,
-        node: u64,
-        req: Request,
-    },
-    Ans {
-        round: u64,
-        voter: u8,
-        vote: Vote,
-    },
+    Req { round: u64, node: u64, req: Request },
+    Ans { round: u64, voter: u8, vote: Vote },
 }
 
 struct Sim {
@@ -223,7 +215,10 @@ impl Sim {
         }
         let vote = v.request(node, req, now);
         if self.trace && req.term > 0 {
-            println!("t={} voter {voter} on node {node} {req:?}: {vote:?}", self.t);
+            println!(
+                "t={} voter {voter} on node {node} {req:?}: {vote:?}",
+                self.t
+            );
         }
         if voter == WITNESS {
             self.witness_saved = self.witness.state();
@@ -281,7 +276,11 @@ impl Sim {
                 let o = &mut self.nodes[other];
                 if !o.lease.serving(other_now) {
                     if self.trace {
-                        println!("t={} node {i} seeds node {other} ({} updates)", self.t, image.len());
+                        println!(
+                            "t={} node {i} seeds node {other} ({} updates)",
+                            self.t,
+                            image.len()
+                        );
                     }
                     o.lease.depose();
                     o.state = image;
@@ -475,7 +474,8 @@ fn the_checker_fails_without_the_promise() {
 #[test]
 fn the_checker_fails_when_a_holder_acknowledges_alone_unrecorded() {
     let (failed, _) = sweep(50, Mutation::EagerSolo);
-    let (seed, v) = failed.expect("acknowledging alone without a recorded Nobody must lose updates");
+    let (seed, v) =
+        failed.expect("acknowledging alone without a recorded Nobody must lose updates");
     println!("eager solo, seed {seed}: {}", v[0]);
     assert!(v.iter().any(|s| s.contains("acknowledged update")));
 }
@@ -483,7 +483,10 @@ fn the_checker_fails_when_a_holder_acknowledges_alone_unrecorded() {
 /// Replays one schedule with its trace: `TETHER_FENCE_SEED=N TETHER_FENCE_TRACE=1 cargo test --test fence replay`.
 #[test]
 fn replay() {
-    let Some(seed) = std::env::var("TETHER_FENCE_SEED").ok().and_then(|s| s.parse().ok()) else {
+    let Some(seed) = std::env::var("TETHER_FENCE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    else {
         return;
     };
     let (violations, ..) = Sim::new(seed, Mutation::None).run(6_000);

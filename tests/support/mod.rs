@@ -444,7 +444,11 @@ impl Cluster {
         let mut p = self.spawn("witness".into(), &bins().server, &args);
         let deadline = Instant::now() + Duration::from_secs(20);
         while !p.log_text().contains("witness listening on") {
-            assert!(p.alive(), "the witness died at start:\n{}", p.log_tail(3000));
+            assert!(
+                p.alive(),
+                "the witness died at start:\n{}",
+                p.log_tail(3000)
+            );
             assert!(
                 Instant::now() < deadline,
                 "the witness did not start:\n{}",

@@ -530,7 +530,9 @@ fn max_workers_below_the_workers_or_beyond_4096_is_refused_naming_the_key() {
 fn standbys_that_name_a_server_or_each_other_or_miss_a_shard_are_refused_naming_the_key() {
     let parse = |extra: &str| {
         Config::parse(
-            &format!("[cluster]\nservers=[\"a:1\", \"b:1\"]\nworkers = 2\nwitness = \"w:1\"\n{extra}\n"),
+            &format!(
+                "[cluster]\nservers=[\"a:1\", \"b:1\"]\nworkers = 2\nwitness = \"w:1\"\n{extra}\n"
+            ),
             Path::new("/"),
         )
     };

@@ -92,7 +92,13 @@ impl Config {
                 ),
             );
         }
-        if !standbys.is_empty() && self.cluster.witness.as_deref().is_none_or(|w| w.trim().is_empty()) {
+        if !standbys.is_empty()
+            && self
+                .cluster
+                .witness
+                .as_deref()
+                .is_none_or(|w| w.trim().is_empty())
+        {
             return bad(
                 "cluster.witness",
                 "replicated shards need a witness address (run `tether-server witness`): without a third vote a \
