@@ -198,6 +198,7 @@ impl LocalCluster {
                 // The bundle `generate` just wrote holds the shard's checkpoint key.
                 checkpoint_key: None,
                 standby: false,
+                history: None,
             };
             shards.push(start_shard(&cfg, opts).await?);
         }

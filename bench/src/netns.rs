@@ -1,8 +1,10 @@
 //! The link harness: a star of network namespaces joined by veth pairs to a bridge in a hub namespace, each node's
 //! link shaped with `tc tbf` in both directions (egress on the node's end, ingress as egress on the hub's end), or
 //! one namespace with its loopback shaped. This kernel has no netem, so no delay is added (the study says so).
-//! Every namespace and link is the harness's own: created by [`Star::up`] / [`Loop::up`], deleted on drop;
-//! addresses are 10.203.0.0/24 inside those namespaces only. Needs root.
+//! Every namespace and link is the harness's own: created by [`Star::up`] / [`Loop::up`], deleted on drop (with
+//! every rule inside); addresses are 10.203.0.0/24 inside those namespaces only. The nemesis cuts links between
+//! two nodes, one way or both ([`Star::cut_one_way`], [`Star::cut`]) and heals them ([`Star::heal`]); pausing and
+//! killing processes is the caller's (signals). Needs root and iptables.
 
 use std::process::Command;
 
@@ -155,6 +157,41 @@ impl Star {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.node(i)]).arg(program);
         c
+    }
+
+    /// Nemesis: node `to` stops hearing node `from` (a one-way cut; iptables inside `to`'s namespace). Healed by
+    /// [`Star::heal`] or with the star.
+    pub fn cut_one_way(&self, from: usize, to: usize) -> Result<()> {
+        self.check(from)?;
+        self.check(to)?;
+        #[rustfmt::skip]
+        let args = ["netns", "exec", &self.node(to), "iptables", "-A", "INPUT", "-s", &Self::addr(from), "-j", "DROP"];
+        run("ip", &args)
+    }
+
+    /// Nemesis: cuts the link between nodes `a` and `b` both ways.
+    pub fn cut(&self, a: usize, b: usize) -> Result<()> {
+        self.cut_one_way(a, b)?;
+        self.cut_one_way(b, a)
+    }
+
+    /// Nemesis: heals every cut (flushes every node's rules).
+    pub fn heal(&self) -> Result<()> {
+        for i in 0..self.nodes {
+            run(
+                "ip",
+                &["netns", "exec", &self.node(i), "iptables", "-F", "INPUT"],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn check(&self, i: usize) -> Result<()> {
+        if i < self.nodes {
+            Ok(())
+        } else {
+            Err(HarnessError::Invalid("no such node"))
+        }
     }
 
     /// The namespaces this star holds (hub first).

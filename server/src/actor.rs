@@ -254,6 +254,25 @@ pub struct ShardActor {
     /// The newest position a standby acknowledged (`u64::MAX`: nothing needs to wait).
     acked: Arc<watch::Sender<u64>>,
     links: u64,
+    /// Where applied pushes are recorded, and this node's name in the records.
+    history: Option<(std::fs::File, &'static str)>,
+}
+
+/// One applied push as the history file records it (a JSON line).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct HistoryLine {
+    /// Wall-clock time, microseconds since the Unix epoch (comparable across the processes of one machine).
+    pub t_us: u64,
+    /// `primary` or `standby` (which node of the shard applied it).
+    pub node: String,
+    /// The fence term the node held (0: unreplicated).
+    pub term: u64,
+    /// The pushing worker.
+    pub worker: u32,
+    /// The push round.
+    pub clock: u64,
+    /// The shard version after it.
+    pub version: u64,
 }
 
 impl ShardActor {
@@ -304,7 +323,14 @@ impl ShardActor {
             seq: 0,
             acked: Arc::new(watch::channel(u64::MAX).0),
             links: 0,
+            history: None,
         }
+    }
+
+    /// Records every applied push into `file` (one JSON line each, written at once), naming this node `node`.
+    pub fn with_history(mut self, file: std::fs::File, node: &'static str) -> Self {
+        self.history = Some((file, node));
+        self
     }
 
     /// Fences this node: it serves only while `fence` holds the lease, and holds replies until its standby
@@ -767,6 +793,25 @@ impl ShardActor {
         }
         if let Err(e) = &applied {
             debug!(shard = self.proto.shard(), worker = meta.worker, clock = meta.clock, error = %e, "push refused");
+        }
+        if let (Ok(Some(a)), Some((file, node))) = (&applied, self.history.as_mut()) {
+            use std::io::Write;
+            let line = HistoryLine {
+                t_us: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros() as u64),
+                node: (*node).to_string(),
+                term: self.fence.as_ref().map_or(0, |f| f.term()),
+                worker: meta.worker,
+                clock: meta.clock,
+                version: a.version,
+            };
+            let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
+            bytes.push(b'\n');
+            if let Err(e) = file.write_all(&bytes) {
+                warn!(shard = self.proto.shard(), error = %e, "cannot write the history; no longer recording");
+                self.history = None;
+            }
         }
         self.run_actions();
         self.arm_grace(ctx);

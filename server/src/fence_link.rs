@@ -28,6 +28,9 @@ struct Inner {
     lease: Lease,
     voter: Voter,
     successor: Successor,
+    /// A claim whose own vote waits until another voter granted it (so a node that cannot win never raises its
+    /// own voter's term, which would depose the holder when that holder asks this voter).
+    claim: Option<(u64, Request)>,
 }
 
 /// One node's fence: its lease, its own vote, and what the actor needs to know of them.
@@ -99,6 +102,7 @@ impl Fence {
                 lease: Lease::new(node, incarnation, lease_ms),
                 voter: Voter::new(state, lease_ms, 0),
                 successor: Successor::Nobody,
+                claim: None,
             }),
             until: AtomicU64::new(0),
             solo: AtomicBool::new(false),
@@ -220,9 +224,16 @@ impl Fence {
             info!(shard = self.shard, "lease ran out: stepping down");
         }
         let successor = inner.successor;
+        let claiming = !inner.lease.held();
         let out = inner.lease.round(successor, now);
+        inner.claim = claiming.then_some(out);
         drop(inner);
         out
+    }
+
+    /// Whether this round is a claim (its own vote waits for another voter's grant).
+    fn is_claim(&self, round: u64) -> bool {
+        self.lock().claim.is_some_and(|(id, _)| id == round)
     }
 
     fn take(&self, round: u64, voter: u8, vote: Vote) {
@@ -230,6 +241,20 @@ impl Fence {
             if round > 0 {
                 debug!(shard = self.shard, voter, term, %why, "vote refused");
             }
+        }
+        // Another voter granted this node's claim: now its own vote is given too.
+        let own = match (vote, self.lock().claim) {
+            (Vote::Granted { .. }, Some((id, req)))
+                if id == round && u64::from(voter) != self.node =>
+            {
+                Some(req)
+            }
+            _ => None,
+        };
+        if let Some(req) = own {
+            self.lock().claim = None;
+            let v = self.answer(self.node, &req);
+            self.take(round, self.node as u8, v);
         }
         let mut inner = self.lock();
         let held = inner.lease.held();
@@ -305,8 +330,10 @@ pub async fn run(fence: Arc<Fence>, voters: Vec<RemoteVoter>, tls: TlsFiles) {
             continue;
         }
         let (id, req) = fence.round();
-        let own = fence.answer(fence.node, &req);
-        fence.take(id, fence.node as u8, own);
+        if !fence.is_claim(id) {
+            let own = fence.answer(fence.node, &req);
+            fence.take(id, fence.node as u8, own);
+        }
         for link in &links {
             // A link that is behind (its voter is slow or unreachable) skips this round.
             let _ = link.try_send((id, req));

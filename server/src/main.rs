@@ -55,6 +55,10 @@ struct Cli {
     /// SIGTERM).
     #[arg(long, default_value_t = 0)]
     exit_after_workers: u32,
+    /// Append one JSON line per applied push (wall time, node, term, worker, clock, version) to this file: the
+    /// history the partition checker reads.
+    #[arg(long)]
+    history: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -358,6 +362,7 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
             layout: None,
             checkpoint_key: None,
             standby: cli.standby,
+            history: cli.history.clone(),
         },
     )
     .await?;

@@ -60,6 +60,8 @@ pub struct ShardOptions {
     /// Run as shard K's standby: listen on `cluster.standbys[K]` (unless `listen` is set) with the `standby-K`
     /// bundle, follow the primary's log and take over when it dies.
     pub standby: bool,
+    /// Append every applied push to this file as a JSON line ([`crate::actor::HistoryLine`]).
+    pub history: Option<std::path::PathBuf>,
 }
 
 /// A shard that is serving.
@@ -296,6 +298,16 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     }
     if let Some(f) = &fence {
         actor = actor.with_fence(f.clone());
+    }
+    if let Some(path) = &opts.history {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| {
+                Error::Address(format!("cannot open the history {}: {e}", path.display()))
+            })?;
+        actor = actor.with_history(file, if opts.standby { "standby" } else { "primary" });
     }
     let (addr, arbiter) = actor.start_on_own_arbiter();
     let fence_task = match (&fence, cfg.cluster.witness.as_deref()) {

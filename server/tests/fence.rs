@@ -51,6 +51,8 @@ struct Node {
     alive: bool,
     paused_until: u64,
     last_term_checked: u64,
+    /// A claim whose own vote waits for another voter's grant (as `fence_link` does).
+    claim: Option<(u64, Request)>,
 }
 
 enum Msg {
@@ -105,6 +107,7 @@ impl Sim {
                 alive: true,
                 paused_until: 0,
                 last_term_checked: 0,
+                claim: None,
             }
         };
         let nodes = [node(0, &mut rng, &clocks), node(1, &mut rng, &clocks)];
@@ -195,6 +198,7 @@ impl Sim {
             n.state.clear();
             n.standby = None;
             n.following = None;
+            n.claim = None;
             n.paused_until = self.t + 200;
         }
         if self.chance(500) {
@@ -247,6 +251,12 @@ impl Sim {
                     self.send(to, from, Msg::Ans { round, voter, vote });
                 }
                 Msg::Ans { round, voter, vote } => {
+                    let claim = self.nodes[to].claim.filter(|(id, _)| *id == round);
+                    if let (Vote::Granted { .. }, Some((_, req))) = (vote, claim) {
+                        self.nodes[to].claim = None;
+                        let own = self.answer(to, to as u64, &req);
+                        self.nodes[to].lease.vote(round, to as u8, own);
+                    }
                     let n = &mut self.nodes[to];
                     if n.lease.vote(round, voter, vote) == LeaseEvent::Deposed {
                         n.standby = None;
@@ -371,8 +381,13 @@ impl Sim {
                     None => Successor::Nobody,
                 };
                 let (round, req) = self.nodes[i].lease.round(successor, now);
-                let own = self.answer(i, i as u64, &req);
-                self.nodes[i].lease.vote(round, i as u8, own);
+                if held {
+                    let own = self.answer(i, i as u64, &req);
+                    self.nodes[i].lease.vote(round, i as u8, own);
+                    self.nodes[i].claim = None;
+                } else {
+                    self.nodes[i].claim = Some((round, req));
+                }
                 for to in [other, WITNESS] {
                     self.send(
                         i,

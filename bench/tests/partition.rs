@@ -1,0 +1,497 @@
+//! Partitions on a cluster in a box: one replicated shard (primary, standby) and the witness, and two workers, each
+//! process in its own network namespace on a bridge. The nemesis cuts the primary from its standby, the witness and
+//! worker 1 (both ways), or pauses it (SIGSTOP) past its lease; then heals. Each shard node records every push it
+//! applies (`--history`); a checker reads both histories: no term is served by two nodes, terms never go back in
+//! time (so at no moment do two nodes apply pushes), the deposed primary applies nothing once the standby serves,
+//! and every worker step is applied exactly once. Needs root (`ip netns`, iptables); without it the test says so
+//! and passes unless `TETHER_REQUIRE_NETNS=1` (set in CI) makes that a failure.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tether_bench::netns::Star;
+use tether_common::pki::{Authority, Node, Validity};
+use tether_server::actor::HistoryLine;
+
+const PRIMARY: usize = 0;
+const STANDBY: usize = 1;
+const WITNESS: usize = 2;
+const WORKERS: [usize; 2] = [3, 4];
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// The binaries `cargo test` built beside this test's own executable.
+fn bin(name: &str) -> PathBuf {
+    let me = std::env::current_exe().expect("current_exe");
+    let dir = me
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace's binaries",
+        path.display()
+    );
+    path
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn tail(&self) -> String {
+        let t = self.log_text();
+        t[t.len().saturating_sub(3000)..].to_string()
+    }
+
+    fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status();
+    }
+
+    /// Waits (bounded) for a successful exit.
+    fn wait_success(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                assert!(
+                    status.success(),
+                    "{} exited with {status}:\n{}",
+                    self.name,
+                    self.tail()
+                );
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not finish within {limit:?}:\n{}",
+                self.name,
+                self.tail()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A cluster in a box: the star, the folder with certificates, configuration, logs and reports.
+struct Bed {
+    star: Star,
+    dir: tempfile::TempDir,
+}
+
+impl Bed {
+    fn new() -> Bed {
+        let star = Star::up(5, None).expect("namespaces");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let certs = dir.path().join("certs");
+        let validity = Validity::days(1);
+        let ca = Authority::new(&validity).expect("CA");
+        let host = |i: usize| vec![Star::addr(i)];
+        let nodes = [
+            Node::Server {
+                shard: 0,
+                hosts: host(PRIMARY),
+            },
+            Node::Standby {
+                shard: 0,
+                hosts: host(STANDBY),
+            },
+            Node::Witness {
+                hosts: host(WITNESS),
+            },
+            Node::Worker { rank: 0 },
+            Node::Worker { rank: 1 },
+        ];
+        for n in &nodes {
+            ca.issue(n, &validity)
+                .expect("issue")
+                .write_bundle(&certs, ca.ca_pem())
+                .expect("bundle");
+        }
+        let config = format!(
+            "[cluster]\nservers = [\"{}:7000\"]\nstandbys = [\"{}:7000\"]\nwitness = \"{}:7000\"\nworkers = 2\n\
+             staleness = \"inf\"\nworker_timeout_ms = 5000\nfailover_ms = 1000\n\
+             [model]\nkind = \"mlp\"\nhidden = [64]\nseed = 42\n[data]\ndataset = \"digits\"\n\
+             [train]\nepochs = 16\nbatch = 32\n\
+             [optimizer]\nkind = \"adam\"\nlr = 0.003\n",
+            Star::addr(PRIMARY),
+            Star::addr(STANDBY),
+            Star::addr(WITNESS),
+        );
+        std::fs::write(dir.path().join("cluster.toml"), config).expect("config");
+        Bed { star, dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn spawn(&self, node: usize, name: &str, program: &str, args: &[&str]) -> Proc {
+        let log = self.path(&format!("{name}.log"));
+        let file = std::fs::File::create(&log).expect("log");
+        let child = self
+            .star
+            .command(node, &bin(program))
+            .current_dir(self.dir.path())
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file)
+            .spawn()
+            .expect("spawn");
+        Proc {
+            name: name.into(),
+            child,
+            log,
+        }
+    }
+
+    /// Witness, primary, standby and two workers (`--step-delay-ms` keeps the run long enough to cut into).
+    fn start(&self) -> (Proc, Proc, Proc, Vec<Proc>) {
+        let witness = self.spawn(
+            WITNESS,
+            "witness",
+            "tether-server",
+            &["witness", "--config", "cluster.toml"],
+        );
+        let node = |i: usize, name: &str, standby: bool| {
+            let mut args = vec![
+                "--config",
+                "cluster.toml",
+                "--shard",
+                "0",
+                "--exit-after-workers",
+                "2",
+            ];
+            let history = format!("{name}.history");
+            let report = format!("{name}.json");
+            args.extend(["--history", &history, "--report", &report]);
+            if standby {
+                args.push("--standby");
+            }
+            self.spawn(i, name, "tether-server", &args)
+        };
+        let primary = node(PRIMARY, "primary", false);
+        let standby = node(STANDBY, "standby", true);
+        let workers = WORKERS
+            .iter()
+            .enumerate()
+            .map(|(rank, &i)| {
+                let name = format!("w{rank}");
+                let report = format!("{name}.json");
+                let r = rank.to_string();
+                let args = [
+                    "--config",
+                    "cluster.toml",
+                    "--rank",
+                    &r,
+                    "--report",
+                    &report,
+                    "--step-delay-ms",
+                    "40",
+                ];
+                self.spawn(i, &name, "tether-worker", &args)
+            })
+            .collect();
+        (witness, primary, standby, workers)
+    }
+
+    fn history(&self, name: &str) -> Vec<HistoryLine> {
+        std::fs::read_to_string(self.path(&format!("{name}.history")))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("history line"))
+            .collect()
+    }
+
+    fn report(&self, name: &str) -> serde_json::Value {
+        let text = std::fs::read_to_string(self.path(&format!("{name}.json"))).expect("report");
+        serde_json::from_str(&text).expect("report json")
+    }
+}
+
+impl Drop for Bed {
+    /// With `TETHER_TEST_KEEP_LOGS=DIR`, the run's logs, histories and reports are copied to DIR first.
+    fn drop(&mut self) {
+        let Some(keep) = std::env::var_os("TETHER_TEST_KEEP_LOGS") else {
+            return;
+        };
+        let keep = PathBuf::from(keep);
+        let _ = std::fs::create_dir_all(&keep);
+        for e in std::fs::read_dir(self.dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if e.path().is_file() {
+                let _ = std::fs::copy(e.path(), keep.join(e.file_name()));
+            }
+        }
+    }
+}
+
+/// What the checker found in the two nodes' histories.
+#[derive(Debug)]
+struct Verdict {
+    violations: Vec<String>,
+    /// Pushes applied by each node.
+    applied: [usize; 2],
+}
+
+/// The checker: every term is one node's, and along wall time the terms of applied pushes never decrease (a
+/// deposed node applies nothing once a newer term has applied something), and no (worker, clock) is applied twice
+/// in one lineage.
+fn check(primary: &[HistoryLine], standby: &[HistoryLine]) -> Verdict {
+    let mut all: Vec<&HistoryLine> = primary.iter().chain(standby).collect();
+    all.sort_by_key(|l| l.t_us);
+    let mut violations = Vec::new();
+    let mut owner: std::collections::BTreeMap<u64, &str> = Default::default();
+    let mut newest = (0u64, 0u64);
+    for l in &all {
+        match owner.get(&l.term) {
+            Some(n) if *n != l.node => violations.push(format!(
+                "term {} served by both {n} and {} (t {} µs)",
+                l.term, l.node, l.t_us
+            )),
+            _ => {
+                owner.insert(l.term, &l.node);
+            }
+        }
+        if l.term < newest.0 {
+            violations.push(format!(
+                "{} applied worker {} clock {} in term {} at {} µs, after term {} applied at {} µs",
+                l.node, l.worker, l.clock, l.term, l.t_us, newest.0, newest.1
+            ));
+        } else {
+            newest = (l.term, l.t_us);
+        }
+    }
+    Verdict {
+        violations,
+        applied: [primary.len(), standby.len()],
+    }
+}
+
+fn skip_without_root() -> bool {
+    if is_root() {
+        return false;
+    }
+    assert!(
+        std::env::var("TETHER_REQUIRE_NETNS").is_err(),
+        "TETHER_REQUIRE_NETNS is set but this is not root"
+    );
+    eprintln!("skipped: the cluster in a box needs root");
+    true
+}
+
+/// Waits (bounded) until both workers report training progress.
+fn wait_training(workers: &[Proc]) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !workers.iter().all(|w| w.log_text().contains("progress")) {
+        assert!(
+            Instant::now() < deadline,
+            "the workers never trained:\n{}\n{}",
+            workers[0].tail(),
+            workers[1].tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_micros() as u64
+}
+
+/// Ends the run: every worker finishes, the nodes exit; returns the steps the workers took.
+fn finish(bed: &Bed, workers: &mut [Proc], nodes: &mut [&mut Proc]) -> f64 {
+    for w in workers.iter_mut() {
+        w.wait_success(Duration::from_secs(180));
+    }
+    for n in nodes.iter_mut() {
+        // A node that ended as a follower exits with its primary (it mirrors the finished workers) or is stopped.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while n.child.try_wait().expect("wait").is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    (0..2)
+        .map(|r| {
+            bed.report(&format!("w{r}"))["steps"]
+                .as_f64()
+                .expect("steps")
+        })
+        .sum()
+}
+
+#[test]
+fn a_primary_cut_from_its_standby_the_witness_and_a_worker_stops_serving_and_the_standby_trains_on()
+{
+    if skip_without_root() {
+        return;
+    }
+    let bed = Bed::new();
+    let (_witness, mut primary, mut standby, mut workers) = bed.start();
+    wait_training(&workers);
+    std::thread::sleep(Duration::from_millis(1000));
+    // The primary keeps worker 0; it loses its standby, the witness and worker 1.
+    let cut_at = now_us();
+    for other in [STANDBY, WITNESS, WORKERS[1]] {
+        bed.star.cut(PRIMARY, other).expect("cut");
+    }
+    std::thread::sleep(Duration::from_secs(8));
+    bed.star.heal().expect("heal");
+    let healed_at = now_us();
+    let steps = finish(&bed, &mut workers, &mut [&mut primary, &mut standby]);
+    let (p, s) = (bed.history("primary"), bed.history("standby"));
+    let verdict = check(&p, &s);
+    let last_primary = p
+        .iter()
+        .filter(|l| l.t_us >= cut_at && l.node == "primary")
+        .map(|l| l.t_us)
+        .max();
+    let first_standby = s
+        .iter()
+        .filter(|l| l.t_us >= cut_at)
+        .map(|l| l.t_us)
+        .min()
+        .expect("the standby applied nothing after the cut");
+    let served_on = (first_standby - cut_at) as f64 / 1e6;
+    let primary_after = last_primary.map_or(0.0, |t| (t - cut_at) as f64 / 1e6);
+    let during_cut = s
+        .iter()
+        .filter(|l| (cut_at..healed_at).contains(&l.t_us))
+        .count();
+    let applied = bed.report("standby")["updates_applied"]
+        .as_f64()
+        .expect("updates_applied");
+    let acc = bed.report("w1")["final_test_accuracy"]
+        .as_f64()
+        .unwrap_or(0.0);
+    println!(
+        "cut: the primary applied its last push {primary_after:.2} s after the cut, the standby its first \
+         {served_on:.2} s after it and {during_cut} during the 8 s cut; {applied} applied for {steps} steps; \
+         histories {:?}; worker 1 accuracy {acc:.4}; violations {:?}",
+        verdict.applied, verdict.violations
+    );
+    assert!(
+        verdict.violations.is_empty(),
+        "{:#?}\nprimary:\n{}\nstandby:\n{}",
+        verdict.violations,
+        primary.tail(),
+        standby.tail()
+    );
+    assert!(
+        served_on < 5.0,
+        "the majority side served only {served_on:.2} s after the cut"
+    );
+    assert!(
+        primary_after < 1.0,
+        "the cut-off primary applied pushes {primary_after:.2} s into the cut"
+    );
+    assert!(
+        during_cut > 0,
+        "worker 1 made no progress with the standby during the cut"
+    );
+    assert_eq!(applied, steps, "an update was lost or applied twice");
+}
+
+#[test]
+fn a_paused_primary_wakes_deposed_and_serves_nothing() {
+    if skip_without_root() {
+        return;
+    }
+    let bed = Bed::new();
+    let (_witness, mut primary, mut standby, mut workers) = bed.start();
+    wait_training(&workers);
+    std::thread::sleep(Duration::from_millis(1000));
+    let paused_at = now_us();
+    primary.signal("-STOP");
+    std::thread::sleep(Duration::from_secs(4));
+    let resumed_at = now_us();
+    primary.signal("-CONT");
+    let steps = finish(&bed, &mut workers, &mut [&mut primary, &mut standby]);
+    let (p, s) = (bed.history("primary"), bed.history("standby"));
+    let verdict = check(&p, &s);
+    let after_wake = p.iter().filter(|l| l.t_us >= resumed_at).count();
+    let first_standby = s
+        .iter()
+        .filter(|l| l.t_us >= paused_at)
+        .map(|l| l.t_us)
+        .min()
+        .expect("the standby applied nothing after the pause");
+    let applied = bed.report("standby")["updates_applied"]
+        .as_f64()
+        .expect("updates_applied");
+    println!(
+        "pause: the standby served {:.2} s after the primary stopped; the woken primary applied {after_wake} \
+         pushes; {applied} applied for {steps} steps; violations {:?}",
+        (first_standby - paused_at) as f64 / 1e6,
+        verdict.violations
+    );
+    assert!(verdict.violations.is_empty(), "{:#?}", verdict.violations);
+    assert_eq!(
+        after_wake,
+        0,
+        "the primary applied pushes after it woke:\n{}",
+        primary.tail()
+    );
+    assert!(
+        primary.log_text().contains("no longer serving")
+            || primary.log_text().contains("lease ran out"),
+        "the woken primary never stepped down:\n{}",
+        primary.tail()
+    );
+    assert_eq!(applied, steps, "an update was lost or applied twice");
+}
+
+#[test]
+fn the_checker_fails_on_interleaved_terms() {
+    let line = |node: &str, term, t_us| HistoryLine {
+        t_us,
+        node: node.into(),
+        term,
+        worker: 0,
+        clock: t_us,
+        version: t_us,
+    };
+    let ok = check(
+        &[line("primary", 2, 1), line("primary", 2, 2)],
+        &[line("standby", 3, 3)],
+    );
+    assert!(ok.violations.is_empty());
+    // Split brain: the deposed primary applies after the standby's newer term did.
+    let split = check(
+        &[line("primary", 2, 1), line("primary", 2, 4)],
+        &[line("standby", 3, 3)],
+    );
+    assert_eq!(split.violations.len(), 1, "{:?}", split.violations);
+    let shared = check(&[line("primary", 2, 1)], &[line("standby", 2, 2)]);
+    assert_eq!(shared.violations.len(), 1, "{:?}", shared.violations);
+}
