@@ -363,6 +363,28 @@ impl Optimizer {
         Ok(())
     }
 
+    /// Checks the state's values as a peer or a file could have forged them: every slot value finite, and the
+    /// slots that accumulate squares (Adam's and AdamW's `v`, Adagrad's `s`) never negative (a negative one makes
+    /// every later step non-finite).
+    pub fn check_state(&self) -> Result<(), String> {
+        let squares = match self.cfg.kind {
+            OptimizerKind::Adam | OptimizerKind::Adamw => Some(1),
+            OptimizerKind::Adagrad => Some(0),
+            _ => None,
+        };
+        for (k, slot) in self.slots.iter().enumerate() {
+            let bad = if squares == Some(k) {
+                slot.iter().position(|x| !(x.is_finite() && *x >= 0.0))
+            } else {
+                slot.iter().position(|x| !x.is_finite())
+            };
+            if let Some(i) = bad {
+                return Err(format!("optimizer slot {k}[{i}] is {}", slot[i]));
+            }
+        }
+        Ok(())
+    }
+
     /// State footprint in bytes per parameter (0 for SGD, 4 for momentum/Nesterov/Adagrad, 8 for Adam/AdamW).
     pub fn bytes_per_param(&self) -> usize {
         slot_count(self.cfg.kind) * std::mem::size_of::<f32>()
@@ -646,4 +668,28 @@ fn adagrad_finite(w: &[f32], g: &[f32], s: &[f32], lr: f32, wd: f32, eps: f32) -
         bad |= non_finite_bit(w) | non_finite_bit(s);
     }
     bad == 0
+}
+
+#[cfg(test)]
+mod state_tests {
+    use super::*;
+
+    #[test]
+    fn forged_state_is_refused() {
+        let cfg = OptimizerConfig {
+            kind: OptimizerKind::Adam,
+            ..OptimizerConfig::default()
+        };
+        let mut opt = Optimizer::new(&cfg, 3);
+        opt.restore(0, vec![vec![0.0; 3], vec![0.0, 1.0, 2.0]])
+            .unwrap();
+        assert!(opt.check_state().is_ok());
+        // Adam's second moment at -1 (the hostile seeder's image): every later step would be non-finite.
+        opt.restore(0, vec![vec![0.0; 3], vec![0.0, -1.0, 2.0]])
+            .unwrap();
+        assert!(opt.check_state().unwrap_err().contains("slot 1[1]"));
+        opt.restore(0, vec![vec![f32::NAN, 0.0, 0.0], vec![0.0; 3]])
+            .unwrap();
+        assert!(opt.check_state().unwrap_err().contains("slot 0[0]"));
+    }
 }

@@ -1080,6 +1080,10 @@ impl ShardCore {
             p.adopt_local(n, local.pull_codec)?;
         }
         self.optimizer.adopt_settings(&local.optimizer)?;
+        // Values as well as shapes: an image is refused like a forged checkpoint (non-finite weights, a negative
+        // second moment, counters past their bounds), before anything is adopted.
+        crate::checkpoint::check_values(&self.snapshot()).map_err(|e| e.to_string())?;
+        self.optimizer.check_state()?;
         self.pull_codec = local.pull_codec;
         self.decoder = Decoder::new(n);
         self.scratch = vec![0.0; n];

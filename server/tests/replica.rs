@@ -465,3 +465,23 @@ fn undecodable_entries_are_typed_errors() {
     }
     assert_eq!(replica::decode(&wire).unwrap(), entry);
 }
+
+#[test]
+fn images_with_non_finite_values_are_refused_like_forged_checkpoints() {
+    let mut primary = shard(0);
+    for input in schedule(5, 100) {
+        primary_takes(&mut primary, 0, input);
+    }
+    let mut snap = primary.core().snapshot();
+    snap.weights[3] = f32::NAN;
+    primary.core_mut().restore(snap, 0).unwrap();
+    let poisoned = image::encode(&primary, 10).unwrap();
+    let fresh = image::encode(&shard(0), 0).unwrap();
+    let mut local = shard(0);
+    let r = image::restore(&poisoned, &mut local);
+    assert!(
+        matches!(&r, Err(ReplicaError::Image(m)) if m.contains("weights[3]")),
+        "{r:?}"
+    );
+    assert!(image::encode(&local, 0).unwrap() == fresh);
+}
