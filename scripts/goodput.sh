@@ -19,7 +19,8 @@
 # STANDBY=1 gives every shard a standby (cluster.standbys, `tether-server --standby`; FAILOVER sets
 # cluster.failover_ms, default 1000): the shard-lost run then fails over instead of ending, and periodic kills pick
 # from workers 1-3 and both nodes of each shard (VICTIMS default "w1 w2 w3 s0 s1 b0 b1"); a killed shard node is
-# started again 1 s later with the same flags and is seeded by the node that leads (no --resume).
+# started again 1 s later with the same flags and is seeded by the node that leads (no --resume). With
+# standbys the witness (cluster.witness, `tether-server witness`) runs too; it is no victim.
 # A shard's recovery time is measured from its kill to the first update its restarted process applies (polled on
 # its /metrics every 20 ms; without standbys), or, in the shard-lost run with standbys, to the first update the
 # standby applies as the primary; the table gives the median and the largest.
@@ -139,6 +140,7 @@ CONF
   if [ "$STANDBY" = 1 ]; then
     cat >> "$dir/cluster.toml" <<CONF
 standbys = ["127.0.0.1:$((p0 + 2))", "127.0.0.1:$((p0 + 3))"]
+witness = "127.0.0.1:$((p0 + 4))"
 failover_ms = $FAILOVER
 CONF
   fi
@@ -209,6 +211,7 @@ CONF
     case $v in
       s*) (cd "$dir" && exec "$BIN/tether-server" --config cluster.toml --shard "${v#s}" --exit-after-workers 4 \
              --metrics "127.0.0.1:$((p0 + 10 + ${v#s}))" --report "server-${v#s}.json" ${2:-} >> "$v.log" 2>&1) & ;;
+      v) (cd "$dir" && exec "$BIN/tether-server" witness --config cluster.toml >> witness.log 2>&1) & ;;
       b*) (cd "$dir" && exec "$BIN/tether-server" --config cluster.toml --shard "${v#b}" --standby --exit-after-workers 4 \
              --metrics "127.0.0.1:$((p0 + 20 + ${v#b}))" --report "standby-${v#b}.json" >> "$v.log" 2>&1) & ;;
       w*) (cd "$dir" && exec "$BIN/tether-worker" --config cluster.toml --rank "${v#w}" --report "worker-${v#w}.json" \
@@ -216,6 +219,8 @@ CONF
     esac
     pid[$v]=$!
   }
+  # With standbys, the witness (the fence's third vote) first; it is no victim.
+  if [ "$STANDBY" = 1 ]; then start v; fi
   start s0; start s1
   if [ "$STANDBY" = 1 ]; then start b0; start b1; fi
   sleep 0.5
