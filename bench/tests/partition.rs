@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use tether_bench::netns::Star;
 use tether_common::pki::{Authority, Node, Validity};
+use tether_common::splitmix::SplitMix64;
 use tether_server::actor::HistoryLine;
 
 const PRIMARY: usize = 0;
@@ -103,7 +104,8 @@ struct Bed {
 }
 
 impl Bed {
-    fn new() -> Bed {
+    /// A bed whose workers train for `epochs` epochs.
+    fn new(epochs: u32) -> Bed {
         let star = Star::up(5, None).expect("namespaces");
         let dir = tempfile::tempdir().expect("temp dir");
         let certs = dir.path().join("certs");
@@ -135,7 +137,7 @@ impl Bed {
             "[cluster]\nservers = [\"{}:7000\"]\nstandbys = [\"{}:7000\"]\nwitness = \"{}:7000\"\nworkers = 2\n\
              staleness = \"inf\"\nworker_timeout_ms = 5000\nfailover_ms = 1000\n\
              [model]\nkind = \"mlp\"\nhidden = [64]\nseed = 42\n[data]\ndataset = \"digits\"\n\
-             [train]\nepochs = 16\nbatch = 32\n\
+             [train]\nepochs = {epochs}\nbatch = 32\n\
              [optimizer]\nkind = \"adam\"\nlr = 0.003\n",
             Star::addr(PRIMARY),
             Star::addr(STANDBY),
@@ -151,7 +153,11 @@ impl Bed {
 
     fn spawn(&self, node: usize, name: &str, program: &str, args: &[&str]) -> Proc {
         let log = self.path(&format!("{name}.log"));
-        let file = std::fs::File::create(&log).expect("log");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log");
         let child = self
             .star
             .command(node, &bin(program))
@@ -170,33 +176,48 @@ impl Bed {
         }
     }
 
-    /// Witness, primary, standby and two workers (`--step-delay-ms` keeps the run long enough to cut into).
-    fn start(&self) -> (Proc, Proc, Proc, Vec<Proc>) {
-        let witness = self.spawn(
+    /// The witness (the fence's third vote), started again with the same flags after a kill.
+    fn witness(&self) -> Proc {
+        self.spawn(
             WITNESS,
             "witness",
             "tether-server",
             &["witness", "--config", "cluster.toml"],
-        );
-        let node = |i: usize, name: &str, standby: bool| {
-            let mut args = vec![
-                "--config",
-                "cluster.toml",
-                "--shard",
-                "0",
-                "--exit-after-workers",
-                "2",
-            ];
-            let history = format!("{name}.history");
-            let report = format!("{name}.json");
-            args.extend(["--history", &history, "--report", &report]);
-            if standby {
-                args.push("--standby");
-            }
-            self.spawn(i, name, "tether-server", &args)
+        )
+    }
+
+    /// Shard 0's primary (`standby` false) or standby, recording its history; the same flags after a kill.
+    fn node(&self, standby: bool) -> Proc {
+        let (i, name) = if standby {
+            (STANDBY, "standby")
+        } else {
+            (PRIMARY, "primary")
         };
-        let primary = node(PRIMARY, "primary", false);
-        let standby = node(STANDBY, "standby", true);
+        let history = format!("{name}.history");
+        let report = format!("{name}.json");
+        let mut args = vec![
+            "--config",
+            "cluster.toml",
+            "--shard",
+            "0",
+            "--exit-after-workers",
+            "2",
+            "--history",
+            &history,
+            "--report",
+            &report,
+        ];
+        if standby {
+            args.push("--standby");
+        }
+        self.spawn(i, name, "tether-server", &args)
+    }
+
+    /// Witness, primary, standby and two workers (`--step-delay-ms` keeps the run long enough to cut into).
+    fn start(&self) -> (Proc, Proc, Proc, Vec<Proc>) {
+        let witness = self.witness();
+        let primary = self.node(false);
+        let standby = self.node(true);
         let workers = WORKERS
             .iter()
             .enumerate()
@@ -356,7 +377,7 @@ fn a_primary_cut_from_its_standby_the_witness_and_a_worker_stops_serving_and_the
     if skip_without_root() {
         return;
     }
-    let bed = Bed::new();
+    let bed = Bed::new(16);
     let (_witness, mut primary, mut standby, mut workers) = bed.start();
     wait_training(&workers);
     std::thread::sleep(Duration::from_millis(1000));
@@ -427,7 +448,7 @@ fn a_paused_primary_wakes_deposed_and_serves_nothing() {
     if skip_without_root() {
         return;
     }
-    let bed = Bed::new();
+    let bed = Bed::new(16);
     let (_witness, mut primary, mut standby, mut workers) = bed.start();
     wait_training(&workers);
     std::thread::sleep(Duration::from_millis(1000));
@@ -494,4 +515,247 @@ fn the_checker_fails_on_interleaved_terms() {
     assert_eq!(split.violations.len(), 1, "{:?}", split.violations);
     let shared = check(&[line("primary", 2, 1)], &[line("standby", 2, 2)]);
     assert_eq!(shared.violations.len(), 1, "{:?}", shared.violations);
+}
+
+/// One fault of a nemesis schedule.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// The primary loses the links to these nodes (both ways, or only what it sends), then they heal.
+    Cut {
+        to: [bool; 4],
+        one_way: bool,
+        secs: u64,
+    },
+    /// The witness loses every link, then heals.
+    IsolateWitness { secs: u64 },
+    /// The primary–standby link goes down and up every quarter second.
+    Flap { secs: u64 },
+    /// A process stops (SIGSTOP) and resumes.
+    Pause { who: usize, secs: u64 },
+    /// A process dies (SIGKILL) and starts again with the same flags a second later.
+    Kill { who: usize },
+    /// The primary is cut from its standby, the witness and worker 1, killed two seconds in, and started again once
+    /// the cut heals (a kill during a partition).
+    CutThenKill { secs: u64 },
+}
+
+/// The nodes a cut may separate from the primary, in `Fault::Cut::to` order.
+const CUTTABLE: [usize; 4] = [STANDBY, WITNESS, WORKERS[0], WORKERS[1]];
+
+/// The faults of schedule `seed`: one or two, each 2 to 4 s long.
+fn schedule(seed: u64) -> Vec<Fault> {
+    let mut rng = SplitMix64::new(seed.wrapping_mul(0x9e37) ^ 0x5eed);
+    let mut pick = |n: u64| rng.next_u64() % n;
+    let faults = 1 + pick(2);
+    (0..faults)
+        .map(|_| {
+            let secs = 2 + pick(3);
+            match pick(6) {
+                0 => {
+                    let mut to = [false; 4];
+                    for t in &mut to {
+                        *t = pick(2) == 1;
+                    }
+                    if !to.iter().any(|t| *t) {
+                        to[0] = true;
+                    }
+                    Fault::Cut {
+                        to,
+                        one_way: pick(3) == 0,
+                        secs,
+                    }
+                }
+                1 => Fault::IsolateWitness { secs },
+                2 => Fault::Flap { secs },
+                3 => Fault::Pause {
+                    who: [PRIMARY, STANDBY, WITNESS][pick(3) as usize],
+                    secs,
+                },
+                4 => Fault::Kill {
+                    who: [PRIMARY, STANDBY, WITNESS][pick(3) as usize],
+                },
+                _ => Fault::CutThenKill { secs: secs + 1 },
+            }
+        })
+        .collect()
+}
+
+/// The processes of a running schedule.
+struct Running {
+    witness: Proc,
+    primary: Proc,
+    standby: Proc,
+    workers: Vec<Proc>,
+}
+
+impl Running {
+    fn proc(&mut self, who: usize) -> &mut Proc {
+        match who {
+            PRIMARY => &mut self.primary,
+            STANDBY => &mut self.standby,
+            _ => &mut self.witness,
+        }
+    }
+
+    fn restart(&mut self, bed: &Bed, who: usize) {
+        let fresh = match who {
+            PRIMARY => bed.node(false),
+            STANDBY => bed.node(true),
+            _ => bed.witness(),
+        };
+        *self.proc(who) = fresh;
+    }
+
+    fn training(&mut self) -> bool {
+        self.workers
+            .iter_mut()
+            .all(|w| w.child.try_wait().ok().flatten().is_none())
+    }
+}
+
+fn apply(bed: &Bed, run: &mut Running, fault: Fault) {
+    let star = &bed.star;
+    match fault {
+        Fault::Cut { to, one_way, secs } => {
+            for (&cut, &node) in to.iter().zip(&CUTTABLE) {
+                if cut {
+                    if one_way {
+                        star.cut_one_way(PRIMARY, node).expect("cut");
+                    } else {
+                        star.cut(PRIMARY, node).expect("cut");
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_secs(secs));
+        }
+        Fault::IsolateWitness { secs } => {
+            for node in [PRIMARY, STANDBY, WORKERS[0], WORKERS[1]] {
+                star.cut(WITNESS, node).expect("cut");
+            }
+            std::thread::sleep(Duration::from_secs(secs));
+        }
+        Fault::Flap { secs } => {
+            for _ in 0..secs * 2 {
+                star.cut(PRIMARY, STANDBY).expect("cut");
+                std::thread::sleep(Duration::from_millis(250));
+                star.heal().expect("heal");
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        }
+        Fault::Pause { who, secs } => {
+            run.proc(who).signal("-STOP");
+            std::thread::sleep(Duration::from_secs(secs));
+            run.proc(who).signal("-CONT");
+        }
+        Fault::Kill { who } => {
+            run.proc(who).signal("-KILL");
+            std::thread::sleep(Duration::from_secs(1));
+            run.restart(bed, who);
+        }
+        Fault::CutThenKill { secs } => {
+            for node in [STANDBY, WITNESS, WORKERS[1]] {
+                star.cut(PRIMARY, node).expect("cut");
+            }
+            std::thread::sleep(Duration::from_secs(2));
+            run.primary.signal("-KILL");
+            std::thread::sleep(Duration::from_secs(secs.saturating_sub(2)));
+            star.heal().expect("heal");
+            run.restart(bed, PRIMARY);
+        }
+    }
+    star.heal().expect("heal");
+}
+
+/// Runs schedule `seed` on a fresh bed; returns the checker's violations (empty: it held) and a summary.
+fn run_schedule(seed: u64) -> (Vec<String>, String) {
+    let faults = schedule(seed);
+    let bed = Bed::new(8);
+    let (witness, primary, standby, workers) = bed.start();
+    let mut run = Running {
+        witness,
+        primary,
+        standby,
+        workers,
+    };
+    wait_training(&run.workers);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut applied_faults = 0;
+    for &f in &faults {
+        if !run.training() {
+            break;
+        }
+        apply(&bed, &mut run, f);
+        applied_faults += 1;
+        // Time to settle (a healed node is seeded again) before the next fault.
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    for w in &mut run.workers {
+        w.wait_success(Duration::from_secs(180));
+    }
+    let steps: f64 = (0..2)
+        .map(|r| {
+            bed.report(&format!("w{r}"))["steps"]
+                .as_f64()
+                .expect("steps")
+        })
+        .sum();
+    // Both nodes exit once the workers finished (a follower mirrors them); a node that does not is stopped.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while [&mut run.primary, &mut run.standby]
+        .iter_mut()
+        .any(|p| p.child.try_wait().ok().flatten().is_none())
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let applied = ["primary", "standby"]
+        .iter()
+        .filter_map(|n| {
+            std::fs::read_to_string(bed.path(&format!("{n}.json")))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v["updates_applied"].as_f64())
+        })
+        .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
+    let verdict = check(&bed.history("primary"), &bed.history("standby"));
+    let mut violations = verdict.violations;
+    match applied {
+        Some(a) if a == steps => {}
+        Some(a) => violations.push(format!("{a} updates applied for {steps} worker steps")),
+        None => violations.push("no shard node wrote its report".into()),
+    }
+    let summary = format!(
+        "seed {seed}: {:?} ({applied_faults} applied), pushes by node {:?}, {steps} steps",
+        faults, verdict.applied
+    );
+    (violations, summary)
+}
+
+/// The fixed schedules CI runs (`TETHER_PARTITION_SCHEDULES=N` runs N from seed 0; `TETHER_PARTITION_SEED=S` one):
+/// cuts one way and both, an isolated witness, a flapping link, pauses and kills of each process, and a kill during
+/// a partition. `scripts/partitions.sh` runs hundreds.
+#[test]
+fn nemesis_schedules_keep_one_server_and_every_update() {
+    if skip_without_root() {
+        return;
+    }
+    let seeds: Vec<u64> = match std::env::var("TETHER_PARTITION_SEED") {
+        Ok(s) => vec![s.parse().expect("a seed")],
+        Err(_) => {
+            let n = std::env::var("TETHER_PARTITION_SCHEDULES")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(10);
+            (0..n).collect()
+        }
+    };
+    let mut failed = Vec::new();
+    for seed in seeds {
+        let (violations, summary) = run_schedule(seed);
+        println!("{summary}: {} violation(s)", violations.len());
+        if !violations.is_empty() {
+            failed.push((seed, violations));
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
 }

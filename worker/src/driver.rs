@@ -84,9 +84,11 @@ impl LinkIo {
     }
 }
 
-/// Times in a row a worker asks a standby again that turned it away as not (yet) primary, before dialling the
-/// primary.
-const NOT_PRIMARY_RETRIES: u32 = 3;
+/// Times in a row a worker asks a node again that turned it away as not (yet) primary, before dialling the other
+/// address: 2 s at [`NOT_PRIMARY_BACKOFF`], two default failover periods. A standby takes over once the fence grants
+/// it the lease, a few hundred milliseconds after the primary's link went silent; dialling the dead primary in the
+/// meantime costs a handshake timeout, long enough for the new primary to evict this worker.
+const NOT_PRIMARY_RETRIES: u32 = 20;
 
 /// The delay before asking a replicated shard again after a node answered `NotPrimary`.
 const NOT_PRIMARY_BACKOFF: Duration = Duration::from_millis(100);
