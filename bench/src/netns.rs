@@ -75,9 +75,12 @@ pub fn has_netem() -> bool {
             .unwrap_or(false)
 }
 
-/// A namespace name unique to this process and `kind`.
+/// A namespace name unique to this process, `kind` and call (tests in one process build several harnesses at once).
 fn tag(kind: &str) -> String {
-    format!("t{kind}{}", std::process::id() % 100_000)
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("t{kind}{}x{n}", std::process::id() % 100_000)
 }
 
 /// A star of `nodes` namespaces around a bridge.
