@@ -409,20 +409,25 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     })
 }
 
-/// How long a node of a replicated shard keeps asking its peer to seed it before it gives up (a standby whose
-/// primary never answers, or a node whose peer keeps saying it follows someone else).
+/// How long a node of a replicated shard that holds no state keeps asking its peer to seed it before it gives up
+/// (a standby whose primary never answers, or whose peer keeps saying it follows someone else); a node that holds
+/// the shard's state keeps asking, and asking for the lease.
 pub const FOLLOW_DEADLINE: Duration = Duration::from_secs(60);
 
 /// How one node of a replicated shard finds its role and then follows. It dials the shard's other node and asks to
 /// be its standby:
 /// - the peer leads: it sends its state image and then its log; this node applies both and acknowledges each entry,
-///   and takes over when the link is silent for `cluster.failover_ms`;
+///   and asks the fence for the lease when the link is silent for `cluster.failover_ms`;
 /// - the peer holds no state either (`Unseeded`: both nodes are starting) or does not answer: the designated
-///   primary (`cluster.servers[K]`) leads; a standby asks again;
+///   primary (`cluster.servers[K]`), or a node that holds the shard's state, asks for the lease; a standby without
+///   state asks again (and for the lease too, once the peer has held nothing for three failover periods);
 /// - the peer follows, holding the shard's state (`NotPrimary`: its primary has just died and it has not taken
 ///   over yet), or has a standby already: ask again.
 ///
-/// So a primary that restarts after its standby took over comes back as that node's standby, seeded from its image.
+/// A node leads only while the fence ([`crate::fence_link`]) grants it the lease: with the lease it takes over,
+/// and when it loses the lease it steps down and asks to be seeded again. Without a majority within two leases it
+/// goes back to asking. So a primary that restarts after its standby took over comes back as that node's standby,
+/// seeded from its image, and a node cut off from the others never serves beside the one that took over.
 struct FollowLink {
     peer: String,
     designated_primary: bool,
