@@ -19,7 +19,7 @@ use tether_common::net::{
 };
 use tether_common::protocol::Control;
 
-use crate::node::resolve;
+use crate::node::{host_of, resolve};
 
 /// Index of the witness among a shard's voters (nodes are 0 and 1).
 pub const WITNESS_VOTER: u8 = 2;
@@ -357,13 +357,7 @@ async fn voter_link(
     loop {
         let session = async {
             let addr = resolve(&voter.addr).map_err(|e| NetError::Identity(e.to_string()))?;
-            let host = voter
-                .addr
-                .rsplit_once(':')
-                .map_or(voter.addr.as_str(), |(h, _)| h)
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_string();
+            let host = host_of(&voter.addr);
             let conn = tokio::time::timeout(
                 Duration::from_millis(fence.lease_ms),
                 connect(&endpoint, addr, &host),

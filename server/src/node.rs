@@ -86,6 +86,15 @@ pub struct RunningShard {
     standby_failed: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
+/// The host part of `host:port` (brackets of an IPv6 literal removed): the TLS name a peer's certificate must carry.
+pub(crate) fn host_of(addr: &str) -> String {
+    addr.rsplit_once(':')
+        .map_or(addr, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string()
+}
+
 /// Parses `host:port` (resolving names) into a socket address.
 pub fn resolve(addr: &str) -> Result<SocketAddr, Error> {
     use std::net::ToSocketAddrs;
@@ -615,13 +624,7 @@ impl FollowLink {
         let Ok(addr) = resolve(&self.peer) else {
             return Ok(Session::NotStarted(format!("cannot resolve {}", self.peer)));
         };
-        let host = self
-            .peer
-            .rsplit_once(':')
-            .map_or(self.peer.as_str(), |(h, _)| h)
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
+        let host = host_of(&self.peer);
         let conn = match connect_shard(endpoint, addr, &host, shard).await {
             Ok(c) => c,
             Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
