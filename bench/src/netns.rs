@@ -65,6 +65,15 @@ fn shape(ns: &str, dev: &str, bps: u64) -> Result<()> {
     run("ip", &args)
 }
 
+/// Whether this process runs as root (the harness needs it for namespaces and iptables).
+pub fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
 /// Whether this kernel has the netem qdisc (it decides whether the harness could add delay).
 pub fn has_netem() -> bool {
     std::path::Path::new("/sys/module/sch_netem").exists()

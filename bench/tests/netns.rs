@@ -6,7 +6,7 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tether_bench::netns::Star;
+use tether_bench::netns::{is_root, Star};
 
 const RECEIVER: &str = r#"
 import socket, sys, time
@@ -41,14 +41,6 @@ while time.time() < end:
         except OSError:
             pass
 "#;
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
 
 /// Bits/s received by node 1 from node 0's blast.
 fn throughput(star: &Star) -> f64 {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tether_bench::netns::Star;
+use tether_bench::netns::{is_root, Star};
 use tether_common::pki::{Authority, Node, Validity};
 use tether_common::splitmix::SplitMix64;
 use tether_server::actor::HistoryLine;
@@ -19,14 +19,6 @@ const PRIMARY: usize = 0;
 const STANDBY: usize = 1;
 const WITNESS: usize = 2;
 const WORKERS: [usize; 2] = [3, 4];
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
 
 /// The binaries `cargo test` built beside this test's own executable.
 fn bin(name: &str) -> PathBuf {
