@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Docker smoke test of the compose demo, fully offline: builds the release binaries on the host, turns them into a
 # runtime image with docker/build-rootfs.sh (`docker import`, nothing pulled), starts docker/docker-compose.yml
-# (2 shards, 4 workers, Fashion-MNIST), checks that no running container can see the CA key (each mounts only its
-# own bundle), waits for training progress, kills one worker and one server, restarts
-# them (the server with --resume from its newest checkpoint), waits for every worker to finish, and checks the
-# exit codes and the run reports. Everything it created (containers, volumes, network, image, temp dir) is removed
+# (2 shards, each with a standby, the witness, 4 workers, Fashion-MNIST), checks that no running container can see
+# the CA key (each mounts only its own bundle), waits for training progress, kills one worker and shard 1's primary,
+# restarts the worker only (the primary stays dead: its standby takes over), waits for every worker to finish, and
+# checks the exit codes and the run reports (every push applied on both shards). Everything it created (containers, volumes, network, image, temp dir) is removed
 # whatever happens. Exits non-zero with the reason on any failure; prints the timing of each phase.
 #
 # Knobs: TETHER_SMOKE_MIN_ACCURACY (default 0.80), TETHER_SUBNET / TETHER_NET (if 172.28.250.0/24 is taken),
@@ -20,6 +20,7 @@ image=tether:smoke-$$
 work=$(mktemp -d "${TMPDIR:-/tmp}/tether-smoke.XXXXXX")
 image_built=0
 ok=0
+services="certs server-0 server-1 standby-0 standby-1 witness worker-0 worker-1 worker-2 worker-3"
 
 if docker-compose version >/dev/null 2>&1; then
   compose_bin=(docker-compose)
@@ -54,7 +55,7 @@ cleanup() {
   local rc=$?
   if [ "$ok" != 1 ]; then
     echo "smoke: --- last log lines of each service ---" >&2
-    for s in certs server-0 server-1 worker-0 worker-1 worker-2 worker-3; do
+    for s in $services; do
       echo "--- $s" >&2
       compose logs --no-color --tail 15 "$s" 2>&1 | tail -n 15 >&2 || true
     done
@@ -62,7 +63,7 @@ cleanup() {
   if [ -n "${TETHER_SMOKE_KEEP:-}" ]; then
     mkdir -p "$TETHER_SMOKE_KEEP"
     cp -r "$TETHER_REPORTS"/. "$TETHER_SMOKE_KEEP"/ 2>/dev/null || true
-    for s in certs server-0 server-1 worker-0 worker-1 worker-2 worker-3; do
+    for s in $services; do
       compose logs --no-color "$s" >"$TETHER_SMOKE_KEEP/$s.log" 2>&1 || true
     done
   fi
@@ -77,7 +78,7 @@ trap 'exit 130' INT TERM
 declare -A ids=()
 resolve_ids() { # container ids, resolved once (docker-compose v1 takes seconds per call)
   local s
-  for s in certs server-0 server-1 worker-0 worker-1 worker-2 worker-3; do ids[$s]=$(compose ps -q "$s"); done
+  for s in $services; do ids[$s]=$(compose ps -q "$s"); done
 }
 cid() { echo "${ids[$1]}"; }
 state() { docker inspect -f '{{.State.Status}}' "$(cid "$1")"; }
@@ -119,14 +120,18 @@ phase "compose up (servers healthy)"
 # --- 2b. keys: every long-running container mounts its own bundle only; ca.key is in the CA volume alone --------
 # Checked on the host: `find` over the source of every mount of every running node container (volumes and bind
 # mounts alike), plus, inside each container, the key files its /certs holds.
-for s in server-0 server-1 worker-0 worker-1 worker-2 worker-3; do
+for s in server-0 server-1 standby-0 standby-1 witness worker-0 worker-1 worker-2 worker-3; do
   [ "$(state "$s")" = running ] || fail "$s is not running for the key check"
   for src in $(docker inspect -f '{{range .Mounts}}{{.Source}} {{end}}' "$(cid "$s")"); do
     [ -r "$src" ] || fail "cannot read $s's mount $src to look for ca.key"
     found=$(find "$src" -name ca.key 2>/dev/null | head -n 1)
     [ -z "$found" ] || fail "$s mounts $src, which holds $found"
   done
-  case $s in server-*) want="/certs/checkpoint.key /certs/server.key" ;; *) want=/certs/worker.key ;; esac
+  case $s in
+    server-* | standby-*) want="/certs/checkpoint.key /certs/server.key" ;;
+    witness) want=/certs/server.key ;;
+    *) want=/certs/worker.key ;;
+  esac
   keys=$(docker exec "$(cid "$s")" bash -c 'shopt -s nullglob; echo /certs/*.key')
   [ "$keys" = "$want" ] || fail "$s holds keys '$keys', expected only $want"
 done
@@ -134,7 +139,7 @@ ca_volume=$(docker volume ls -q | grep -E "^${project}_pki-ca\$" | head -n 1)
 [ -n "$ca_volume" ] || fail "no CA volume for project $project"
 [ -f "$(docker volume inspect -f '{{.Mountpoint}}' "$ca_volume")/ca.key" ] ||
   fail "the CA volume holds no ca.key (so the search above could not have found one)"
-echo "smoke: ca.key is in $ca_volume only; each of the 6 node containers holds only its own key"
+echo "smoke: ca.key is in $ca_volume only; each of the 9 node containers holds only its own key"
 phase "key isolation"
 
 # --- 3. first progress ----------------------------------------------------------------------------------------
@@ -150,38 +155,28 @@ echo "smoke: first progress: $(compose logs --no-color worker-0 2>&1 | grep prog
 echo "smoke: server-0 metrics: tether_updates_applied_total=${updates:-?}"
 phase "first progress"
 
-# --- 4. kill one worker and one server, restart them ----------------------------------------------------------
-has_checkpoint() { compose exec -T server-1 bash -c 'compgen -G "/ckpt/shard-1/v*"' >/dev/null 2>&1; }
-wait_for 60 "a first checkpoint of server-1" has_checkpoint
+# --- 4. kill one worker and shard 1's primary; restart the worker only -------------------------------------------
 since=$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)
 t_kill=$(date +%s)
 docker kill "$(cid worker-2)" "$(cid server-1)" >/dev/null
-echo "smoke: killed worker-2 and server-1 at $since"
-sleep 2
-# `docker start` restarts the same containers (same volumes, same fixed address); `compose up -d --no-deps
-# server-1 worker-2` does the same but costs seconds of docker-compose start-up on a loaded machine.
-docker start "$(cid server-1)" "$(cid worker-2)" >/dev/null || fail "cannot restart server-1 and worker-2"
-resume_line() { docker logs --since "$since" "$(cid server-1)" 2>&1 | grep -E 'resumed from checkpoint|no checkpoint to resume'; }
-resumed() { resume_line >/dev/null; }
-wait_for 60 "server-1 to start again" resumed
-mark "server-1 restarted"
-line=$(resume_line | head -n 1)
-echo "$line" | grep -q 'resumed from checkpoint' || fail "server-1 did not resume from a checkpoint: $line"
-resumed_version=$(echo "$line" | sed -n 's/.*version=\([0-9]*\).*/\1/p')
-echo "smoke: server-1 resumed from checkpoint version ${resumed_version:-?}"
-healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$(cid server-1)")" = healthy ]; }
-wait_for 60 "server-1 to be healthy again" healthy
-mark "server-1 healthy"
-since_healthy=$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)
+echo "smoke: killed worker-2 and server-1 (for good) at $since"
+took_over() { docker logs --since "$since" "$(cid standby-1)" 2>&1 | grep -q 'standby took over'; }
+wait_for 60 "standby-1 to take over" took_over
+mark "standby-1 took over"
+sleep 1
+# `docker start` restarts the same container (same volume, same fixed address); `compose up -d --no-deps worker-2`
+# does the same but costs seconds of docker-compose start-up on a loaded machine.
+docker start "$(cid worker-2)" >/dev/null || fail "cannot restart worker-2"
 progress_after() { docker logs --since "$1" "$(cid "$2")" 2>&1 | grep -q 'progress'; }
-wait_for 120 "worker-0 progress after the restart" progress_after "$since_healthy" worker-0
+since_takeover=$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)
+wait_for 120 "worker-0 progress after the takeover" progress_after "$since_takeover" worker-0
 mark "worker-0 progressing again"
 docker logs --since "$since" "$(cid worker-0)" 2>&1 | grep -E 'reconnecting|progress' | head -n 2 |
   sed 's/^[^ ]* *[A-Z]* */smoke:   worker-0: /'
 wait_for 60 "worker-2 progress after its restart" progress_after "$since" worker-2
 mark "worker-2 progressing again"
 echo "smoke: restarted worker-2: $(docker logs --since "$since" "$(cid worker-2)" 2>&1 | grep progress | head -n 1 | sed 's/.*progress *//')"
-phase "kill + recover"
+phase "kill + takeover"
 
 # --- 5. completion --------------------------------------------------------------------------------------------
 workers_done() {
@@ -192,17 +187,22 @@ wait_for 420 "every worker to finish" workers_done
 for w in worker-0 worker-1 worker-2 worker-3; do
   [ "$(exit_code "$w")" = 0 ] || fail "$w exited $(exit_code "$w")"
 done
-servers_done() { [ "$(state server-0)" = exited ] && [ "$(state server-1)" = exited ]; }
-wait_for 60 "both servers to exit after the last goodbye" servers_done
-for s in server-0 server-1; do
+servers_done() {
+  local s
+  for s in server-0 standby-0 standby-1; do [ "$(state "$s")" = exited ] || return 1; done
+}
+wait_for 60 "the shard nodes to exit after the last goodbye" servers_done
+for s in server-0 standby-0 standby-1; do
   [ "$(exit_code "$s")" = 0 ] || fail "$s exited $(exit_code "$s")"
 done
+[ "$(exit_code server-1)" = 137 ] || fail "server-1 exited $(exit_code server-1), not 137 (SIGKILL): was it restarted?"
 phase "completion"
 
 # --- 6. reports -----------------------------------------------------------------------------------------------
-for f in worker-0 worker-1 worker-2 worker-3 server-0 server-1; do
+for f in worker-0 worker-1 worker-2 worker-3 server-0 standby-0 standby-1; do
   [ -s "$TETHER_REPORTS/$f.json" ] || fail "no report $f.json"
 done
+[ ! -e "$TETHER_REPORTS/server-1.json" ] || fail "the killed server-1 wrote a report"
 acc=$(json_num "$TETHER_REPORTS/worker-0.json" final_test_accuracy)
 [ -n "$acc" ] || fail "worker-0.json has no final_test_accuracy"
 awk -v a="$acc" -v m="$min_acc" 'BEGIN { exit !(a >= m) }' || fail "final test accuracy $acc < $min_acc"
@@ -213,8 +213,12 @@ for w in worker-0 worker-1 worker-3; do
 done
 echo "smoke: worker-2 (restarted) ran $(json_num "$TETHER_REPORTS/worker-2.json" steps) steps;" \
   "the other workers logged $reconnects reconnects"
-echo "smoke: server-0 updates_applied=$(json_num "$TETHER_REPORTS/server-0.json" updates_applied)," \
-  "server-1 (resumed at $resumed_version) updates_applied=$(json_num "$TETHER_REPORTS/server-1.json" updates_applied)"
+a0=$(json_num "$TETHER_REPORTS/server-0.json" updates_applied)
+s0=$(json_num "$TETHER_REPORTS/standby-0.json" updates_applied)
+s1=$(json_num "$TETHER_REPORTS/standby-1.json" updates_applied)
+echo "smoke: updates_applied: server-0 $a0, standby-0 (followed) $s0, standby-1 (took over) $s1"
+# A push a killed worker sent to one shard only may differ between the shards; both nodes of shard 0 must agree.
+[ "$a0" = "$s0" ] || fail "shard 0's standby applied $s0 updates, its primary $a0"
 echo "smoke: worker-0 final_test_accuracy=$acc (threshold $min_acc)"
 phase "reports"
 ok=1

@@ -79,8 +79,9 @@ pub fn block_on_system<F: std::future::Future>(fut: F) -> F::Output {
 
 /// A cluster of `config.cluster.servers.len()` shards and `config.cluster.workers` workers in this process.
 pub struct LocalCluster {
-    /// The configuration; `cluster.servers` only sets the shard count (shards bind ephemeral loopback ports), and
-    /// `cluster.standbys` is ignored (an in-process cluster has no standby processes).
+    /// The configuration; `cluster.servers` only sets the shard count (shards bind free loopback ports). A non-empty
+    /// `cluster.standbys` gives every shard a standby and the cluster a witness, on free loopback ports too (the
+    /// addresses given are replaced).
     pub config: Config,
     /// Where certificates and checkpoints go.
     pub work_dir: PathBuf,
@@ -99,6 +100,9 @@ pub struct LocalCluster {
     pub eval_during_training: bool,
     /// A user model to train instead of the built-in one `[model]` describes.
     pub model: Option<ModelFactory>,
+    /// Kill shard K's primary this long after the workers start (a crash without a checkpoint), so that its standby
+    /// takes over; needs `cluster.standbys`.
+    pub kill_primaries: Vec<(u32, Duration)>,
 }
 
 /// Configuration for `shards` shards on loopback (ports are chosen when binding).
@@ -119,6 +123,7 @@ impl LocalCluster {
             spike_factor: None,
             eval_during_training: true,
             model: None,
+            kill_primaries: Vec::new(),
         }
     }
 
@@ -159,6 +164,12 @@ impl LocalCluster {
         let certs = self.work_dir.join("certs");
         let workers = cfg.cluster.workers;
         let shards_n = cfg.cluster.servers.len();
+        let replicated = cfg.cluster.replicated();
+        if !replicated && !self.kill_primaries.is_empty() {
+            return Err(ClusterError::Runtime(
+                "kill_primaries needs cluster.standbys: a killed shard without a standby ends the run".into(),
+            ));
+        }
         // A fresh authority for every run: the work directory's old certificates (if any) are replaced.
         if certs.exists() {
             std::fs::remove_dir_all(&certs).map_err(|source| tether_common::pki::PkiError::Io {
@@ -174,35 +185,78 @@ impl LocalCluster {
                 servers: shards_n as u32,
                 workers,
                 shared_client: false,
-                standbys: false,
+                standbys: replicated,
                 days: tether_common::pki::DEFAULT_DAYS,
             },
         )?;
         cfg.cluster.tls_dir = certs.clone();
-        // One process: no standbys to wait for or fail over to.
-        cfg.cluster.standbys.clear();
         if cfg.checkpoint.dir.is_relative() {
             cfg.checkpoint.dir = self.work_dir.join(&cfg.checkpoint.dir);
         }
-        let mut shards: Vec<RunningShard> = Vec::with_capacity(shards_n);
-        for k in 0..shards_n {
-            let listen: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
-            let opts = ShardOptions {
-                shard: k as u32,
-                listen: Some(listen),
-                resume: false,
-                tls: None,
-                metrics: None,
-                spike_factor: self.spike_factor,
-                layout: self.model.as_ref().map(|f| f().layout().clone()),
-                // The bundle `generate` just wrote holds the shard's checkpoint key.
-                checkpoint_key: None,
-                standby: false,
-                history: None,
-            };
-            shards.push(start_shard(&cfg, opts).await?);
+        let mut witness = None;
+        if replicated {
+            // Every node must know every other's address before any starts (a primary dials its standby and both
+            // dial the witness), so the ports are reserved first: held together, then released together.
+            let ports = reserve_udp_ports(2 * shards_n + 1).map_err(|source| ClusterError::Io {
+                path: self.work_dir.clone(),
+                source,
+            })?;
+            let addr = |p: u16| format!("127.0.0.1:{p}");
+            cfg.cluster.servers = ports[..shards_n].iter().map(|&p| addr(p)).collect();
+            cfg.cluster.standbys = ports[shards_n..2 * shards_n]
+                .iter()
+                .map(|&p| addr(p))
+                .collect();
+            cfg.cluster.witness = Some(addr(ports[2 * shards_n]));
+            // A new cluster: votes a previous run in this work directory recorded name nodes that no longer exist.
+            let state = self.work_dir.join("witness.json");
+            forget_votes(&cfg, &state)?;
+            witness = Some(
+                tether_server::witness::start_witness(&cfg, None, None, state)
+                    .await
+                    .map_err(ClusterError::Server)?,
+            );
         }
-        let servers: Vec<SocketAddr> = shards.iter().map(|s| s.local_addr).collect();
+        let layout = self.model.as_ref().map(|f| f().layout().clone());
+        let shard_opts = |k: usize, standby: bool| ShardOptions {
+            shard: k as u32,
+            // Unreplicated shards bind any free port; replicated ones the addresses reserved above.
+            listen: (!replicated).then(|| "127.0.0.1:0".parse().expect("literal address")),
+            resume: false,
+            tls: None,
+            metrics: None,
+            spike_factor: self.spike_factor,
+            layout: layout.clone(),
+            // The bundle `generate` just wrote holds the shard's checkpoint key.
+            checkpoint_key: None,
+            standby,
+            history: None,
+        };
+        let mut shards: Vec<ShardNodes> = Vec::with_capacity(shards_n);
+        for k in 0..shards_n {
+            let primary = start_shard(&cfg, shard_opts(k, false)).await?;
+            let standby = match replicated {
+                true => Some(start_shard(&cfg, shard_opts(k, true)).await?),
+                false => None,
+            };
+            shards.push(ShardNodes {
+                primary: Some(primary),
+                standby,
+            });
+        }
+        if replicated {
+            // Each pair finds its roles (the designated primary leads once the fence grants it); workers that
+            // arrive first would only be sent between the two nodes until then.
+            let deadline =
+                Instant::now() + Duration::from_millis(4 * cfg.cluster.failover_ms + 5_000);
+            while shards.iter().any(|s| s.serving().is_following()) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        let servers: Vec<SocketAddr> = shards
+            .iter()
+            .map(|s| s.primary.as_ref().map_or(s.serving().local_addr, |p| p.local_addr))
+            .collect();
         cfg.cluster.servers = servers.iter().map(|a| a.to_string()).collect();
         let mut tasks = Vec::new();
         for rank in 0..workers {
@@ -241,6 +295,18 @@ impl LocalCluster {
                 prepare_worker(opts).map_err(|source| ClusterError::Worker { rank, source })?;
             tasks.push((rank, tokio::spawn(prepared.run())));
         }
+        // Primaries to kill, in time order: the standby takes over while the workers run.
+        let workers_started = Instant::now();
+        let mut kills = self.kill_primaries.clone();
+        kills.sort_by_key(|&(_, at)| at);
+        for (k, at) in kills {
+            tokio::time::sleep_until((workers_started + at).into()).await;
+            let Some(primary) = shards.get_mut(k as usize).and_then(|slot| slot.take_primary()) else {
+                continue;
+            };
+            info!(shard = k, "killing the primary");
+            primary.kill();
+        }
         let mut reports = Vec::with_capacity(tasks.len());
         let mut first_error = None;
         for (rank, t) in tasks {
@@ -259,17 +325,18 @@ impl LocalCluster {
         let deadline = Instant::now() + Duration::from_secs(15);
         for s in &shards {
             while Instant::now() < deadline {
-                match s.stats().await {
+                match s.serving().stats().await {
                     Ok((_, st, _)) if st.finished.len() >= workers as usize => break,
                     Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
                     Err(_) => break,
                 }
             }
         }
-        // Final model straight from the shards, then the shards' counters.
+        // Final model straight from the serving nodes, then the shards' counters.
         let mut params = Vec::new();
         for s in &shards {
             let (_, w) = s
+                .serving()
                 .actor
                 .send(GetWeights)
                 .await
@@ -279,16 +346,24 @@ impl LocalCluster {
         let mut publics = Vec::with_capacity(shards.len());
         for s in &shards {
             publics.push(
-                s.actor
+                s.serving()
+                    .actor
                     .send(GetPublic)
                     .await
                     .map_err(|_| ClusterError::Runtime("shard gone".into()))?,
             );
         }
         let mut shard_stats = Vec::with_capacity(shards.len());
-        for s in shards {
-            let (_, stats) = s.shutdown(false).await?;
+        let mut took_over = Vec::new();
+        for (k, s) in shards.into_iter().enumerate() {
+            let (stats, standby_serves) = s.shutdown().await?;
             shard_stats.push(stats);
+            if standby_serves {
+                took_over.push(k);
+            }
+        }
+        if let Some(w) = witness {
+            w.shutdown();
         }
         if let Some(e) = first_error {
             return Err(e);
@@ -324,6 +399,11 @@ impl LocalCluster {
         if let Some(n) = note {
             report.notes.push(n);
         }
+        for k in took_over {
+            report
+                .notes
+                .push(format!("shard {k}: its standby took over and served to the end"));
+        }
         report.notes.push(format!("final test loss {test_loss:.4}"));
         // The final point of the validation curve is the shards' final model (as `final_test_accuracy`).
         let steps = report.steps;
@@ -336,6 +416,82 @@ impl LocalCluster {
         }
         Ok((report, reports, publics))
     }
+}
+
+/// One shard's nodes in a local cluster: its primary (until killed) and, when replicated, its standby.
+struct ShardNodes {
+    primary: Option<RunningShard>,
+    standby: Option<RunningShard>,
+}
+
+impl ShardNodes {
+    /// The node that serves: the one that leads, else the primary (the standby once the primary is gone).
+    fn serving(&self) -> &RunningShard {
+        let nodes = || self.primary.iter().chain(self.standby.iter());
+        nodes()
+            .find(|n| !n.is_following())
+            .or_else(|| nodes().next())
+            // A shard always keeps one node: only a primary with a standby beside it is ever taken.
+            .expect("a shard with no node")
+    }
+
+    /// Takes the primary out (to kill it) when a standby remains to take over.
+    fn take_primary(&mut self) -> Option<RunningShard> {
+        self.standby.as_ref()?;
+        self.primary.take()
+    }
+
+    /// Stops every node; returns the serving node's counters (taken first, while the pair still agrees on it) and
+    /// whether that node is the standby.
+    async fn shutdown(self) -> Result<(ShardStats, bool), ClusterError> {
+        let serving_is_primary = self
+            .primary
+            .as_ref()
+            .is_some_and(|p| !p.is_following() || self.standby.is_none());
+        let (serving, other) = match serving_is_primary {
+            true => (self.primary, self.standby),
+            false => (self.standby, self.primary),
+        };
+        let mut stats = None;
+        if let Some(n) = serving {
+            stats = Some((n.shutdown(false).await?.1, !serving_is_primary));
+        }
+        if let Some(n) = other {
+            let (_, st) = n.shutdown(false).await?;
+            stats.get_or_insert((st, serving_is_primary));
+        }
+        stats.ok_or_else(|| ClusterError::Runtime("a shard with no node".into()))
+    }
+}
+
+/// Binds `n` UDP sockets on 127.0.0.1 at once and returns their ports (free a moment ago, and distinct).
+fn reserve_udp_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let sockets = (0..n)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    sockets
+        .iter()
+        .map(|s| s.local_addr().map(|a| a.port()))
+        .collect()
+}
+
+/// Removes the witness's and the nodes' recorded votes: a new local cluster starts with new certificates and new
+/// nodes, so a previous run's votes in the same work directory would only hold it back.
+fn forget_votes(cfg: &Config, witness_state: &std::path::Path) -> Result<(), ClusterError> {
+    let mut files = vec![witness_state.to_path_buf()];
+    for k in 0..cfg.cluster.servers.len() {
+        let dir = cfg.checkpoint.dir.join(format!("shard-{k}"));
+        files.push(dir.join("fence-primary.json"));
+        files.push(dir.join("fence-standby.json"));
+    }
+    for path in files {
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(ClusterError::Io { path, source }),
+        }
+    }
+    Ok(())
 }
 
 /// Merges worker and shard reports into the run report.

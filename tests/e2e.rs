@@ -394,3 +394,38 @@ fn streamed_fragments_train_with_a_quarter_of_the_burst_and_rebuild_the_public_c
         r.final_test_accuracy
     );
 }
+
+/// `cluster.standbys` gives every shard of a `LocalCluster` a standby (and the cluster a witness). With shard 0's
+/// primary killed mid-run, its standby takes over and every step's push is applied exactly once on each shard (BSP:
+/// `updates_applied` counts the serving nodes' applications, the standby's including those it replayed from the log).
+#[test]
+fn local_cluster_standbys_take_over_from_a_killed_primary_without_losing_an_update() {
+    let mut cfg = config(Staleness::Bounded(0), Scheme::Q4);
+    // Any addresses: the local cluster binds free loopback ports for the standbys and the witness.
+    cfg.cluster.standbys = vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()];
+    cfg.cluster.witness = Some("127.0.0.1:3".into());
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::new(cfg, dir.path().to_path_buf());
+    // Stretch the run (about 3 ms per step) so that the kill lands mid-run.
+    cluster.delays = (0..3).map(|r| (r, std::time::Duration::from_millis(3))).collect();
+    cluster.kill_primaries = vec![(0, std::time::Duration::from_millis(700))];
+    let r = cluster.run().unwrap();
+    eprintln!(
+        "standbys, primary 0 killed at 0.7 s: accuracy {:.4}, steps {}, applied {}, {:.1} s, notes {:?}",
+        r.final_test_accuracy, r.steps, r.updates_applied, r.wall_seconds, r.notes
+    );
+    assert!(
+        r.notes
+            .iter()
+            .any(|n| n.starts_with("shard 0: its standby took over")),
+        "shard 0's standby did not serve at the end: {:?}",
+        r.notes
+    );
+    assert!(
+        !r.notes.iter().any(|n| n.starts_with("shard 1: its standby")),
+        "shard 1's primary was not killed, yet its standby served: {:?}",
+        r.notes
+    );
+    check_common(&r, Some(0));
+    assert!(r.final_test_accuracy >= accuracy_floor(&r));
+}

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs deploy/slurm/tether.sbatch on a real one-node Slurm cluster on this machine (Debian's slurmctld, slurmd and
-# munge, configured here with 2 CPUs and oversubscription), twice:
-#   1. the job runs to the end: exit 0, every worker's report, rank 0's accuracy above a floor, every push applied;
-#   2. the worker step is cancelled mid-run (`scancel JOB.STEP`): the script starts it again, the workers rejoin, and
-#      the job still finishes with every report.
+# Runs deploy/slurm/tether.sbatch (with its default standbys and witness) on a real one-node Slurm cluster on this
+# machine (Debian's slurmctld, slurmd and munge, configured here with 2 CPUs and oversubscription), twice:
+#   1. the job runs to the end: exit 0, every worker's report, rank 0's accuracy above a floor, both nodes of each
+#      shard hold the same number of applied pushes, and both shards the same;
+#   2. shard 0's primary step is cancelled mid-run (`scancel JOB.STEP`, for good: its standby takes over), then the
+#      worker step: the script starts the workers again, they rejoin, and the job still finishes with every report.
 # Starts the daemons when none run (and stops what it started); every wait is bounded. Needs root and the packages
 # (apt-get install slurmctld slurmd slurm-client munge).
 #
@@ -102,21 +103,29 @@ wait_gone() { # wait_gone JOB SECONDS
     sleep 1
   done
 }
-check_run() { # check_run NAME JOB: exit 0, reports, accuracy, every push applied
+check_run() { # check_run NAME JOB [EXACT]: exit 0, reports, accuracy; EXACT: every shard node applied every push
   local dir=$work/$1 state
   state=$(scontrol show job "$2" 2>/dev/null | grep -o 'JobState=[A-Z]*' || true)
   [ "$state" = "JobState=COMPLETED" ] || fail "job $2 ended as ${state:-unknown}"
   grep -q "shards finished" "$dir"/tether-*.out || fail "job $2 did not finish its shards"
-  for f in worker-0 worker-1 worker-2 server-0 server-1; do [ -s "$dir/$f.json" ] || fail "no $f.json"; done
-  python3 - "$dir" <<'PY'
-import json, sys
-d = sys.argv[1]
+  for f in worker-0 worker-1 worker-2; do [ -s "$dir/$f.json" ] || fail "no $f.json"; done
+  python3 - "$dir" "${3:-}" <<'PY'
+import json, os, sys
+d, exact = sys.argv[1], sys.argv[2] == "exact"
 w = [json.load(open(f"{d}/worker-{r}.json")) for r in range(3)]
-s = [json.load(open(f"{d}/server-{k}.json")) for k in range(2)]
+# Each shard's reports: its primary's and its standby's, from the nodes that exited cleanly.
+shards = [{n: json.load(open(f"{d}/{n}-{k}.json")) for n in ("server", "standby") if os.path.exists(f"{d}/{n}-{k}.json")}
+          for k in range(2)]
+applied = [{n: r["updates_applied"] for n, r in s.items()} for s in shards]
 acc = w[0]["final_test_accuracy"]
-print(f"slurm:   rank 0 accuracy {acc:.4f}, steps {[x['steps'] for x in w]}, shard updates {[x['updates_applied'] for x in s]}")
+print(f"slurm:   rank 0 accuracy {acc:.4f}, steps {[x['steps'] for x in w]}, updates applied per shard node {applied}")
+assert all(s for s in shards), f"a shard has no report from any node: {applied}"
 assert acc >= 0.85, f"accuracy {acc}"
 assert all(x["steps"] == w[0]["steps"] for x in w), "a worker did not run its whole schedule"
+if exact:
+    # No fault: each node of a shard applied (or replayed) every push once, and every push reached both shards.
+    assert all(len(set(a.values())) == 1 for a in applied), applied
+    assert len({max(a.values()) for a in applied}) == 1, applied
 PY
 }
 
@@ -124,10 +133,10 @@ PY
 job=$(submit full 17400 base)
 say "job $job submitted (2 shards + 3 workers)"
 wait_gone "$job" 300
-check_run full "$job"
+check_run full "$job" exact
 say "job $job completed"
 
-# --- 2. cancel the worker step mid-run ----------------------------------------------------------------------------
+# --- 2. cancel shard 0's primary for good, then the worker step, mid-run -------------------------------------------
 job=$(submit cancel 17500 long)
 say "job $job submitted"
 step=""
@@ -141,14 +150,22 @@ for i in $(seq 120); do
   sleep 0.5
 done
 [ -n "$step" ] || fail "no running worker step to cancel"
+primary=$(squeue -h -s -j "$job" -o '%i %j' | awk '$2 == "primary-0" {print $1}' | head -n 1)
+[ -n "$primary" ] || fail "no primary-0 step to cancel"
 sleep 1
+grep -qs "final evaluation" "$work/cancel/worker-0.log" && fail "the workers ended before the primary could be cancelled"
+scancel "$primary"
+say "cancelled shard 0's primary step $primary mid-run"
+sleep 2
 grep -qs "final evaluation" "$work/cancel/worker-0.log" && fail "the worker step ended before it could be cancelled"
 done_before=$( (grep -h "progress" "$work/cancel/worker-0.log" || true) | tail -n 1 | sed 's/.*step=\([0-9]*\).*/\1/')
 scancel "$step"
 say "cancelled worker step $step mid-run (rank 0 had logged step ${done_before:-?})"
 wait_gone "$job" 300
 grep -q "starting it again" "$work/cancel"/tether-*.out || fail "the worker step was not started again"
+grep -q "standby took over" "$work/cancel/standby-0.log" || fail "shard 0's standby did not take over"
+[ ! -s "$work/cancel/server-0.json" ] || fail "the cancelled primary wrote a report: it was not cancelled"
 check_run cancel "$job"
 grep -h "reconnected\|rejoin" "$work/cancel"/worker-*.log | head -n 2 | sed 's/^/slurm:   /'
-say "job $job completed after the cancel"
+say "job $job completed after both cancels"
 echo "slurm: PASS"

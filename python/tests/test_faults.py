@@ -3,6 +3,7 @@ completes; a shard killed and resumed from its checkpoint (LocalCluster.kill_sha
 module or a model file that does not match the shards' layout is refused with LayoutMismatchError naming the
 tensor; a rank outside the cluster is refused with a typed exception, never a crash."""
 
+import json
 import subprocess
 import sys
 
@@ -169,3 +170,40 @@ def test_workers_ride_out_a_shard_killed_and_resumed_from_its_checkpoint(tmp_pat
     assert log0.count("listening on") == 2
     assert "resumed from checkpoint" in log0
     assert results[0]["accuracy"] > 0.5
+
+
+def test_a_killed_primary_is_replaced_by_its_standby_without_losing_an_update(tmp_path, mlp_file, procs):
+    """LocalCluster(standbys=True): one standby per shard and the witness. Shard 0's primary is killed for good
+    mid-run; its standby takes over, the workers finish without a restart of anything, and shard 0's standby
+    applied every push exactly once (BSP, so the count is exact: 2 workers x steps per shard)."""
+    _, model_file = mlp_file(data_features(), [64], 10)
+    steps = 66
+    cfg = mlp_config(model_file, workers=2, staleness=0, epochs=6, updates=2 * steps,
+                     extra={"cluster": {"failover_ms": 1000}})
+    with LocalCluster(tmp_path / "cluster", cfg, shards=2, workers=2, standbys=True) as c:
+        assert c.standbys and c.witness and c.config["cluster"]["standbys"] == c.standbys
+        def args(rank):
+            return ["mlp", "--config", c.config_path, "--rank", str(rank), "--workers", "2", "--hidden", "64",
+                    "--epochs", "6", "--max-steps", str(steps), "--step-delay-ms", "30",
+                    "--reconnect-deadline-s", "30"] + (["--evaluate"] if rank == 0 else [])
+        ws = [procs(args(r), f"worker-{r}", tmp_path) for r in range(2)]
+        ws[0].wait_for_log("rank 0 step 20", 120)
+        c.kill_shard(0)
+        assert not c.shard_alive(0)
+        results = [w.wait(180) for w in ws]
+        codes = c.stop()
+        standby0 = json.loads((c.workdir / "standby-0.json").read_text())
+        primary1 = json.loads(c.report_path(1).read_text())
+        logs = c.node_log_text("standby-0") + c.log_text(1) + c.node_log_text("witness")
+    print(f"primary 0 killed at step 20: accuracy {results[0]['accuracy']:.4f}, standby 0 applied "
+          f"{standby0['updates_applied']}, primary 1 applied {primary1['updates_applied']}, exit codes {codes}")
+    assert all(r["steps"] == steps for r in results)
+    assert all(r["report"]["pushes"] == steps for r in results)
+    # Shard 0's standby holds every update: those it replayed from the primary's log and those it applied itself.
+    assert standby0["updates_applied"] == 2 * steps, standby0
+    assert primary1["updates_applied"] == 2 * steps, primary1
+    assert standby0["updates_rejected"] == 0 and primary1["updates_rejected"] == 0
+    assert codes[0] == -9 and codes["standby-0"] == 0 and codes[1] == 0, codes
+    assert "standby took over" in logs, logs[-3000:]
+    assert results[0]["accuracy"] > 0.5
+    assert "panicked" not in logs

@@ -1,7 +1,8 @@
 """Local shards for development, tests and examples: :class:`LocalCluster` starts ``tether-server`` processes on
-loopback for a configuration given as a dict, with certificates from ``tether-server keygen``.
+loopback for a configuration given as a dict, with certificates from ``tether-server keygen``; with standbys, also
+one standby per shard and the witness (the fence's third vote).
 
-This module owns process management only (ports, ``cluster.toml``, certificates, shard processes and their logs);
+This module owns process management only (ports, ``cluster.toml``, certificates, node processes and their logs);
 the shards themselves are the Rust binary, and workers are :class:`tether.Worker` objects the caller creates with
 :attr:`LocalCluster.config_path`. It never binds or connects to anything but 127.0.0.1.
 
@@ -157,9 +158,15 @@ class LocalCluster:
     per shard and ``worker-R/`` per rank, which :class:`tether.Worker` finds through ``cluster.tls_dir``. Shard K
     logs to ``workdir/server-K.log`` and writes its run report to ``workdir/server-K.json`` when it stops.
 
+    **Standbys.** With ``standbys=True`` (or, when ``standbys`` is left ``None``, a non-empty ``cluster.standbys``
+    in ``config``), every shard also gets a standby (``tether-server --standby``, bundle ``standby-K/``, log
+    ``standby-K.log``, report ``standby-K.json``) and the cluster a witness (``tether-server witness``, log
+    ``witness.log``); ``cluster.standbys`` and ``cluster.witness`` are set to free ports. A killed primary
+    (:meth:`kill_shard`) is then replaced by its standby within ``cluster.failover_ms`` or so, with no restart.
+
     Use it as a context manager (``with LocalCluster(...) as c:``) or call :meth:`start` and :meth:`stop`.
-    ``start_timeout_s`` bounds the wait for each shard to listen; ``stop_timeout_s`` the wait after SIGTERM before
-    SIGKILL. ``extra_args`` are added to every shard's command line (e.g. ``["--spike-factor", "0"]``).
+    ``start_timeout_s`` bounds the wait for each node to listen; ``stop_timeout_s`` the wait after SIGTERM before
+    SIGKILL. ``extra_args`` are added to every shard's and standby's command line (e.g. ``["--spike-factor", "0"]``).
     """
 
     def __init__(
@@ -170,6 +177,7 @@ class LocalCluster:
         workers: int = 2,
         bin_dir: Optional[os.PathLike] = None,
         *,
+        standbys: Optional[bool] = None,
         start_timeout_s: float = 30.0,
         stop_timeout_s: float = 15.0,
         extra_args: Optional[List[str]] = None,
@@ -188,15 +196,29 @@ class LocalCluster:
         self.extra_args = list(extra_args or [])
         self.log_level = log_level
         self.certs_dir = self.workdir / "certs"
-        self._procs: Dict[int, subprocess.Popen] = {}
-        self._logs: Dict[int, Any] = {}
+        self._procs: Dict[str, subprocess.Popen] = {}
+        self._logs: Dict[str, Any] = {}
         self._started = False
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg: Dict[str, Dict[str, Any]] = {k: dict(v) for k, v in config.items()}
         cluster = cfg.setdefault("cluster", {})
-        self.servers = [f"127.0.0.1:{free_udp_port()}" for _ in range(self.shards)]
+        if standbys is None:
+            standbys = bool(cluster.get("standbys"))
+        self.replicated = bool(standbys)
+        taken: set = set()
+        self.servers = [_free_port_except(taken) for _ in range(self.shards)]
         cluster["servers"] = self.servers
+        if self.replicated:
+            self.standbys = [_free_port_except(taken) for _ in range(self.shards)]
+            self.witness: Optional[str] = _free_port_except(taken)
+            cluster["standbys"] = self.standbys
+            cluster["witness"] = self.witness
+        else:
+            self.standbys = []
+            self.witness = None
+            cluster.pop("standbys", None)
+            cluster.pop("witness", None)
         cluster["workers"] = self.workers
         cluster["tls_dir"] = str(self.certs_dir)
         # `cluster` first, as people read it.
@@ -223,8 +245,12 @@ class LocalCluster:
 
     def log_text(self, k: int) -> str:
         """Shard ``k``'s whole log so far ("" before it first started)."""
+        return self.node_log_text(f"server-{k}")
+
+    def node_log_text(self, node: str) -> str:
+        """The whole log so far of ``node`` (``server-K``, ``standby-K`` or ``witness``; "" before it started)."""
         try:
-            return self.log_path(k).read_text(errors="replace")
+            return (self.workdir / f"{node}.log").read_text(errors="replace")
         except FileNotFoundError:
             return ""
 
@@ -244,6 +270,8 @@ class LocalCluster:
             str(self.server_bin), "keygen", "--out", str(self.certs_dir),
             "--servers", str(self.shards), "--workers", str(self.workers),
         ]
+        if self.replicated:
+            cmd.append("--standbys")
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self._env())
         except subprocess.TimeoutExpired as e:
@@ -265,38 +293,63 @@ class LocalCluster:
         return self.certs_dir / f"worker-{int(rank)}"
 
     def start(self) -> "LocalCluster":
-        """Generates certificates (first time) and starts every shard, waiting until each listens."""
+        """Generates certificates (first time) and starts the witness (with standbys), every shard and every
+        standby, waiting until each listens."""
         self.keygen()
         self._started = True
         try:
+            if self.replicated:
+                self.start_witness()
             for k in range(self.shards):
                 self.start_shard(k, resume=False)
+                if self.replicated:
+                    self.start_standby(k)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _check_shard(self, k: int) -> None:
+        if not 0 <= k < self.shards:
+            raise ValueError(f"shard {k} out of range 0..{self.shards}")
+
     def start_shard(self, k: int, resume: bool = True, wait: bool = True) -> None:
         """Starts shard ``k`` (``--resume`` from its newest checkpoint unless ``resume=False``) and, with ``wait``,
         returns once its log says it is listening. Raises :class:`ClusterStartError` when it exits first or does
-        not listen within ``start_timeout_s``."""
-        if not 0 <= k < self.shards:
-            raise ValueError(f"shard {k} out of range 0..{self.shards}")
-        p = self._procs.get(k)
+        not listen within ``start_timeout_s``. With standbys, a primary that comes back asks the node that serves
+        to seed it and follows it."""
+        self._check_shard(k)
+        args = ["--config", self.config_path, "--shard", str(k), "--report", str(self.report_path(k))]
+        if resume:
+            args.append("--resume")
+        self._start_node(f"server-{k}", args + self.extra_args, wait)
+
+    def start_standby(self, k: int, wait: bool = True) -> None:
+        """Starts shard ``k``'s standby (``--standby``); it follows the primary and takes over when it dies."""
+        self._check_shard(k)
+        if not self.replicated:
+            raise ClusterStartError("this cluster has no standbys (pass standbys=True)")
+        args = ["--config", self.config_path, "--shard", str(k), "--standby",
+                "--report", str(self.workdir / f"standby-{k}.json")]
+        self._start_node(f"standby-{k}", args + self.extra_args, wait)
+
+    def start_witness(self, wait: bool = True) -> None:
+        """Starts the witness (``tether-server witness``), keeping its votes in ``workdir/witness.json``."""
+        if not self.replicated:
+            raise ClusterStartError("this cluster has no standbys, so no witness (pass standbys=True)")
+        args = ["witness", "--config", self.config_path, "--state", str(self.workdir / "witness.json")]
+        self._start_node("witness", args, wait)
+
+    def _start_node(self, node: str, args: List[str], wait: bool) -> None:
+        p = self._procs.get(node)
         if p is not None and p.poll() is None:
-            raise ClusterStartError(f"shard {k} is already running (pid {p.pid})")
+            raise ClusterStartError(f"{node} is already running (pid {p.pid})")
         self.keygen()
         self._started = True
-        log_path = self.log_path(k)
+        log_path = self.workdir / f"{node}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         log = open(log_path, "ab")
-        cmd = [
-            str(self.server_bin), "--config", self.config_path, "--shard", str(k),
-            "--report", str(self.report_path(k)),
-        ]
-        if resume:
-            cmd.append("--resume")
-        cmd.extend(self.extra_args)
+        cmd = [str(self.server_bin)] + args
         try:
             proc = subprocess.Popen(
                 cmd, cwd=str(self.workdir), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -305,42 +358,49 @@ class LocalCluster:
         except OSError as e:
             log.close()
             raise ClusterStartError(f"cannot start {cmd[0]}: {e}") from e
-        old = self._logs.pop(k, None)
+        old = self._logs.pop(node, None)
         if old is not None:
             old.close()
-        self._procs[k] = proc
-        self._logs[k] = log
+        self._procs[node] = proc
+        self._logs[node] = log
         if wait:
-            self.wait_listening(k, offset)
+            self._wait_listening(node, offset)
 
     def wait_listening(self, k: int, offset: int = 0) -> None:
         """Waits (at most ``start_timeout_s``) until shard ``k``'s log, past byte ``offset``, says "listening on"."""
-        proc = self._procs[k]
+        self._wait_listening(f"server-{k}", offset)
+
+    def _wait_listening(self, node: str, offset: int) -> None:
+        proc = self._procs[node]
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            with open(self.log_path(k), "rb") as f:
+            with open(self.workdir / f"{node}.log", "rb") as f:
                 f.seek(offset)
                 text = f.read().decode(errors="replace")
             if "listening on" in text:
                 return
             if proc.poll() is not None:
                 raise ClusterStartError(
-                    f"shard {k} exited with {proc.returncode} before listening; log tail:\n{text[-3000:]}"
+                    f"{node} exited with {proc.returncode} before listening; log tail:\n{text[-3000:]}"
                 )
             if time.monotonic() > deadline:
                 raise ClusterStartError(
-                    f"shard {k} did not listen within {self.start_timeout_s:.0f} s; log tail:\n{text[-3000:]}"
+                    f"{node} did not listen within {self.start_timeout_s:.0f} s; log tail:\n{text[-3000:]}"
                 )
             time.sleep(0.02)
 
-    def shard_alive(self, k: int) -> bool:
-        """Whether shard ``k``'s process is running."""
-        p = self._procs.get(k)
+    def node_alive(self, node: str) -> bool:
+        """Whether ``node``'s process (``server-K``, ``standby-K`` or ``witness``) is running."""
+        p = self._procs.get(node)
         return p is not None and p.poll() is None
 
-    def kill_shard(self, k: int) -> None:
-        """SIGKILLs shard ``k`` (a crash: no final checkpoint) and reaps it."""
-        p = self._procs.get(k)
+    def shard_alive(self, k: int) -> bool:
+        """Whether shard ``k``'s primary process is running."""
+        return self.node_alive(f"server-{k}")
+
+    def kill_node(self, node: str) -> None:
+        """SIGKILLs ``node`` (a crash: no final checkpoint) and reaps it."""
+        p = self._procs.get(node)
         if p is None:
             return
         if p.poll() is None:
@@ -350,10 +410,18 @@ class LocalCluster:
         except subprocess.TimeoutExpired:
             pass
 
-    def stop_shard(self, k: int) -> Optional[int]:
-        """Stops shard ``k`` gracefully: SIGTERM (final checkpoint and report), SIGKILL after ``stop_timeout_s``.
+    def kill_shard(self, k: int) -> None:
+        """SIGKILLs shard ``k``'s primary (a crash: no final checkpoint) and reaps it."""
+        self.kill_node(f"server-{k}")
+
+    def kill_standby(self, k: int) -> None:
+        """SIGKILLs shard ``k``'s standby and reaps it."""
+        self.kill_node(f"standby-{k}")
+
+    def stop_node(self, node: str) -> Optional[int]:
+        """Stops ``node`` gracefully: SIGTERM (final checkpoint and report), SIGKILL after ``stop_timeout_s``.
         Returns its exit code (None when it was never started)."""
-        p = self._procs.get(k)
+        p = self._procs.get(node)
         if p is None:
             return None
         if p.poll() is None:
@@ -369,32 +437,44 @@ class LocalCluster:
                     p.wait(timeout=self.stop_timeout_s)
                 except subprocess.TimeoutExpired:
                     pass
-        log = self._logs.pop(k, None)
+        log = self._logs.pop(node, None)
         if log is not None:
             log.close()
         return p.returncode
 
-    def stop(self) -> Dict[int, Optional[int]]:
-        """Stops every shard (SIGTERM to all, then bounded waits, then SIGKILL). Idempotent; returns exit codes."""
+    def stop_shard(self, k: int) -> Optional[int]:
+        """Stops shard ``k``'s primary gracefully (see :meth:`stop_node`); returns its exit code."""
+        return self.stop_node(f"server-{k}")
+
+    def _shards_by_index(self, codes: Dict[str, Optional[int]]) -> Dict[Any, Optional[int]]:
+        # Primaries keep their historical integer keys; standbys and the witness are keyed by name.
+        return {int(n[len("server-"):]) if n.startswith("server-") else n: c for n, c in codes.items()}
+
+    def stop(self) -> Dict[Any, Optional[int]]:
+        """Stops every node (SIGTERM to all, then bounded waits, then SIGKILL). Idempotent; returns exit codes:
+        shard K's primary under K, standbys under ``"standby-K"``, the witness under ``"witness"``."""
         for p in self._procs.values():
             if p.poll() is None:
                 try:
                     p.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        return {k: self.stop_shard(k) for k in list(self._procs)}
+        return self._shards_by_index({n: self.stop_node(n) for n in list(self._procs)})
 
-    def wait_exit(self, timeout_s: float) -> Dict[int, Optional[int]]:
-        """Waits (at most ``timeout_s`` in all) for every shard to exit by itself (``--exit-after-workers``);
-        returns exit codes, None for those still running."""
+    def wait_exit(self, timeout_s: float) -> Dict[Any, Optional[int]]:
+        """Waits (at most ``timeout_s`` in all) for every shard and standby to exit by itself
+        (``--exit-after-workers``); returns exit codes keyed as :meth:`stop`'s, None for those still running. The
+        witness, which never exits by itself, is not waited for."""
         deadline = time.monotonic() + timeout_s
-        codes: Dict[int, Optional[int]] = {}
-        for k, p in self._procs.items():
+        codes: Dict[str, Optional[int]] = {}
+        for n, p in self._procs.items():
+            if n == "witness":
+                continue
             try:
-                codes[k] = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                codes[n] = p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                codes[k] = None
-        return codes
+                codes[n] = None
+        return self._shards_by_index(codes)
 
     def __enter__(self) -> "LocalCluster":
         if not self._started:
@@ -404,7 +484,7 @@ class LocalCluster:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def __del__(self) -> None:  # last resort: never leave shard processes behind
+    def __del__(self) -> None:  # last resort: never leave node processes behind
         try:
             for p in getattr(self, "_procs", {}).values():
                 if p.poll() is None:
@@ -413,5 +493,15 @@ class LocalCluster:
             pass
 
     def __repr__(self) -> str:
-        alive = [k for k in range(self.shards) if self.shard_alive(k)]
+        alive = [n for n in sorted(self._procs) if self.node_alive(n)]
         return f"LocalCluster({self.workdir}, shards={self.shards}, workers={self.workers}, running={alive})"
+
+
+def _free_port_except(taken: set) -> str:
+    """A free 127.0.0.1 UDP address not in ``taken`` (which it joins)."""
+    for _ in range(100):
+        addr = f"127.0.0.1:{free_udp_port()}"
+        if addr not in taken:
+            taken.add(addr)
+            return addr
+    raise ClusterStartError("no free UDP port on 127.0.0.1 after 100 tries")

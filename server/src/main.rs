@@ -117,7 +117,8 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 enum KeygenCommand {
-    /// Issue one more node's bundle from an existing CA (elastic scaling): `--worker R`, or `--server K --host H`.
+    /// Issue one more node's bundle from an existing CA (elastic scaling): `--worker R`, `--server K --host H`,
+    /// `--standby K --host H` or `--witness --host H`.
     /// Refuses to replace an existing bundle unless `--force`; then prints the replaced certificate's serial, which
     /// stays valid until it is listed in cluster.revoked.
     Issue {
@@ -128,15 +129,19 @@ enum KeygenCommand {
         #[arg(long)]
         out: PathBuf,
         /// Issue worker rank R's bundle.
-        #[arg(long, conflicts_with_all = ["server", "standby"], required_unless_present_any = ["server", "standby"])]
+        #[arg(long, conflicts_with_all = ["server", "standby", "witness"],
+              required_unless_present_any = ["server", "standby", "witness"])]
         worker: Option<u32>,
         /// Issue shard K's bundle.
-        #[arg(long, conflicts_with = "standby")]
+        #[arg(long, conflicts_with_all = ["standby", "witness"])]
         server: Option<u32>,
         /// Issue shard K's standby bundle (OUT/standby-K; it copies OUT/server-K's checkpoint key).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "witness")]
         standby: Option<u32>,
-        /// The shard's (or standby's) host names / IPs (comma-separated; localhost and 127.0.0.1 always).
+        /// Issue the witness's bundle (OUT/witness), for the host it runs on.
+        #[arg(long)]
+        witness: bool,
+        /// The node's host names / IPs (comma-separated; localhost and 127.0.0.1 always).
         #[arg(long, value_delimiter = ',')]
         host: Vec<String>,
         /// Validity in days.
@@ -204,23 +209,29 @@ fn keygen(command: &Command) -> Result<()> {
         worker,
         server,
         standby,
+        witness,
         host,
         days,
         owner,
         force,
     }) = command
     {
-        let node = match (worker, server, standby) {
-            (Some(rank), _, _) => Node::Worker { rank: *rank },
-            (None, Some(shard), _) => Node::Server {
+        let node = match (worker, server, standby, witness) {
+            (Some(rank), _, _, _) => Node::Worker { rank: *rank },
+            (None, Some(shard), _, _) => Node::Server {
                 shard: *shard,
                 hosts: host.clone(),
             },
-            (None, None, Some(shard)) => Node::Standby {
+            (None, None, Some(shard), _) => Node::Standby {
                 shard: *shard,
                 hosts: host.clone(),
             },
-            (None, None, None) => anyhow::bail!("give --worker R, --server K or --standby K"),
+            (None, None, None, true) => Node::Witness {
+                hosts: host.clone(),
+            },
+            (None, None, None, false) => {
+                anyhow::bail!("give --worker R, --server K, --standby K or --witness")
+            }
         };
         if *days == 0 {
             anyhow::bail!("--days must be at least 1");

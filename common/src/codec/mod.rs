@@ -186,6 +186,18 @@ impl CodecConfig {
         }
     }
 
+    /// What `validate` requires, in words, for the setting that `err` (from `validate`) names.
+    pub fn rules(&self, err: &CodecError) -> String {
+        match err {
+            CodecError::InvalidKeep => "must be a power of two from 2 to 32768".into(),
+            _ if self.scheme.is_sparse() => format!(
+                "must be a multiple of 16 from {MIN_BUCKET} to {MAX_SPARSE_BLOCK} with {}",
+                self.scheme.name()
+            ),
+            _ => format!("must be a multiple of 16 from {MIN_BUCKET} to {MAX_BUCKET}"),
+        }
+    }
+
     /// `log2(keep)` as the header carries it for topk2 (0 for other schemes; 0 also flags a `keep` that is not a
     /// power of two in range, which `validate` refuses).
     pub fn keep_shift(&self) -> u8 {

@@ -407,6 +407,10 @@ fn topk2_keys_are_range_checked() {
             "pull_scheme = \"topk2\"\nbucket = 131072",
             "compression.bucket",
         ),
+        // The codec needs a multiple of 16: refused here, not when a node starts.
+        ("bucket = 20", "compression.bucket"),
+        ("bucket = 8", "compression.bucket"),
+        ("bucket = 2097152", "compression.bucket"),
     ] {
         let e = Config::parse(
             &format!("{MINIMAL}[compression]\n{extra}\n"),

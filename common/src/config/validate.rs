@@ -161,17 +161,19 @@ impl Config {
         {
             return bad("optimizer.beta1/beta2", "must be in [0, 1)");
         }
-        if self.compression.bucket == 0 || self.compression.bucket > (1 << 20) {
-            return bad("compression.bucket", "must be in 1..=1048576");
-        }
+        // The codec's own rules, for the codecs pushes and pulls use: one copy of each rule, in the codec.
         let c = &self.compression;
         if !(c.keep.is_power_of_two() && (2..=1 << 15).contains(&c.keep)) {
             return bad("compression.keep", "must be a power of two from 2 to 32768");
         }
-        if (c.scheme.is_sparse() || c.pull_scheme.is_sparse())
-            && c.bucket > crate::codec::MAX_SPARSE_BLOCK
-        {
-            return bad("compression.bucket", "must be at most 65536 with topk2");
+        for codec in [c.codec(), c.pull_codec()] {
+            if let Err(e) = codec.validate() {
+                let key = match e {
+                    crate::codec::CodecError::InvalidKeep => "compression.keep",
+                    _ => "compression.bucket",
+                };
+                return bad(key, &codec.rules(&e));
+            }
         }
         if !(self.optimizer.outer.lr > 0.0 && self.optimizer.outer.lr.is_finite()) {
             return bad("optimizer.outer.lr", "must be a finite positive number");
