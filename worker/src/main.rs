@@ -130,9 +130,18 @@ fn run() -> Result<()> {
     }
     let servers = cfg.cluster.servers.clone();
     let mut names = Vec::new();
-    for s in &servers {
-        // Fail early on an address that does not resolve at all; the driver resolves again at every reconnect.
-        resolve(s)?;
+    for (k, s) in servers.iter().enumerate() {
+        // Fail early on an address that does not resolve at all; the driver resolves again at every reconnect. A
+        // replicated shard's primary may be dead, and its name gone with it (a container or pod that is not
+        // running): the worker starts, and finds the standby.
+        match (resolve(s), cfg.cluster.standbys.get(k)) {
+            (Ok(_), _) => {}
+            (Err(e), Some(standby)) => {
+                tracing::warn!(shard = k, error = %format!("{e:#}"), standby = %standby,
+                    "the primary's address does not resolve now; starting with its standby")
+            }
+            (Err(e), None) => return Err(e),
+        }
         names.push(
             s.rsplit_once(':')
                 .map_or(s.as_str(), |(h, _)| h)
