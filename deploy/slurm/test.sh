@@ -74,7 +74,7 @@ for i in $(seq 60); do sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'
 sinfo -h -o %t | grep -qE '^(idle|mix|alloc)' || fail "the node did not come up: $(sinfo -h 2>&1)"
 say "cluster up: $(sinfo -h -o '%P %D %t %c CPUs')"
 
-# Digits and a small MLP; the second run is longer (1,000 epochs: about 30 s on an idle 2-core VM with standbys, more
+# Digits and a small MLP; the second run is longer (1,000 epochs: about 30 s here with standbys, more under load),
 # so that its worker step is cancelled well before the end.
 cat > "$work/base.toml" <<'EOF'
 [model]
