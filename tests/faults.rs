@@ -794,3 +794,106 @@ fn a_restarted_primary_is_seeded_by_the_standby_that_took_over_and_takes_over_in
     );
     assert!(acc > 0.85, "accuracy {acc}");
 }
+
+/// Two threads that spin until dropped: with the cluster's processes they keep both cores of a 2-core machine busy.
+struct CpuLoad {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<u64>>,
+}
+
+impl CpuLoad {
+    fn start(threads: usize) -> CpuLoad {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..threads)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut spins = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        spins = std::hint::black_box(spins.wrapping_add(1));
+                    }
+                    spins
+                })
+            })
+            .collect();
+        CpuLoad { stop, threads }
+    }
+}
+
+impl Drop for CpuLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// With both cores kept busy by two spinning threads besides the cluster (one shard with its standby and the witness,
+/// two workers), the fence never moves the lease off a live primary: no step-down, no takeover, one term in the
+/// history. `TETHER_FAILOVER_MS` sets `cluster.failover_ms` (default 1000, the config's default), to measure how low
+/// it can go before load causes false takeovers (`scripts/false-takeovers.sh` sweeps it).
+#[test]
+fn no_false_takeover_under_full_cpu_load() {
+    let _serial = serial();
+    let failover: u64 = std::env::var("TETHER_FAILOVER_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let c = Cluster::new(Spec {
+        shards: 1,
+        standbys: true,
+        epochs: 60,
+        cluster_extra: format!("failover_ms = {failover}\n"),
+        ..spec()
+    });
+    let load = CpuLoad::start(2);
+    let _witness = c.witness();
+    let history = |n: &str| c.path(n).display().to_string();
+    let (h0, h1) = (history("primary.history"), history("standby.history"));
+    let mut primary = c.server(0, &["--exit-after-workers", "2", "--history", &h0]);
+    let mut standby = c.standby(
+        0,
+        &["--exit-after-workers", "2", "--history", &h1, "--report", "standby-0.json"],
+    );
+    let started = Instant::now();
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1.json"));
+    w0.wait_success(Duration::from_secs(240));
+    w1.wait_success(Duration::from_secs(240));
+    let loaded_for = started.elapsed().as_secs_f64();
+    drop(load);
+    primary.wait_success(Duration::from_secs(30));
+    standby.wait_success(Duration::from_secs(30));
+    let (plog, slog) = (primary.log_text(), standby.log_text());
+    let step_downs = plog.matches("lease ran out: stepping down").count()
+        + slog.matches("lease ran out: stepping down").count();
+    let leases_won = plog.matches("lease won").count() + slog.matches("lease won").count();
+    let takeovers = slog.matches("standby took over").count();
+    let mut terms = std::collections::BTreeSet::new();
+    let mut applied_by = std::collections::BTreeMap::<String, u64>::new();
+    for path in [&h0, &h1] {
+        for line in std::fs::read_to_string(path).unwrap_or_default().lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("a history line");
+            terms.insert(v["term"].as_u64().unwrap());
+            *applied_by
+                .entry(v["node"].as_str().unwrap().to_string())
+                .or_default() += 1;
+        }
+    }
+    let r0 = c.report("w0.json");
+    println!(
+        "failover_ms {failover}, {loaded_for:.1} s under full load: {leases_won} lease(s) won, {step_downs} \
+         step-down(s), {takeovers} takeover(s), terms {terms:?}, applied by {applied_by:?}, longest worker stall \
+         {:.2} s",
+        max_step_gap(&r0)
+    );
+    assert_eq!(takeovers, 0, "the standby took over from a live primary");
+    assert_eq!(step_downs, 0, "a live primary lost its lease under load");
+    assert_eq!(terms.len(), 1, "more than one term served: {terms:?}");
+    assert_eq!(
+        applied_by.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["primary"],
+        "a node other than the primary applied pushes"
+    );
+}

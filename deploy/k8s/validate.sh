@@ -2,8 +2,12 @@
 # Offline validation of the Kubernetes manifests (no cluster runs here): generates the Secrets with keygen, renders
 # the kustomization with `kubectl kustomize` (kustomize v5, built into kubectl), validates every rendered object
 # against the Kubernetes OpenAPI schemas with `kubernetes-validate` (PyPI; bundled schemas, no network), and checks
-# what the schemas cannot: every node's Secret exists and holds its own key and no CA key, and each pod mounts only
-# its own bundle into its long-running container.
+# what the schemas cannot: every node's Secret (shards, standbys, the witness, workers) exists and holds its own key
+# and no CA key, with a certificate for the host its address has in cluster.toml; each pod mounts only its own bundle
+# into its long-running container; every address in cluster.toml is a pod of the right StatefulSet behind its headless
+# Service; every shard has a standby that a required anti-affinity rule keeps off its primary's node, and the witness
+# is kept off every shard node's; shard nodes and the witness keep their state on a PersistentVolumeClaim; and the
+# binary accepts the rendered config and each role's bundle (each role started for a moment on loopback).
 #
 # Usage: deploy/k8s/validate.sh        (needs kubectl and kubernetes-validate; TETHER_BIN=DIR optional)
 set -euo pipefail
@@ -12,53 +16,292 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cp -r . "$work/k8s"
 rm -f "$work/k8s/secrets.yaml"
+bin=${TETHER_BIN:-${CARGO_TARGET_DIR:-$PWD/../../target}/release}
 ./make-secrets.sh 2 4 "$work/ca" > "$work/k8s/secrets.yaml"
 kubectl kustomize "$work/k8s" > "$work/rendered.yaml"
 version=${K8S_VERSION:-1.33.0}
 kubernetes-validate --strict --kubernetes-version "$version" "$work/rendered.yaml"
-python3 - "$work/rendered.yaml" "$work/ca" <<'PY'
-import base64, os, sys, yaml
-docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+python3 - "$work/rendered.yaml" "$work/ca" "$bin" "$work" <<'PY'
+import base64, os, re, signal, ssl, subprocess, sys, time, yaml
+try:
+    import tomllib  # Python 3.11+
+except ModuleNotFoundError:
+    import tomli as tomllib
+rendered, ca_dir, bin_dir, work = sys.argv[1:5]
+docs = [d for d in yaml.safe_load_all(open(rendered)) if d]
 kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
 print("k8s: rendered", ", ".join(kinds))
-secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-for node, stem in [(f"server-{k}", "server") for k in range(2)] + [(f"worker-{r}", "worker") for r in range(4)]:
-    s = secrets.get(f"tether-{node}")
-    assert s, f"no Secret for {node}"
-    keys = sorted(s["data"])
-    own = ["ca.pem", f"{stem}.pem", f"{stem}.key"] + (["checkpoint.key"] if stem == "server" else [])
-    assert keys == sorted(own), (node, keys)
-    cert = base64.b64decode(s["data"][f"{stem}.pem"]).decode()
+def by_kind(kind):
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+secrets, services, sets, jobs = by_kind("Secret"), by_kind("Service"), by_kind("StatefulSet"), by_kind("Job")
+config_maps = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("tether-config")]
+assert len(config_maps) == 1, "expected one tether-config ConfigMap"
+config_text = config_maps[0]["data"]["cluster.toml"]
+config = tomllib.loads(config_text)
+cluster = config["cluster"]
+servers, standbys, witness = cluster["servers"], cluster.get("standbys", []), cluster.get("witness")
+shards, workers = len(servers), cluster["workers"]
+assert len(standbys) == shards, f"cluster.standbys has {len(standbys)} addresses for {shards} shards"
+assert witness, "standbys need cluster.witness"
+def host_port(addr):
+    host, port = addr.rsplit(":", 1)
+    return host, int(port)
+
+# Secrets: one per node, its own key and certificate (a shard node's also shard K's checkpoint key), no CA key.
+# node -> (file stem, has a checkpoint key, certificate CN, host the certificate must name or None)
+nodes = {}
+for k in range(shards):
+    nodes[f"server-{k}"] = ("server", True, f"tether-server-{k}", host_port(servers[k])[0])
+    nodes[f"standby-{k}"] = ("server", True, f"tether-standby-{k}", host_port(standbys[k])[0])
+nodes["witness"] = ("server", False, "tether-witness", host_port(witness)[0])
+for r in range(workers):
+    nodes[f"worker-{r}"] = ("worker", False, f"tether-worker-{r}", None)
+assert sorted(secrets) == sorted(f"tether-{n}" for n in nodes), ("Secrets", sorted(secrets))
+def cert_names(pem):
+    """(CN, DNS names) of a PEM certificate: the stdlib's decoder, else the openssl CLI."""
+    path = os.path.join(work, "cert.pem")
+    with open(path, "w") as f:
+        f.write(pem)
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode:
+        c = decode(path)
+        cn = [v for rdn in c["subject"] for (k, v) in rdn if k == "commonName"]
+        return cn[0] if cn else None, [v for (k, v) in c.get("subjectAltName", ()) if k == "DNS"]
+    out = subprocess.run(["openssl", "x509", "-in", path, "-noout", "-subject", "-ext", "subjectAltName"],
+                         check=True, capture_output=True, text=True).stdout
+    cn = re.search(r"CN\s*=\s*([^,/\n]+)", out)
+    return cn and cn.group(1).strip(), re.findall(r"DNS:([^,\s]+)", out)
+for node, (stem, ckpt, cn, host) in nodes.items():
+    data = secrets[f"tether-{node}"]["data"]
+    own = ["ca.pem", f"{stem}.pem", f"{stem}.key"] + (["checkpoint.key"] if ckpt else [])
+    assert sorted(data) == sorted(own), (node, sorted(data))
+    cert = base64.b64decode(data[f"{stem}.pem"]).decode()
     assert "BEGIN CERTIFICATE" in cert
+    got_cn, dns = cert_names(cert)
+    assert got_cn == cn, f"{node}'s certificate is {got_cn}'s, not {cn}'s"
+    # Peers check the host part of the node's address in cluster.toml against its certificate.
+    assert host is None or host in dns, f"{node}'s certificate names {dns}, not {host} (its cluster.toml host)"
+for k in range(shards):
+    key = secrets[f"tether-server-{k}"]["data"]["checkpoint.key"]
+    assert secrets[f"tether-standby-{k}"]["data"]["checkpoint.key"] == key, f"standby-{k} lacks shard {k}'s key"
 for s in secrets.values():
     assert "ca.key" not in s["data"], f"{s['metadata']['name']} carries the CA key"
-assert os.path.exists(os.path.join(sys.argv[2], "ca.key")), "keygen wrote no CA key (the check above proves nothing)"
-for d in docs:
-    if d["kind"] not in ("StatefulSet", "Job"):
-        continue
+assert os.path.exists(os.path.join(ca_dir, "ca.key")), "keygen wrote no CA key (the check above proves nothing)"
+print("k8s: one Secret per node (shards, standbys, witness, workers), no CA key in any; each certificate names its "
+      "node's cluster.toml host; standby-K holds shard K's checkpoint key")
+
+# Addresses: every address in cluster.toml is pod NAME-i of its StatefulSet behind that StatefulSet's headless
+# Service, which selects that StatefulSet's pods and no other's.
+roles = {
+    "server": ("tether-shards", servers),
+    "standby": ("tether-standbys", standbys),
+    "witness": ("tether-witness", [witness]),
+}
+assert sorted(sets) == sorted(roles), ("StatefulSets", sorted(sets))
+def matches(selector, labels):
+    for k, v in selector.get("matchLabels", {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions", []):
+        has, value, op = e["key"] in labels, labels.get(e["key"]), e["operator"]
+        if (op == "In" and value not in e["values"]) or (op == "NotIn" and has and value in e["values"]) \
+                or (op == "Exists" and not has) or (op == "DoesNotExist" and has):
+            return False
+    return True
+def pod_labels(name, i):
+    labels = dict(sets[name]["spec"]["template"]["metadata"]["labels"])
+    labels.update({"apps.kubernetes.io/pod-index": str(i), "statefulset.kubernetes.io/pod-name": f"{name}-{i}"})
+    return labels
+all_templates = [d["spec"]["template"]["metadata"]["labels"] for d in list(sets.values()) + list(jobs.values())]
+for name, (service_name, addrs) in roles.items():
+    d = sets[name]
+    spec, template = d["spec"], d["spec"]["template"]["metadata"]["labels"]
+    assert spec["serviceName"] == service_name, (name, spec["serviceName"])
+    assert spec["replicas"] == len(addrs), f"StatefulSet {name} has {spec['replicas']} pods for {len(addrs)} addresses"
+    assert sum(matches(spec["selector"], t) for t in all_templates) == 1, f"{name}'s selector matches other pods"
+    svc = services[service_name]["spec"]
+    assert svc["clusterIP"] == "None" and svc.get("publishNotReadyAddresses"), f"{service_name} is not headless"
+    assert [matches({"matchLabels": svc["selector"]}, t) for t in all_templates].count(True) == 1 \
+        and matches({"matchLabels": svc["selector"]}, template), f"{service_name} selects other pods than {name}'s"
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    for i, addr in enumerate(addrs):
+        host, port = host_port(addr)
+        assert host == f"{name}-{i}.{service_name}", f"{addr} is not pod {name}-{i} behind {service_name}"
+        assert any(p["protocol"] == "UDP" and p["port"] == port for p in svc["ports"]), (service_name, port)
+        assert any(p["containerPort"] == port and p["protocol"] == "UDP" for p in c["ports"]), (name, port)
+        args = " ".join(c["command"])
+        listen = re.search(r"--listen[ =](\S+)", args)
+        assert listen is None or host_port(listen.group(1))[1] == port, (name, "listens elsewhere", args)
+print("k8s: every cluster.toml address is a pod of its StatefulSet behind its own headless Service (UDP)")
+
+# Roles, flags and state: shard nodes resume and keep checkpoints and fence votes on a PVC; the witness keeps its
+# votes on one.
+def on_claim(d, path):
     spec = d["spec"]["template"]["spec"]
+    claims = {t["metadata"]["name"] for t in d["spec"].get("volumeClaimTemplates", [])}
+    claims |= {v["name"] for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+    (c,) = spec["containers"]
+    return any(m["name"] in claims and not m.get("readOnly") and
+               (path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")) for m in c["volumeMounts"])
+ckpt_dir = config.get("checkpoint", {}).get("dir")
+for name in ("server", "standby"):
+    (c,) = sets[name]["spec"]["template"]["spec"]["containers"]
+    args = " ".join(c["command"])
+    assert "--shard" in args and "--resume" in args, (name, args)
+    assert ("--standby" in args) == (name == "standby"), (name, args)
+    assert ckpt_dir and on_claim(sets[name], ckpt_dir), f"{name}: checkpoint.dir {ckpt_dir} is not on a PVC"
+(c,) = sets["witness"]["spec"]["template"]["spec"]["containers"]
+assert c["command"][:2] == ["tether-server", "witness"], c["command"]
+state = c["command"][c["command"].index("--state") + 1] if "--state" in c["command"] else f"{ckpt_dir}/witness.json"
+assert on_claim(sets["witness"], state), f"the witness's state file {state} is not on a PersistentVolumeClaim"
+print(f"k8s: shard nodes resume, with checkpoints and fence votes on a PVC; the witness keeps {state} on a PVC")
+
+# Scheduling: a required anti-affinity rule (on either pod: the scheduler honours both sides) keeps shard K's primary
+# and standby apart, and the witness off every shard node's node. matchLabelKeys takes the value from the pod that
+# carries the rule.
+def rule_selects(term, own, other):
+    if term.get("topologyKey") not in ("kubernetes.io/hostname", "topology.kubernetes.io/zone"):
+        return False
+    if term.get("namespaces") or term.get("namespaceSelector") is not None:
+        return False
+    selector = dict(term.get("labelSelector") or {})
+    extra = [{"key": k, "operator": "In", "values": [own[k]]} for k in term.get("matchLabelKeys", []) if k in own]
+    extra += [{"key": k, "operator": "NotIn", "values": [own[k]]}
+              for k in term.get("mismatchLabelKeys", []) if k in own]
+    selector["matchExpressions"] = list(selector.get("matchExpressions", [])) + extra
+    return bool(term.get("labelSelector")) and matches(selector, other)
+def kept_apart(a, i, b, j):
+    pa, pb = pod_labels(a, i), pod_labels(b, j)
+    for name, own, other in ((a, pa, pb), (b, pb, pa)):
+        aff = sets[name]["spec"]["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+        if any(rule_selects(t, own, other) for t in aff.get("requiredDuringSchedulingIgnoredDuringExecution", [])):
+            return True
+    return False
+for k in range(shards):
+    assert kept_apart("server", k, "standby", k), f"shard {k}'s primary and standby may share a node"
+    assert kept_apart("witness", 0, "server", k) and kept_apart("witness", 0, "standby", k), \
+        f"the witness may share a node with a node of shard {k}"
+    # The rule must not be unsatisfiable for the shard's own pod (a standby kept off itself never schedules).
+    assert not kept_apart("standby", k, "standby", k) and not kept_apart("server", k, "server", k)
+print("k8s: every shard has a standby, kept off its primary's node by a required anti-affinity rule; the witness "
+      "is kept off every shard node's node")
+
+# Bundles: each long-running container mounts only its own: an emptyDir its init container filled from
+# /all/KIND-<index> (a projected volume of that kind's Secrets, one folder per node), or its pod's one Secret.
+workloads = [(name, name, sets[name]["spec"]["replicas"]) for name in ("server", "standby")] + \
+    [("witness", "witness", 1)] + [(name, "worker", d["spec"]["completions"]) for name, d in jobs.items()]
+for name, kind, count in workloads:
+    d = sets.get(name) or jobs[name]
+    spec = d["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
     for c in spec["containers"]:
-        mounts = {m["name"] for m in c["volumeMounts"]}
-        assert "certs" in mounts and not any(m.startswith("all-") for m in mounts), (d["metadata"]["name"], mounts)
-    if d["kind"] == "StatefulSet":
-        assert any(a == "--resume" or "--resume" in a for c in spec["containers"] for a in c["command"]), "no --resume"
-        assert d["spec"]["serviceName"] == "tether-shards"
-    else:
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert "certs" in mounts and mounts["certs"].get("readOnly"), (name, "certs not read-only")
+        assert not any(m.startswith("all-") or "secret" in volumes.get(m, {}) or "projected" in volumes.get(m, {})
+                       for m in mounts if m != "certs"), (name, sorted(mounts))
+    certs = volumes["certs"]
+    if "secret" in certs:
+        assert count == 1 and certs["secret"]["secretName"] == f"tether-{kind}", (name, certs)
+        assert not spec.get("initContainers"), (name, "an init container sees other Secrets")
+        continue
+    assert "emptyDir" in certs, (name, certs)
+    (init,) = spec["initContainers"]
+    assert f"/all/{kind}-$" in " ".join(init["command"]), (name, init["command"])
+    (all_,) = [m["name"] for m in init["volumeMounts"] if m["name"].startswith("all-")]
+    sources = volumes[all_]["projected"]["sources"]
+    assert [s["secret"]["name"] for s in sources] == [f"tether-{kind}-{i}" for i in range(count)], (name, sources)
+    for s in sources:
+        node = s["secret"]["name"].removeprefix("tether-")
+        assert all(item["path"].startswith(f"{node}/") for item in s["secret"]["items"]), (name, s)
+        assert sorted(item["key"] for item in s["secret"]["items"]) == sorted(secrets[f"tether-{node}"]["data"])
+    if d["kind"] == "Job":
         assert d["spec"]["completionMode"] == "Indexed"
-print("k8s: one Secret per node, no CA key in any; long-running containers mount only their own bundle")
-for d in docs:
-    if d["kind"] in ("StatefulSet", "Job"):
-        for c in d["spec"]["template"]["spec"]["containers"]:
-            args = " ".join(c["command"])
-            assert "--metrics" in args and "0.0.0.0:9100" not in args, (d["metadata"]["name"], args)
+print("k8s: long-running containers mount only their own bundle (read-only)")
+
+# /metrics: bound to the pod IP; the witness serves none and is no endpoint of tether-metrics.
+metrics_svc = services["tether-metrics"]["spec"]
+(metrics_port,) = metrics_svc["ports"]
+target = metrics_port.get("targetPort", metrics_port["port"])
+for d in list(sets.values()) + list(jobs.values()):
+    name = d["metadata"]["name"]
+    for c in d["spec"]["template"]["spec"]["containers"]:
+        args = " ".join(c["command"])
+        declares = any(p.get("name") == target or p["containerPort"] == target for p in c.get("ports", []))
+        if name == "witness":
+            assert "--metrics" not in args and not declares, (name, "the witness has no /metrics")
+        else:
+            assert "--metrics" in args and "0.0.0.0:9100" not in args and declares, (name, args)
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    if matches({"matchLabels": metrics_svc["selector"]}, labels) and name == "witness":
+        assert isinstance(target, str), "tether-metrics targets a port number, so the witness would be an endpoint"
 policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
 assert len(policies) == 1, "expected one NetworkPolicy"
 p = policies[0]["spec"]
 assert p["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": "tether-node"}
+open_udp = set()
 for rule in p["ingress"]:
     ports = {(q["protocol"], q["port"]) for q in rule["ports"]}
     if ("TCP", 9100) in ports:
         assert rule.get("from"), "/metrics is open to every pod"
-print("k8s: /metrics bound to the pod IP and reachable only from the Prometheus selector")
+    if not rule.get("from"):
+        open_udp |= {port for proto, port in ports if proto == "UDP"}
+for d in list(sets.values()) + list(jobs.values()):
+    assert matches(p["podSelector"], d["spec"]["template"]["metadata"]["labels"]), (d["metadata"]["name"], "no policy")
+for addr in servers + standbys + [witness]:
+    assert host_port(addr)[1] in open_udp, f"the NetworkPolicy drops QUIC to {addr}"
+print("k8s: /metrics bound to the pod IP and reachable only from the Prometheus selector; QUIC open to every node")
+
+# The binary: each role started for a moment on loopback with the rendered config (its tls_dir and checkpoint.dir
+# pointed at a copy of that node's Secret and a scratch folder) must load the config, accept its bundle for its
+# role and listen. Nothing is dialled successfully (the cluster names do not resolve here); that is not checked.
+procs = {}
+for node in [f"server-{k}" for k in range(shards)] + [f"standby-{k}" for k in range(shards)] + ["witness"]:
+    bundle, scratch = os.path.join(work, "bundles", node), os.path.join(work, "state", node)
+    os.makedirs(bundle)
+    for f, v in secrets[f"tether-{node}"]["data"].items():
+        with open(os.path.join(bundle, f), "wb") as out:
+            out.write(base64.b64decode(v))
+        os.chmod(os.path.join(bundle, f), 0o600)
+    text = re.sub(r'(?m)^tls_dir\s*=.*$', f'tls_dir = "{bundle}"', config_text)
+    text = re.sub(r'(?m)^dir\s*=.*$', f'dir = "{scratch}"', text)
+    assert tomllib.loads(text)["cluster"]["tls_dir"] == bundle and tomllib.loads(text)["checkpoint"]["dir"] == scratch
+    cfg = os.path.join(work, f"{node}.toml")
+    with open(cfg, "w") as out:
+        out.write(text)
+    exe = os.path.join(bin_dir, "tether-server")
+    if node == "witness":
+        cmd = [exe, "witness", "--config", cfg, "--listen", "127.0.0.1:0"]
+        cmd += ["--state", os.path.join(scratch, "witness.json")]
+    else:
+        role, k = node.rsplit("-", 1)
+        cmd = [exe, "--config", cfg, "--shard", k, "--listen", "127.0.0.1:0", "--resume"]
+        cmd += ["--standby"] if role == "standby" else []
+    log = open(os.path.join(work, f"{node}.log"), "w")
+    env = {**os.environ, "RUST_LOG": "warn"}
+    procs[node] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log.name)
+deadline, failed = time.time() + 60, {}
+waiting = dict(procs)
+while waiting and time.time() < deadline:
+    for node, (proc, log) in list(waiting.items()):
+        if "listening on" in open(log).read():
+            del waiting[node]
+        elif proc.poll() is not None:
+            failed[node] = f"exited with {proc.returncode}"
+            del waiting[node]
+    time.sleep(0.1)
+failed.update({node: "did not listen within 60 s" for node in waiting})
+for proc, _ in procs.values():
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+for proc, _ in procs.values():
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+for node, why in failed.items():
+    print(f"--- {node}: {why}\n{open(procs[node][1]).read()}", file=sys.stderr)
+assert not failed, f"the binary refused the rendered config or a bundle: {sorted(failed)}"
+print(f"k8s: tether-server accepts the rendered cluster.toml and each role's bundle ({', '.join(procs)} listened)")
 PY
 echo "k8s: PASS (validated against Kubernetes $version schemas, offline)"

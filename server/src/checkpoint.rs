@@ -40,7 +40,7 @@ use ring::{digest, hmac};
 use serde::{Deserialize, Serialize};
 use tether_common::pki::CheckpointKey;
 
-use crate::shard::MAX_CLOCK;
+use crate::clock::MAX_CLOCK;
 
 /// Format name written into every manifest.
 pub const FORMAT_NAME: &str = "tether-shard-checkpoint";

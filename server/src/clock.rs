@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 use tether_common::config::Staleness;
 
 use crate::quorum::{QuorumSettings, RoundCloser, Settled};
+use crate::serde_adapters::staleness;
 
 /// The largest clock the table holds or a peer may claim. Far beyond any real run (2^48 rounds), it keeps every
 /// `clock + 1` and `clock + s + 1` on peer-supplied values inside u64.
@@ -92,7 +93,7 @@ struct Row {
 /// Clocks of the workers known to one shard and the SSP gate over them.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClockTable {
-    #[serde(with = "crate::image::staleness")]
+    #[serde(with = "staleness")]
     staleness: Staleness,
     timeout_ms: u64,
     rows: BTreeMap<u32, Row>,

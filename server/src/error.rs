@@ -10,7 +10,7 @@ use tether_common::protocol::{ErrorCode, ProtocolError};
 use crate::checkpoint::CheckpointError;
 use crate::clock::ClockError;
 use crate::optim::OptimError;
-use crate::shard::ShardError;
+use crate::shard::{RestoreError, ShardError};
 
 /// Everything that can fail in a tether-server shard.
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +24,9 @@ pub enum Error {
     /// Optimizer state of the wrong shape was offered (e.g. by a checkpoint).
     #[error(transparent)]
     Optim(#[from] OptimError),
+    /// A checkpoint's snapshot could not be restored.
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
     /// Writing or loading a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
@@ -74,6 +77,7 @@ impl Error {
             // A restored clock beyond the maximum is a bad checkpoint, a local failure.
             Error::Clock(ClockError::Unbounded { .. })
             | Error::Optim(_)
+            | Error::Restore(_)
             | Error::Checkpoint(_)
             | Error::CheckpointKey(_)
             | Error::Remote(_)

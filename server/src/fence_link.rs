@@ -19,7 +19,7 @@ use tether_common::net::{
 };
 use tether_common::protocol::Control;
 
-use crate::node::{host_of, resolve};
+use crate::address::{host_of, resolve};
 
 /// Index of the witness among a shard's voters (nodes are 0 and 1).
 pub const WITNESS_VOTER: u8 = 2;

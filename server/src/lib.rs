@@ -6,6 +6,7 @@
 //! shell and the loss medians behind the rollback detector are private, and the crate's error is re-exported.
 
 pub mod actor;
+mod address;
 pub mod admission;
 pub mod checkpoint;
 pub mod clock;
@@ -23,6 +24,7 @@ pub mod quorum;
 pub mod remote;
 pub mod replica;
 pub mod rollback;
+mod serde_adapters;
 pub mod shard;
 mod spike;
 pub mod update_rule;

@@ -86,23 +86,8 @@ pub struct RunningShard {
     standby_failed: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
-/// The host part of `host:port` (brackets of an IPv6 literal removed): the TLS name a peer's certificate must carry.
-pub(crate) fn host_of(addr: &str) -> String {
-    addr.rsplit_once(':')
-        .map_or(addr, |(h, _)| h)
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_string()
-}
-
-/// Parses `host:port` (resolving names) into a socket address.
-pub fn resolve(addr: &str) -> Result<SocketAddr, Error> {
-    use std::net::ToSocketAddrs;
-    addr.to_socket_addrs()
-        .map_err(|e| Error::Address(format!("cannot resolve {addr:?}: {e}")))?
-        .next()
-        .ok_or_else(|| Error::Address(format!("{addr:?} resolves to no address")))
-}
+pub use crate::address::resolve;
+use crate::address::host_of;
 
 /// The shard's checkpoint key: `opts`' own, else `checkpoint.key_file`, else `checkpoint.key` beside the TLS key.
 /// A missing key is an error, never a fresh one: a new key would silently orphan every checkpoint written before.

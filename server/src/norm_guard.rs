@@ -19,7 +19,27 @@ use std::collections::HashMap;
 use tether_common::config::{Config, OptimizerKind, Schedule};
 
 use crate::median::RunningMedian;
-use crate::shard::ShardError;
+use crate::serde_adapters::sorted_map;
+
+/// Why the guard refused a gradient (the shard reports it as [`crate::shard::ShardError::NormBound`] or
+/// [`crate::shard::ShardError::NormSpike`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GuardRefusal {
+    /// The norm is above what an honest push can have (the absolute bound).
+    Bound {
+        /// Norm of the refused gradient.
+        norm: f32,
+        /// The bound.
+        bound: f32,
+    },
+    /// The norm is far beyond the workers' recent medians (the relative limit).
+    Spike {
+        /// Norm of the refused gradient.
+        norm: f32,
+        /// The limit it broke.
+        limit: f32,
+    },
+}
 
 /// Workers with a window of their own; a worker beyond them is judged but not recorded.
 pub const MAX_TRACKED_WORKERS: usize = 4096;
@@ -155,7 +175,7 @@ struct WorkerNorms {
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct NormGuard {
     settings: GuardSettings,
-    #[serde(with = "crate::image::sorted_map")]
+    #[serde(with = "sorted_map")]
     workers: HashMap<u32, WorkerNorms>,
     /// Scratch for the median across workers (keeps [`NormGuard::judge`] free of allocation once warm).
     #[serde(skip)]
@@ -199,17 +219,17 @@ impl NormGuard {
 
     /// Judges `norm` (finite, non-negative) pushed by `worker`: refused above the bound (not recorded) or, once the
     /// worker is warm, above the relative limit (recorded, see the module doc); recorded and accepted otherwise.
-    pub fn judge(&mut self, worker: u32, norm: f32) -> Result<(), ShardError> {
+    pub fn judge(&mut self, worker: u32, norm: f32) -> Result<(), GuardRefusal> {
         let bound = self.settings.bound;
         if norm > bound {
-            return Err(ShardError::NormBound { norm, bound });
+            return Err(GuardRefusal::Bound { norm, bound });
         }
         let warm = self
             .workers
             .get(&worker)
             .is_some_and(|w| w.median.is_some());
         let verdict = match self.limit().filter(|_| warm) {
-            Some(limit) if norm > limit => Err(ShardError::NormSpike { norm, limit }),
+            Some(limit) if norm > limit => Err(GuardRefusal::Spike { norm, limit }),
             _ => Ok(()),
         };
         self.record(worker, norm);
@@ -257,7 +277,7 @@ mod tests {
         assert_eq!(g.limit(), Some(3.0));
         assert!(matches!(
             g.judge(0, 3.5),
-            Err(ShardError::NormSpike { limit, .. }) if limit == 3.0
+            Err(GuardRefusal::Spike { limit, .. }) if limit == 3.0
         ));
         g.judge(0, 2.9).unwrap();
     }
@@ -273,7 +293,7 @@ mod tests {
         g.judge(1, 0.6).unwrap();
         assert!(matches!(
             g.judge(1, 1e30),
-            Err(ShardError::NormBound { bound, .. }) if bound == 100.0
+            Err(GuardRefusal::Bound { bound, .. }) if bound == 100.0
         ));
         // Bound refusals are not recorded: worker 2 pushing 101 forever never gets a window.
         for _ in 0..8 {

@@ -21,6 +21,8 @@ use bytes::Bytes;
 use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder};
 use tether_common::protocol::PublicRef;
 
+use crate::serde_adapters::{bytes as bytes_serde, shared_values};
+
 /// Values per delta frame.
 pub const DELTA_CHUNK: usize = 1 << 16;
 
@@ -32,7 +34,7 @@ pub const MAX_LOG_CUTS: usize = 32;
 struct Cut {
     seq: u64,
     /// The cut's frames, concatenated.
-    #[serde(with = "crate::image::bytes")]
+    #[serde(with = "bytes_serde")]
     bytes: Bytes,
     /// Each frame's length.
     lens: Vec<u32>,
@@ -60,7 +62,7 @@ pub enum Answer {
 #[derive(serde::Serialize, serde::Deserialize)]
 pub struct PublicCopy {
     /// Shared with the full-copy replies in flight; a cut copies it only while one is (copy on write).
-    #[serde(with = "crate::image::shared_values")]
+    #[serde(with = "shared_values")]
     values: Arc<Vec<f32>>,
     lineage: u64,
     seq: u64,
@@ -70,7 +72,7 @@ pub struct PublicCopy {
     log_bytes: usize,
     log_budget: usize,
     // Scratch, rebuilt locally after a state image (see `PublicCopy::rebuild_scratch`).
-    #[serde(skip, default = "crate::image::placeholder_encoder")]
+    #[serde(skip, default = "placeholder_encoder")]
     encoder: Encoder,
     #[serde(skip)]
     decoder: Decoder,
@@ -325,6 +327,17 @@ fn full_bytes(values: &Arc<Vec<f32>>) -> Bytes {
         out.extend_from_slice(&v.to_le_bytes());
     }
     Bytes::from(out)
+}
+
+/// A raw-f32 encoder standing in for the public copy's until [`crate::image::restore`] builds the configured one.
+fn placeholder_encoder() -> tether_common::codec::Encoder {
+    let raw = tether_common::codec::CodecConfig {
+        scheme: tether_common::codec::Scheme::None,
+        zstd: false,
+        ..Default::default()
+    };
+    // The raw scheme without zstd has no setting that can be out of range.
+    tether_common::codec::Encoder::new(raw).expect("the raw f32 codec is always valid")
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use tether_common::protocol::{ErrorCode, InitialCut, PublicRef};
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
-use crate::norm_guard::{GuardSettings, NormGuard};
+use crate::norm_guard::{GuardRefusal, GuardSettings, NormGuard};
 use crate::optim::{OptimError, Optimizer};
 use crate::public::{Answer, PublicCopy};
 use crate::rollback::{Alarm, RollbackPoint, RollbackRecord, RollbackState};
@@ -148,6 +148,26 @@ pub enum ShardError {
         /// The configured number of workers.
         workers: u32,
     },
+}
+
+impl From<GuardRefusal> for ShardError {
+    fn from(r: GuardRefusal) -> Self {
+        match r {
+            GuardRefusal::Bound { norm, bound } => ShardError::NormBound { norm, bound },
+            GuardRefusal::Spike { norm, limit } => ShardError::NormSpike { norm, limit },
+        }
+    }
+}
+
+/// Why a checkpoint's snapshot could not be restored (a local failure: nothing changed).
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// A clock beyond [`MAX_CLOCK`].
+    #[error(transparent)]
+    Clock(#[from] ClockError),
+    /// Optimizer state of the wrong shape.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
 }
 
 impl From<ClockError> for ShardError {
@@ -305,7 +325,7 @@ pub struct ShardStats {
     /// Updates applied.
     pub updates_applied: u64,
     /// Rejections by reason label.
-    #[serde(with = "crate::image::reasons")]
+    #[serde(with = "reasons")]
     pub rejected: HashMap<&'static str, u64>,
     /// Encoded bytes received in accepted and rejected pushes.
     pub wire_bytes: u64,
@@ -1107,7 +1127,7 @@ impl ShardCore {
 
     /// Restores weights, optimizer state and version from a verified snapshot of this shard. A snapshot whose clock
     /// table holds a clock beyond [`MAX_CLOCK`] is refused before anything changes.
-    pub fn restore(&mut self, snap: ShardSnapshot, now_ms: u64) -> Result<(), crate::error::Error> {
+    pub fn restore(&mut self, snap: ShardSnapshot, now_ms: u64) -> Result<(), RestoreError> {
         if let Some(&(worker, clock)) = snap
             .clocks
             .iter()
@@ -1137,6 +1157,44 @@ impl ShardCore {
             *rb = RollbackState::new(rb.config(), rb.margin(), self.clocks.min_clock());
         }
         Ok(())
+    }
+}
+
+/// Rejection counters by reason label: labels travel as strings and come back as the shard's own labels (an
+/// unknown one is refused).
+pub(crate) mod reasons {
+    use std::collections::HashMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::shard::REJECT_REASONS;
+
+    pub fn serialize<S: Serializer>(
+        map: &HashMap<&'static str, u64>,
+        ser: S,
+    ) -> Result<S::Ok, S::Error> {
+        let mut pairs: Vec<(&str, u64)> = map.iter().map(|(k, v)| (*k, *v)).collect();
+        pairs.sort_unstable();
+        pairs.serialize(ser)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<HashMap<&'static str, u64>, D::Error> {
+        // Borrowed from the input: a claimed length is checked against the bytes there, never allocated up front.
+        let pairs = Vec::<(&'de str, u64)>::deserialize(d)?;
+        let mut map = HashMap::with_capacity(pairs.len().min(REJECT_REASONS.len()));
+        for (label, n) in pairs {
+            let Some(known) = REJECT_REASONS.iter().find(|r| **r == label) else {
+                return Err(serde::de::Error::custom(format!(
+                    "unknown rejection reason {label:?}"
+                )));
+            };
+            if map.insert(*known, n).is_some() {
+                return Err(serde::de::Error::custom("a reason appears twice"));
+            }
+        }
+        Ok(map)
     }
 }
 

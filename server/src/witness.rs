@@ -89,7 +89,7 @@ pub async fn start_witness(
     let listen =
         match listen {
             Some(a) => a,
-            None => crate::node::resolve(cfg.cluster.witness.as_deref().ok_or_else(|| {
+            None => crate::address::resolve(cfg.cluster.witness.as_deref().ok_or_else(|| {
                 Error::Address("no --listen and no cluster.witness address".into())
             })?)?,
         };
