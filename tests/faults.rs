@@ -847,6 +847,7 @@ fn no_false_takeover_under_full_cpu_load() {
         cluster_extra: format!("failover_ms = {failover}\n"),
         ..spec()
     });
+    let t0 = Instant::now();
     let load = CpuLoad::start(2);
     let _witness = c.witness();
     let history = |n: &str| c.path(n).display().to_string();
@@ -865,6 +866,11 @@ fn no_false_takeover_under_full_cpu_load() {
     drop(load);
     primary.wait_success(Duration::from_secs(30));
     standby.wait_success(Duration::from_secs(30));
+    eprintln!(
+        "start {:.1} s, workers {loaded_for:.1} s, shard nodes done {:.1} s",
+        (started - t0).as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
     let (plog, slog) = (primary.log_text(), standby.log_text());
     let step_downs = plog.matches("lease ran out: stepping down").count()
         + slog.matches("lease ran out: stepping down").count();
@@ -895,5 +901,52 @@ fn no_false_takeover_under_full_cpu_load() {
         applied_by.keys().map(String::as_str).collect::<Vec<_>>(),
         ["primary"],
         "a node other than the primary applied pushes"
+    );
+}
+
+/// A standby killed for good stalls its primary no longer than the detection bound: the primary holds outcomes back
+/// until the follower is declared dead (no acknowledgement for `failover_ms`) and a majority recorded that it serves
+/// alone (a fence round, a quarter lease), then serves on without losing an update.
+#[test]
+fn a_killed_standby_stalls_its_primary_no_longer_than_the_detection_bound() {
+    let _serial = serial();
+    let c = Cluster::new(Spec {
+        shards: 1,
+        standbys: true,
+        epochs: 40,
+        ..spec()
+    });
+    let failover_s = 1.0; // cluster.failover_ms's default
+    let _witness = c.witness();
+    let mut primary = c.server(0, &["--exit-after-workers", "2", "--report", "server-0.json"]);
+    let mut standby = c.standby(0, &[]);
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1.json"));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(w0.alive() && w1.alive(), "the workers ended before the kill");
+    standby.kill9();
+    w0.wait_success(Duration::from_secs(120));
+    w1.wait_success(Duration::from_secs(120));
+    primary.wait_success(Duration::from_secs(30));
+    let (r0, r1) = (c.report("w0.json"), c.report("w1.json"));
+    let steps = num(&r0, "steps") + num(&r1, "steps");
+    let applied = num(&c.report("server-0.json"), "updates_applied");
+    let stall = max_step_gap(&r0).max(max_step_gap(&r1));
+    println!(
+        "standby killed for good: longest worker stall {stall:.2} s (failover_ms {failover_s} s), applied \
+         {applied} for {steps} steps"
+    );
+    assert!(
+        primary.log_text().contains("serving without one once the fence records it")
+            || primary.log_text().contains("serving without a standby"),
+        "the primary never noticed its standby was gone:\n{}",
+        primary.log_tail(3000)
+    );
+    assert_eq!(applied, steps, "the primary lost or doubled an update");
+    // The bound: failover_ms to declare the follower dead, a quarter lease for the fence's record, plus scheduling
+    // on a loaded 2-core machine.
+    assert!(
+        stall <= 2.0 * failover_s,
+        "a dead standby stalled the workers {stall:.2} s, beyond 2 x failover_ms"
     );
 }
