@@ -255,7 +255,11 @@ impl LocalCluster {
         }
         let servers: Vec<SocketAddr> = shards
             .iter()
-            .map(|s| s.primary.as_ref().map_or(s.serving().local_addr, |p| p.local_addr))
+            .map(|s| {
+                s.primary
+                    .as_ref()
+                    .map_or(s.serving().local_addr, |p| p.local_addr)
+            })
             .collect();
         cfg.cluster.servers = servers.iter().map(|a| a.to_string()).collect();
         let mut tasks = Vec::new();
@@ -301,7 +305,10 @@ impl LocalCluster {
         kills.sort_by_key(|&(_, at)| at);
         for (k, at) in kills {
             tokio::time::sleep_until((workers_started + at).into()).await;
-            let Some(primary) = shards.get_mut(k as usize).and_then(|slot| slot.take_primary()) else {
+            let Some(primary) = shards
+                .get_mut(k as usize)
+                .and_then(|slot| slot.take_primary())
+            else {
                 continue;
             };
             info!(shard = k, "killing the primary");
@@ -400,9 +407,9 @@ impl LocalCluster {
             report.notes.push(n);
         }
         for k in took_over {
-            report
-                .notes
-                .push(format!("shard {k}: its standby took over and served to the end"));
+            report.notes.push(format!(
+                "shard {k}: its standby took over and served to the end"
+            ));
         }
         report.notes.push(format!("final test loss {test_loss:.4}"));
         // The final point of the validation curve is the shards' final model (as `final_test_accuracy`).

@@ -407,7 +407,9 @@ fn local_cluster_standbys_take_over_from_a_killed_primary_without_losing_an_upda
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::new(cfg, dir.path().to_path_buf());
     // Stretch the run (about 3 ms per step) so that the kill lands mid-run.
-    cluster.delays = (0..3).map(|r| (r, std::time::Duration::from_millis(3))).collect();
+    cluster.delays = (0..3)
+        .map(|r| (r, std::time::Duration::from_millis(3)))
+        .collect();
     cluster.kill_primaries = vec![(0, std::time::Duration::from_millis(700))];
     let r = cluster.run().unwrap();
     eprintln!(
@@ -422,7 +424,9 @@ fn local_cluster_standbys_take_over_from_a_killed_primary_without_losing_an_upda
         r.notes
     );
     assert!(
-        !r.notes.iter().any(|n| n.starts_with("shard 1: its standby")),
+        !r.notes
+            .iter()
+            .any(|n| n.starts_with("shard 1: its standby")),
         "shard 1's primary was not killed, yet its standby served: {:?}",
         r.notes
     );

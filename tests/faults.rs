@@ -855,7 +855,14 @@ fn no_false_takeover_under_full_cpu_load() {
     let mut primary = c.server(0, &["--exit-after-workers", "2", "--history", &h0]);
     let mut standby = c.standby(
         0,
-        &["--exit-after-workers", "2", "--history", &h1, "--report", "standby-0.json"],
+        &[
+            "--exit-after-workers",
+            "2",
+            "--history",
+            &h1,
+            "--report",
+            "standby-0.json",
+        ],
     );
     let started = Instant::now();
     let mut w0 = c.worker(0, &worker_args("w0.json"));
@@ -918,12 +925,18 @@ fn a_killed_standby_stalls_its_primary_no_longer_than_the_detection_bound() {
     });
     let failover_s = 1.0; // cluster.failover_ms's default
     let _witness = c.witness();
-    let mut primary = c.server(0, &["--exit-after-workers", "2", "--report", "server-0.json"]);
+    let mut primary = c.server(
+        0,
+        &["--exit-after-workers", "2", "--report", "server-0.json"],
+    );
     let mut standby = c.standby(0, &[]);
     let mut w0 = c.worker(0, &worker_args("w0.json"));
     let mut w1 = c.worker(1, &worker_args("w1.json"));
     std::thread::sleep(Duration::from_millis(1500));
-    assert!(w0.alive() && w1.alive(), "the workers ended before the kill");
+    assert!(
+        w0.alive() && w1.alive(),
+        "the workers ended before the kill"
+    );
     standby.kill9();
     w0.wait_success(Duration::from_secs(120));
     w1.wait_success(Duration::from_secs(120));
@@ -937,7 +950,9 @@ fn a_killed_standby_stalls_its_primary_no_longer_than_the_detection_bound() {
          {applied} for {steps} steps"
     );
     assert!(
-        primary.log_text().contains("serving without one once the fence records it")
+        primary
+            .log_text()
+            .contains("serving without one once the fence records it")
             || primary.log_text().contains("serving without a standby"),
         "the primary never noticed its standby was gone:\n{}",
         primary.log_tail(3000)

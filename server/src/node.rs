@@ -86,8 +86,8 @@ pub struct RunningShard {
     standby_failed: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
-pub use crate::address::resolve;
 use crate::address::host_of;
+pub use crate::address::resolve;
 
 /// The shard's checkpoint key: `opts`' own, else `checkpoint.key_file`, else `checkpoint.key` beside the TLS key.
 /// A missing key is an error, never a fresh one: a new key would silently orphan every checkpoint written before.
