@@ -4,7 +4,8 @@
 # (2 shards, each with a standby, the witness, 4 workers, Fashion-MNIST), checks that no running container can see
 # the CA key (each mounts only its own bundle), waits for training progress, kills one worker and shard 1's primary,
 # restarts the worker only (the primary stays dead: its standby takes over), waits for every worker to finish, and
-# checks the exit codes and the run reports (every push applied on both shards). Everything it created (containers, volumes, network, image, temp dir) is removed
+# checks the exit codes and the run reports (both nodes of shard 0 applied the same updates; shard 1's standby is
+# the only node of shard 1 that reports). Everything it created (containers, volumes, network, image, temp dir) is removed
 # whatever happens. Exits non-zero with the reason on any failure; prints the timing of each phase.
 #
 # Knobs: TETHER_SMOKE_MIN_ACCURACY (default 0.80), TETHER_SUBNET / TETHER_NET (if 172.28.250.0/24 is taken),

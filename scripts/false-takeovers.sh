@@ -11,13 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 values=("$@")
 [ ${#values[@]} -gt 0 ] || values=(1000 500 300 200)
-cargo test -q -p tether --test faults --no-run >/dev/null 2>&1
+cargo test -q -p tether --test faults --no-run
 for ms in "${values[@]}"; do
   for ((i = 0; i < ${REPEATS:-1}; i++)); do
     out=$(TETHER_FAILOVER_MS=$ms cargo test -q -p tether --test faults no_false_takeover_under_full_cpu_load \
       -- --nocapture 2>&1 || true)
     line=$(grep -m1 "^failover_ms" <<<"$out" || echo "failover_ms $ms: no result line")
-    if grep -q "test result: ok" <<<"$out"; then verdict=held; else verdict=FAILED; fi
+    if grep -q "test result: ok. 1 passed" <<<"$out"; then verdict=held; else verdict=FAILED; fi
     echo "$line => $verdict"
   done
 done

@@ -253,13 +253,10 @@ impl LocalCluster {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
+        // Workers dial the primaries (and find the standbys through `cluster.standbys`).
         let servers: Vec<SocketAddr> = shards
             .iter()
-            .map(|s| {
-                s.primary
-                    .as_ref()
-                    .map_or(s.serving().local_addr, |p| p.local_addr)
-            })
+            .map(|s| s.primary.as_ref().unwrap_or(s.serving()).local_addr)
             .collect();
         cfg.cluster.servers = servers.iter().map(|a| a.to_string()).collect();
         let mut tasks = Vec::new();
@@ -303,14 +300,20 @@ impl LocalCluster {
         let workers_started = Instant::now();
         let mut kills = self.kill_primaries.clone();
         kills.sort_by_key(|&(_, at)| at);
+        let mut late_kills = Vec::new();
         for (k, at) in kills {
             tokio::time::sleep_until((workers_started + at).into()).await;
-            let Some(primary) = shards
-                .get_mut(k as usize)
-                .and_then(|slot| slot.take_primary())
-            else {
+            let Some(slot) = shards.get_mut(k as usize) else {
+                return Err(ClusterError::Runtime(format!(
+                    "kill_primaries names shard {k}, but the cluster has {shards_n}"
+                )));
+            };
+            let Some(primary) = slot.take_primary() else {
                 continue;
             };
+            if tasks.iter().all(|(_, t)| t.is_finished()) {
+                late_kills.push(k);
+            }
             info!(shard = k, "killing the primary");
             primary.kill();
         }
@@ -449,25 +452,24 @@ impl ShardNodes {
     }
 
     /// Stops every node; returns the serving node's counters (taken first, while the pair still agrees on it) and
-    /// whether that node is the standby.
+    /// whether the standby took over (it leads: it no longer follows).
     async fn shutdown(self) -> Result<(ShardStats, bool), ClusterError> {
-        let serving_is_primary = self
-            .primary
-            .as_ref()
-            .is_some_and(|p| !p.is_following() || self.standby.is_none());
-        let (serving, other) = match serving_is_primary {
-            true => (self.primary, self.standby),
-            false => (self.standby, self.primary),
+        let standby_leads = self.standby.as_ref().is_some_and(|s| !s.is_following());
+        let (serving, other) = match standby_leads {
+            true => (self.standby, self.primary),
+            false => (self.primary, self.standby),
         };
         let mut stats = None;
         if let Some(n) = serving {
-            stats = Some((n.shutdown(false).await?.1, !serving_is_primary));
+            stats = Some(n.shutdown(false).await?.1);
         }
         if let Some(n) = other {
             let (_, st) = n.shutdown(false).await?;
-            stats.get_or_insert((st, serving_is_primary));
+            stats.get_or_insert(st);
         }
-        stats.ok_or_else(|| ClusterError::Runtime("a shard with no node".into()))
+        stats
+            .map(|st| (st, standby_leads))
+            .ok_or_else(|| ClusterError::Runtime("a shard with no node".into()))
     }
 }
 

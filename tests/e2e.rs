@@ -406,15 +406,22 @@ fn local_cluster_standbys_take_over_from_a_killed_primary_without_losing_an_upda
     cfg.cluster.witness = Some("127.0.0.1:3".into());
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::new(cfg, dir.path().to_path_buf());
-    // Stretch the run (about 3 ms per step) so that the kill lands mid-run.
+    // Stretch the run (5 ms per step, about 1.4 s on digits) so that the kill lands mid-run.
     cluster.delays = (0..3)
-        .map(|r| (r, std::time::Duration::from_millis(3)))
+        .map(|r| (r, std::time::Duration::from_millis(5)))
         .collect();
-    cluster.kill_primaries = vec![(0, std::time::Duration::from_millis(700))];
+    cluster.kill_primaries = vec![(0, std::time::Duration::from_millis(400))];
     let r = cluster.run().unwrap();
     eprintln!(
-        "standbys, primary 0 killed at 0.7 s: accuracy {:.4}, steps {}, applied {}, {:.1} s, notes {:?}",
+        "standbys, primary 0 killed at 0.4 s: accuracy {:.4}, steps {}, applied {}, {:.1} s, notes {:?}",
         r.final_test_accuracy, r.steps, r.updates_applied, r.wall_seconds, r.notes
+    );
+    assert!(
+        !r.notes
+            .iter()
+            .any(|n| n.contains("killed after every worker")),
+        "the kill landed after the run: {:?}",
+        r.notes
     );
     assert!(
         r.notes

@@ -795,7 +795,8 @@ fn a_restarted_primary_is_seeded_by_the_standby_that_took_over_and_takes_over_in
     assert!(acc > 0.85, "accuracy {acc}");
 }
 
-/// Two threads that spin until dropped: with the cluster's processes they keep both cores of a 2-core machine busy.
+/// Threads that spin until dropped: two of them, with the cluster's processes, keep both cores of a 2-core machine
+/// busy.
 struct CpuLoad {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     threads: Vec<std::thread::JoinHandle<u64>>,
@@ -932,7 +933,17 @@ fn a_killed_standby_stalls_its_primary_no_longer_than_the_detection_bound() {
     let mut standby = c.standby(0, &[]);
     let mut w0 = c.worker(0, &worker_args("w0.json"));
     let mut w1 = c.worker(1, &worker_args("w1.json"));
-    std::thread::sleep(Duration::from_millis(1500));
+    // Kill it once it follows the log (seeded) and the workers train: bounded waits.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !standby.log_text().contains("following its log") {
+        assert!(
+            Instant::now() < deadline,
+            "the standby never followed:\n{}",
+            standby.log_tail(3000)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
     assert!(
         w0.alive() && w1.alive(),
         "the workers ended before the kill"

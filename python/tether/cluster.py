@@ -206,7 +206,7 @@ class LocalCluster:
         if standbys is None:
             standbys = bool(cluster.get("standbys"))
         self.replicated = bool(standbys)
-        taken: set = set()
+        taken: "set[str]" = set()
         self.servers = [_free_port_except(taken) for _ in range(self.shards)]
         cluster["servers"] = self.servers
         if self.replicated:
@@ -263,8 +263,15 @@ class LocalCluster:
         return env
 
     def keygen(self) -> None:
-        """Writes the certificates (once: skipped when ``workdir/certs`` already holds the CA)."""
+        """Writes the certificates (once: skipped when ``workdir/certs`` already holds the CA; a replicated cluster
+        in a work directory an unreplicated one used gets its standby and witness bundles issued from that CA)."""
         if (self.certs_dir / "ca" / "ca.pem").exists():
+            if self.replicated:
+                for k in range(self.shards):
+                    if not (self.certs_dir / f"standby-{k}").exists():
+                        self._issue(["--standby", str(k)])
+                if not (self.certs_dir / "witness").exists():
+                    self._issue(["--witness"])
             return
         cmd = [
             str(self.server_bin), "keygen", "--out", str(self.certs_dir),
@@ -283,14 +290,17 @@ class LocalCluster:
         """Signs one more worker bundle, ``certs/worker-R/`` for rank ``rank`` (``keygen issue``), e.g. to try a
         rank outside ``cluster.workers``; returns its folder."""
         self.keygen()
+        self._issue(["--worker", str(int(rank))])
+        return self.certs_dir / f"worker-{int(rank)}"
+
+    def _issue(self, node: List[str]) -> None:
         cmd = [
             str(self.server_bin), "keygen", "issue", "--ca", str(self.certs_dir / "ca"),
-            "--out", str(self.certs_dir), "--worker", str(int(rank)),
-        ]
+            "--out", str(self.certs_dir),
+        ] + node
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self._env())
         if out.returncode != 0:
             raise ClusterStartError(f"keygen issue failed ({out.returncode}): {out.stderr.strip()}")
-        return self.certs_dir / f"worker-{int(rank)}"
 
     def start(self) -> "LocalCluster":
         """Generates certificates (first time) and starts the witness (with standbys), every shard and every
@@ -299,6 +309,7 @@ class LocalCluster:
         self._started = True
         try:
             if self.replicated:
+                self._forget_votes()
                 self.start_witness()
             for k in range(self.shards):
                 self.start_shard(k, resume=False)
@@ -308,6 +319,25 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _forget_votes(self) -> None:
+        # A new cluster: votes an earlier cluster in this work directory recorded (the witness's state, each node's
+        # fence file) name nodes that no longer exist and would only hold the new ones back.
+        ckpt = Path(os.fspath(self.config.get("checkpoint", {}).get("dir", "ckpt")))  # relative to cluster.toml
+        if not ckpt.is_absolute():
+            ckpt = self.workdir / ckpt
+        stale = [self.workdir / "witness.json"]
+        for k in range(self.shards):
+            stale += [ckpt / f"shard-{k}" / "fence-primary.json", ckpt / f"shard-{k}" / "fence-standby.json"]
+        for f in stale:
+            try:
+                f.unlink()
+            except FileNotFoundError:
+                pass
+
+    def standby_report_path(self, k: int) -> Path:
+        """Shard ``k``'s standby's JSON run report, written when it stops."""
+        return self.workdir / f"standby-{k}.json"
 
     def _check_shard(self, k: int) -> None:
         if not 0 <= k < self.shards:
@@ -330,7 +360,7 @@ class LocalCluster:
         if not self.replicated:
             raise ClusterStartError("this cluster has no standbys (pass standbys=True)")
         args = ["--config", self.config_path, "--shard", str(k), "--standby",
-                "--report", str(self.workdir / f"standby-{k}.json")]
+                "--report", str(self.standby_report_path(k))]
         self._start_node(f"standby-{k}", args + self.extra_args, wait)
 
     def start_witness(self, wait: bool = True) -> None:
@@ -409,6 +439,9 @@ class LocalCluster:
             p.wait(timeout=self.stop_timeout_s)
         except subprocess.TimeoutExpired:
             pass
+        log = self._logs.pop(node, None)
+        if log is not None:
+            log.close()
 
     def kill_shard(self, k: int) -> None:
         """SIGKILLs shard ``k``'s primary (a crash: no final checkpoint) and reaps it."""
@@ -497,7 +530,7 @@ class LocalCluster:
         return f"LocalCluster({self.workdir}, shards={self.shards}, workers={self.workers}, running={alive})"
 
 
-def _free_port_except(taken: set) -> str:
+def _free_port_except(taken: "set[str]") -> str:
     """A free 127.0.0.1 UDP address not in ``taken`` (which it joins)."""
     for _ in range(100):
         addr = f"127.0.0.1:{free_udp_port()}"

@@ -134,13 +134,17 @@ fn run() -> Result<()> {
         // Fail early on an address that does not resolve at all; the driver resolves again at every reconnect. A
         // replicated shard's primary may be dead, and its name gone with it (a container or pod that is not
         // running): the worker starts, and finds the standby.
+        let has_port = s
+            .rsplit_once(':')
+            .is_some_and(|(_, p)| p.parse::<u16>().is_ok());
         match (resolve(s), cfg.cluster.standbys.get(k)) {
             (Ok(_), _) => {}
-            (Err(e), Some(standby)) => {
-                tracing::warn!(shard = k, error = %format!("{e:#}"), standby = %standby,
+            (Err(e), Some(standby)) if has_port => {
+                tracing::warn!(shard = k, error = %e, standby = %standby,
                     "the primary's address does not resolve now; starting with its standby")
             }
-            (Err(e), None) => return Err(e),
+            // No standby, or an address that is malformed rather than momentarily unknown.
+            (Err(e), _) => return Err(e),
         }
         names.push(
             s.rsplit_once(':')
