@@ -146,17 +146,20 @@ def test_misuse_after_close_is_a_typed_error_in_a_fresh_interpreter(tmp_path, ml
     assert "refused:" in out.stdout and "alive" in out.stdout
 
 
+def _slow_mlp_worker(config_path: str, rank: int, steps: int) -> list:
+    """Arguments of a 2-worker MLP process (``workers.py mlp``) slowed to 30 ms a step, so a fault lands mid-run."""
+    return ["mlp", "--config", config_path, "--rank", str(rank), "--workers", "2", "--hidden", "64",
+            "--epochs", "6", "--max-steps", str(steps), "--step-delay-ms", "30",
+            "--reconnect-deadline-s", "30"] + (["--evaluate"] if rank == 0 else [])
+
+
 def test_workers_ride_out_a_shard_killed_and_resumed_from_its_checkpoint(tmp_path, mlp_file, procs):
     _, model_file = mlp_file(data_features(), [64], 10)
     steps = 66
     cfg = mlp_config(model_file, workers=2, staleness=2, epochs=6, updates=2 * steps,
                      extra={"checkpoint": {"every_updates": 10, "keep": 3}})
     with LocalCluster(tmp_path / "cluster", cfg, shards=2, workers=2) as c:
-        def args(rank):
-            return ["mlp", "--config", c.config_path, "--rank", str(rank), "--workers", "2", "--hidden", "64",
-                    "--epochs", "6", "--max-steps", str(steps), "--step-delay-ms", "30",
-                    "--reconnect-deadline-s", "30"] + (["--evaluate"] if rank == 0 else [])
-        ws = [procs(args(r), f"worker-{r}", tmp_path) for r in range(2)]
+        ws = [procs(_slow_mlp_worker(c.config_path, r, steps), f"worker-{r}", tmp_path) for r in range(2)]
         ws[0].wait_for_log("rank 0 step 20", 120)
         c.kill_shard(0)
         assert not c.shard_alive(0)
@@ -182,17 +185,13 @@ def test_a_killed_primary_is_replaced_by_its_standby_without_losing_an_update(tm
                      extra={"cluster": {"failover_ms": 1000}})
     with LocalCluster(tmp_path / "cluster", cfg, shards=2, workers=2, standbys=True) as c:
         assert c.standbys and c.witness and c.config["cluster"]["standbys"] == c.standbys
-        def args(rank):
-            return ["mlp", "--config", c.config_path, "--rank", str(rank), "--workers", "2", "--hidden", "64",
-                    "--epochs", "6", "--max-steps", str(steps), "--step-delay-ms", "30",
-                    "--reconnect-deadline-s", "30"] + (["--evaluate"] if rank == 0 else [])
-        ws = [procs(args(r), f"worker-{r}", tmp_path) for r in range(2)]
+        ws = [procs(_slow_mlp_worker(c.config_path, r, steps), f"worker-{r}", tmp_path) for r in range(2)]
         ws[0].wait_for_log("rank 0 step 20", 120)
         c.kill_shard(0)
         assert not c.shard_alive(0)
         results = [w.wait(180) for w in ws]
         codes = c.stop()
-        standby0 = json.loads((c.workdir / "standby-0.json").read_text())
+        standby0 = json.loads(c.standby_report_path(0).read_text())
         primary1 = json.loads(c.report_path(1).read_text())
         logs = c.node_log_text("standby-0") + c.log_text(1) + c.node_log_text("witness")
     print(f"primary 0 killed at step 20: accuracy {results[0]['accuracy']:.4f}, standby 0 applied "
