@@ -49,10 +49,16 @@ step() { echo; echo "== $*"; }
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
 done
+# CUDA libraries from pip wheels (PyTorch's nvidia-* packages) when the toolkit's folders lack them.
+for d in $(python3 -c 'import glob, site
+for p in site.getsitepackages(): print(" ".join(glob.glob(p + "/nvidia/*/lib")))' 2>/dev/null); do
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
 export TETHER_CUDA_PTX_DIR="$PWD/$G/ptx"
 
 step "device"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nproc; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 
 step "CUDA test suite (CPU oracle vs GPU)"
 if [ -x "$G/cuda-tests" ]; then
@@ -64,15 +70,21 @@ fi
 step "gpu_check"
 timeout 300 "$G/gpu_check" --device cuda:0 --seconds 2 || status=1
 
-dev0="${GPU_CHECK_DEVICE:-cuda:0}"   # GPU_CHECK_DEVICE=cpu rehearses the cluster step on a machine without a GPU
-step "cluster: 2 shards, worker 0 on $dev0, worker 1 on cpu, 2 epochs"
-run=$(mktemp -d)
+# The cluster runs once per device in CLUSTER_DEVICES (default: worker 0 on cuda:0, then the same run all on the CPU,
+# for the accuracy comparison); GPU_CHECK_DEVICE=cpu rehearses it on a machine without a GPU.
+# GPU_CHECK_DATA: a Fashion-MNIST folder carried along (the GPU machine has none); else digits.
+data="${GPU_CHECK_DATA:-/usr/share/datasets/fashion-mnist}"
 dataset=digits
-[ -d /usr/share/datasets/fashion-mnist ] && dataset=fashion-mnist
-"$G/tether-server" keygen --out "$run/certs" --servers 2 --workers 2 >/dev/null || status=1
-cat >"$run/cluster.toml" <<EOF
+[ -f "$data/train-images-idx3-ubyte.gz" ] && dataset=fashion-mnist
+case "$data" in /*) ;; *) data="$PWD/$data" ;; esac
+cluster() {
+  local dev0=$1 port=$2 run ok=0
+  step "cluster: 2 shards, worker 0 on $dev0, worker 1 on cpu, $dataset, ${GPU_CHECK_EPOCHS:-2} epochs"
+  run=$(mktemp -d)
+  "$G/tether-server" keygen --out "$run/certs" --servers 2 --workers 2 >/dev/null || return 1
+  cat >"$run/cluster.toml" <<EOF
 [cluster]
-servers = ["127.0.0.1:17410", "127.0.0.1:17411"]
+servers = ["127.0.0.1:$port", "127.0.0.1:$((port + 1))"]
 workers = 2
 staleness = 3
 tls_dir = "certs"
@@ -82,10 +94,10 @@ hidden = [256, 128]
 seed = 42
 [data]
 dataset = "$dataset"
-path = "/usr/share/datasets/fashion-mnist"
+path = "$data"
 [train]
 batch = 128
-epochs = 2
+epochs = ${GPU_CHECK_EPOCHS:-2}
 [optimizer]
 kind = "adam"
 lr = 0.001
@@ -95,30 +107,37 @@ error_feedback = true
 [checkpoint]
 dir = "ckpt"
 EOF
-pids=()
-for k in 0 1; do
-  timeout 600 "$G/tether-server" --config "$run/cluster.toml" --shard "$k" --exit-after-workers 2 \
-    >"$run/server-$k.log" 2>&1 &
-  pids+=($!)
+  local pids=() k w1 t0
+  for k in 0 1; do
+    timeout 600 "$G/tether-server" --config "$run/cluster.toml" --shard "$k" --exit-after-workers 2 \
+      >"$run/server-$k.log" 2>&1 &
+    pids+=($!)
+  done
+  sleep 1
+  t0=$(date +%s.%N)
+  timeout 600 "$G/tether-worker" --config "$run/cluster.toml" --rank 1 --device cpu >"$run/worker-1.log" 2>&1 &
+  w1=$!
+  if timeout 600 "$G/tether-worker" --config "$run/cluster.toml" --rank 0 --device "$dev0" \
+    --report "$run/worker-0.json" >"$run/worker-0.log" 2>&1; then
+    wait "$w1" || ok=1
+    for k in "${pids[@]}"; do wait "$k" || ok=1; done
+  else
+    ok=1
+    # The shards wait for two goodbyes that will not come: stop what this function started.
+    kill "$w1" "${pids[@]}" 2>/dev/null
+    wait 2>/dev/null
+  fi
+  echo "wall $(python3 -c "import time; print(round(time.time() - $t0, 2))" 2>/dev/null || echo '?') s"
+  grep -h "training on\|test accuracy\|device" "$run"/worker-*.log
+  [ "$ok" = 0 ] || tail -n 5 "$run"/*.log
+  echo "logs: $run"
+  return "$ok"
+}
+port=17410
+for dev0 in ${CLUSTER_DEVICES:-${GPU_CHECK_DEVICE:-cuda:0 cpu}}; do
+  cluster "$dev0" "$port" || status=1
+  port=$((port + 2))
 done
-sleep 1
-t0=$(date +%s.%N)
-timeout 600 "$G/tether-worker" --config "$run/cluster.toml" --rank 1 --device cpu >"$run/worker-1.log" 2>&1 &
-w1=$!
-if timeout 600 "$G/tether-worker" --config "$run/cluster.toml" --rank 0 --device "$dev0" \
-  --report "$run/worker-0.json" >"$run/worker-0.log" 2>&1; then
-  wait "$w1" || status=1
-  for p in "${pids[@]}"; do wait "$p" || status=1; done
-else
-  status=1
-  # The shards wait for two goodbyes that will not come: stop what this script started.
-  kill "$w1" "${pids[@]}" 2>/dev/null
-  wait 2>/dev/null
-fi
-echo "dataset $dataset; wall $(echo "$(date +%s.%N) - $t0" | bc 2>/dev/null || echo '?') s"
-grep -h "training on\|test accuracy" "$run"/worker-*.log
-[ "$status" = 0 ] || tail -n 5 "$run"/*.log
-echo "logs: $run"
 
 echo
 if [ "$status" = 0 ]; then echo "gpu-check: OK"; else echo "gpu-check: FAILED (see above)"; fi

@@ -3,8 +3,9 @@
 //! same buffer, and MLP training throughput GPU vs CPU. Prints one line per figure and exits non-zero if a
 //! correctness check fails (the bandwidth goal is reported, not enforced).
 //!
-//! `gpu_check [--device cuda:N] [--elems N] [--seconds S]`, or `gpu_check --emit-ptx DIR` (needs NVRTC, no GPU) to
-//! write `<unit>.ptx` for machines without NVRTC (`TETHER_CUDA_PTX_DIR`).
+//! `gpu_check [--device cuda:N] [--elems N] [--seconds S]`; `gpu_check --emit-ptx DIR` (needs NVRTC, no GPU) to
+//! write `<unit>.ptx` for machines without NVRTC (`TETHER_CUDA_PTX_DIR`); `gpu_check --cpu-only [--seconds S]` for
+//! the CPU side of the training figure on a machine without a GPU.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -24,6 +25,38 @@ fn arg(args: &[String], name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
+/// Batches the training figure is measured at: the quickstart's and one that fills a large device better.
+const TRAIN_BATCHES: [usize; 2] = [256, 4096];
+
+/// Samples per second of `step` (one batch of `rows`) over `seconds`, after one warm-up step; prints one line.
+fn samples_per_s(label: &str, rows: usize, seconds: f64, step: &mut dyn FnMut()) -> f64 {
+    step();
+    let t0 = Instant::now();
+    let mut steps = 0usize;
+    while t0.elapsed().as_secs_f64() < seconds {
+        step();
+        steps += 1;
+    }
+    let sps = (steps * rows) as f64 / t0.elapsed().as_secs_f64();
+    println!("training: {label}: {sps:.0} samples/s (batch {rows}, MLP 784-256-128-10)");
+    sps
+}
+
+/// The CPU backend's samples per second of loss and gradient on one batch.
+fn cpu_samples_per_s(
+    cpu: &mut Mlp,
+    params: &[f32],
+    x: &[f32],
+    y: &[u32],
+    rows: usize,
+    seconds: f64,
+) -> f64 {
+    let mut g = vec![0.0; params.len()];
+    samples_per_s("CPU Mlp::loss_and_grad", rows, seconds, &mut || {
+        cpu.loss_and_grad(params, x, y, &mut g);
+    })
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     if let Some(dir) = arg(&args, "--emit-ptx") {
@@ -40,6 +73,20 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             }
+        }
+        return ExitCode::SUCCESS;
+    }
+    if args.iter().any(|a| a == "--cpu-only") {
+        // The CPU side of the training figure alone, for a machine without a GPU (the goal compares the GPU with
+        // the developers' 2-core machine, not with the GPU machine's own cores).
+        let seconds: f64 = arg(&args, "--seconds").map_or(2.0, |v| v.parse().expect("--seconds S"));
+        let (f, hidden, c) = (784, [256, 128], 10);
+        let mut cpu = Mlp::new(f, &hidden, c);
+        let params = cpu.layout().init_all(42);
+        for rows in TRAIN_BATCHES {
+            let x = values(rows * f, 1, 1.0);
+            let y: Vec<u32> = (0..rows as u32).map(|i| (i * 7 + 3) % 10).collect();
+            cpu_samples_per_s(&mut cpu, &params, &x, &y, rows, seconds);
         }
         return ExitCode::SUCCESS;
     }
@@ -192,44 +239,39 @@ fn main() -> ExitCode {
         (4 * cpu_n) as f64 / t0.elapsed().as_secs_f64() / 1e9
     );
 
-    // 4. Training throughput: samples/s of loss+gradient, CPU vs GPU (host API incl. transfers) vs GPU-resident step.
-    let run = |label: &str, step: &mut dyn FnMut()| {
-        step();
-        let t0 = Instant::now();
-        let mut steps = 0usize;
-        while t0.elapsed().as_secs_f64() < seconds {
-            step();
-            steps += 1;
-        }
-        let sps = (steps * rows) as f64 / t0.elapsed().as_secs_f64();
-        println!("training: {label}: {sps:.0} samples/s (batch {rows}, MLP 784-256-128-10)");
-        sps
-    };
-    let s_cpu = run("CPU Mlp::loss_and_grad", &mut || {
-        cpu.loss_and_grad(&params, &x, &y, &mut gc);
-    });
-    let s_gpu = run(
-        "GPU CudaMlp::loss_and_grad (upload params+batch, download grad)",
-        &mut || {
-            gpu.loss_and_grad(&params, &x, &y, &mut gg);
-        },
-    );
+    // 4. Training throughput: samples/s of loss+gradient, CPU vs GPU (host API incl. transfers) vs GPU-resident step,
+    // at the quickstart's batch and at a batch that fills the device better.
     let p = params.len();
     let mut senc = CudaEncoder::new(rt.clone(), cfg, p, true).expect("CudaEncoder");
-    let s_dev = run(
-        "GPU step on device (grad, clip, q4+EF encode, frame download)",
-        &mut || {
-            gpu.loss_and_grad_device(&params, &x, &y).expect("step");
-            gpu.clip_grad(1.0).expect("clip");
-            senc.encode_device(&gpu.grad_device().slice(..), 3, &mut b)
-                .expect("encode");
-        },
-    );
-    println!(
-        "training: GPU/CPU = {:.1}x (host API), {:.1}x (device step)",
-        s_gpu / s_cpu,
-        s_dev / s_cpu
-    );
+    for rows in TRAIN_BATCHES {
+        let x = values(rows * f, 1, 1.0);
+        let y: Vec<u32> = (0..rows as u32).map(|i| (i * 7 + 3) % 10).collect();
+        let s_cpu = cpu_samples_per_s(&mut cpu, &params, &x, &y, rows, seconds);
+        let s_gpu = samples_per_s(
+            "GPU CudaMlp::loss_and_grad (upload params+batch, download grad)",
+            rows,
+            seconds,
+            &mut || {
+                gpu.loss_and_grad(&params, &x, &y, &mut gg);
+            },
+        );
+        let s_dev = samples_per_s(
+            "GPU step on device (grad, clip, q4+EF encode, frame download)",
+            rows,
+            seconds,
+            &mut || {
+                gpu.loss_and_grad_device(&params, &x, &y).expect("step");
+                gpu.clip_grad(1.0).expect("clip");
+                senc.encode_device(&gpu.grad_device().slice(..), 3, &mut b)
+                    .expect("encode");
+            },
+        );
+        println!(
+            "training: batch {rows}: GPU/CPU = {:.1}x (host API), {:.1}x (device step)",
+            s_gpu / s_cpu,
+            s_dev / s_cpu
+        );
+    }
     if ok {
         println!("gpu_check: all correctness checks passed");
         ExitCode::SUCCESS

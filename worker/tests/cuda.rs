@@ -203,38 +203,12 @@ mod with_cuda {
         let Some(rt) = gpu("gpu_frames_are_byte_identical_to_the_cpu_codec") else {
             return;
         };
-        for scheme in [Scheme::Q4, Scheme::Q8, Scheme::Q2] {
-            for rounding in [Rounding::Stochastic, Rounding::Deterministic] {
-                // A partial last bucket, an odd length, a zero bucket and a tiny-scale bucket.
-                let n = 3 * 512 + 77;
-                let cfg = CodecConfig {
-                    scheme,
-                    bucket: 512,
-                    rounding,
-                    zstd: false,
-                    keep: tether_common::codec::DEFAULT_KEEP,
-                };
-                let mut enc = Encoder::new(cfg).unwrap();
-                let mut fb = ErrorFeedback::new(n);
-                let mut gpu_enc = CudaEncoder::new(rt.clone(), cfg, n, true).unwrap();
-                let (mut a, mut b) = (Vec::new(), Vec::new());
-                for step in 0..4u64 {
-                    let mut g = values(n, 11 + step, 0.3);
-                    g[512..1024].fill(0.0);
-                    g[1024..1536].iter_mut().for_each(|v| *v *= 1e-39);
-                    let seed = seed_for(2, step, 1);
-                    fb.encode(&mut enc, &g, seed, &mut a).unwrap();
-                    gpu_enc.encode(&g, seed, &mut b).unwrap();
-                    assert_eq!(a, b, "{scheme} {rounding:?} step {step}");
-                    assert_eq!(fb.residual(), &gpu_enc.residual().unwrap()[..]);
+        // 512 is the default bucket (the kernel's unrolled, register-cached path); 64 and 4096 take the general one.
+        for bucket in [512, 64, 4096] {
+            for scheme in [Scheme::Q4, Scheme::Q8, Scheme::Q2] {
+                for rounding in [Rounding::Stochastic, Rounding::Deterministic] {
+                    frames_match(&rt, bucket, scheme, rounding);
                 }
-                let mut bad = values(n, 5, 1.0);
-                bad[700] = f32::NAN;
-                let before = gpu_enc.residual().unwrap();
-                let e = gpu_enc.encode(&bad, 1, &mut b).unwrap_err();
-                assert!(e.to_string().contains("700"), "{e}");
-                assert!(b.is_empty());
-                assert_eq!(before, gpu_enc.residual().unwrap());
             }
         }
         // Frames decode with the strict CPU decoder.
@@ -246,5 +220,44 @@ mod with_cuda {
             .unwrap();
         let mut out = vec![0.0; 1000];
         Decoder::new(1000).decode(&frame, &mut out).unwrap();
+    }
+    /// GPU and CPU frames (and residuals) of one codec configuration over 4 steps with error feedback: a partial
+    /// last bucket, an odd length, a zero bucket and a tiny-scale bucket; then a NaN is refused with state untouched.
+    fn frames_match(rt: &Arc<CudaRuntime>, bucket: usize, scheme: Scheme, rounding: Rounding) {
+        let n = 3 * bucket + 77;
+        let cfg = CodecConfig {
+            scheme,
+            bucket,
+            rounding,
+            zstd: false,
+            keep: tether_common::codec::DEFAULT_KEEP,
+        };
+        let mut enc = Encoder::new(cfg).unwrap();
+        let mut fb = ErrorFeedback::new(n);
+        let mut gpu_enc = CudaEncoder::new(rt.clone(), cfg, n, true).unwrap();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for step in 0..4u64 {
+            let mut g = values(n, 11 + step, 0.3);
+            g[bucket..2 * bucket].fill(0.0);
+            g[2 * bucket..3 * bucket]
+                .iter_mut()
+                .for_each(|v| *v *= 1e-39);
+            let seed = seed_for(2, step, 1);
+            fb.encode(&mut enc, &g, seed, &mut a).unwrap();
+            gpu_enc.encode(&g, seed, &mut b).unwrap();
+            assert_eq!(a, b, "{scheme} {rounding:?} bucket {bucket} step {step}");
+            assert_eq!(
+                fb.residual(),
+                &gpu_enc.residual().unwrap()[..],
+                "bucket {bucket}"
+            );
+        }
+        let mut bad = values(n, 5, 1.0);
+        bad[bucket + 188] = f32::NAN;
+        let before = gpu_enc.residual().unwrap();
+        let e = gpu_enc.encode(&bad, 1, &mut b).unwrap_err();
+        assert!(e.to_string().contains(&(bucket + 188).to_string()), "{e}");
+        assert!(b.is_empty());
+        assert_eq!(before, gpu_enc.residual().unwrap());
     }
 }
