@@ -48,6 +48,7 @@ async fn handle(conn: quinn::Connection, counters: Arc<Counters>) -> Result<(), 
         version: 0,
         clock: hello.clock,
         initial: None,
+        term: 0,
     };
     control.send(&welcome.into()).await?;
     let limits = limits();
@@ -77,6 +78,7 @@ async fn handle(conn: quinn::Connection, counters: Arc<Counters>) -> Result<(), 
                     epoch: 0,
                     range_start: RANGE.0,
                     range_end: RANGE.1,
+                    term: 0,
                 },
                 precision: Precision::Bf16,
                 values: vec![0; 2 * (RANGE.1 - RANGE.0) as usize],

@@ -27,6 +27,7 @@ fn all_controls() -> Vec<Control> {
                 seed: 7,
                 crc32: 0xdead_beef,
             }),
+            term: 5,
         }),
         Control::Welcome(Welcome {
             shard: 0,
@@ -38,6 +39,7 @@ fn all_controls() -> Vec<Control> {
             version: 0,
             clock: 0,
             initial: None,
+            term: 0,
         }),
         Control::Heartbeat { clock: u64::MAX },
         Control::PullRequest {
@@ -72,14 +74,17 @@ fn all_controls() -> Vec<Control> {
         Control::PushOutcome {
             clock: 4,
             outcome: Outcome::Applied,
+            term: 0,
         },
         Control::PushOutcome {
             clock: 5,
             outcome: Outcome::Duplicate,
+            term: u64::MAX,
         },
         Control::PushOutcome {
             clock: 6,
             outcome: Outcome::Refused(ErrorCode::NonFinite),
+            term: 3,
         },
         Control::Error {
             code: ErrorCode::Replay,
@@ -114,6 +119,7 @@ fn reply() -> ParamReply {
             epoch: 2,
             range_start: 10,
             range_end: 14,
+            term: 4,
         },
         precision: Precision::F32,
         values: [1.0f32, -2.5, 0.0, 3.25]

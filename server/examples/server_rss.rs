@@ -124,7 +124,7 @@ fn main() {
                     })
                     .expect("encode push");
                     let outcome = addr.send(ApplyPush { conn: u64::from(w), body }).await.expect("push").expect("push valid");
-                    assert_eq!(outcome, Outcome::Applied);
+                    assert_eq!(outcome.outcome, Outcome::Applied);
                     clock += 1;
                 }
             }));

@@ -79,12 +79,22 @@ pub struct Closed {
 /// A push or skip marker: a validated push frame body (16-byte aligned) whose worker the connection task checked
 /// against the certificate.
 #[derive(Message)]
-#[rtype(result = "Result<Outcome, ProtocolError>")]
+#[rtype(result = "Result<PushAnswer, ProtocolError>")]
 pub struct ApplyPush {
     /// The connection it came on (a superseded one is refused).
     pub conn: ConnId,
     /// The frame body, validated with `access_push` by the connection task (it is accessed again here, in place).
     pub body: AlignedVec,
+}
+
+/// What became of a push, and the fence term of the node that decided it (0: unfenced); the worker takes the
+/// outcome only in its connection's term.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushAnswer {
+    /// Applied, already applied, or refused.
+    pub outcome: Outcome,
+    /// The term it was decided in.
+    pub term: u64,
 }
 
 /// A pull request; on success the receiver resolves with the finished reply when the SSP gate allows (or with the
@@ -346,6 +356,18 @@ impl ShardActor {
         self.following.is_none() && self.fence.as_ref().is_none_or(|f| f.serving())
     }
 
+    /// Whether this node serves now; if so, what the protocol builds next carries the term it serves in.
+    fn serve_now(&mut self) -> bool {
+        // The term is read before the lease: a term read after a lost-and-regained lease would be newer than the
+        // one checked, never older.
+        let term = self.fence.as_ref().map_or(0, |f| f.term());
+        if !self.serves() {
+            return false;
+        }
+        self.proto.set_term(term);
+        true
+    }
+
     /// Records the configuration fingerprint a standby must match ([`replica::config_digest`]).
     pub fn with_config_digest(mut self, digest: u64) -> Self {
         self.config_digest = digest;
@@ -470,11 +492,12 @@ impl ShardActor {
                     }
                     match self.ack_gate() {
                         // The reply may reflect updates only once the standby holds them too, and leaves only
-                        // while this node holds the lease.
+                        // while this node holds the lease of the term the reply carries.
                         Some((acked, seq, fence)) => {
+                            let term = reply.header.term;
                             actix::spawn(async move {
                                 wait_acked(acked, seq).await;
-                                let _ = tx.send(if fence.is_none_or(|f| f.serving()) {
+                                let _ = tx.send(if fence.is_none_or(|f| still_serving(&f, term)) {
                                     Ok(reply)
                                 } else {
                                     Err(ShardError::NotPrimary)
@@ -595,7 +618,7 @@ impl Actor for ShardActor {
 impl ShardActor {
     /// The periodic sweep (and the grace-window timer): evictions, rounds whose grace ended, requesters gone.
     fn on_tick(&mut self, ctx: &mut Context<Self>) {
-        if !self.serves() {
+        if !self.serve_now() {
             return;
         }
         let now = self.now_ms();
@@ -649,7 +672,7 @@ impl ShardActor {
 impl Handler<Hello> for ShardActor {
     type Result = Result<Welcome, ShardError>;
     fn handle(&mut self, msg: Hello, ctx: &mut Context<Self>) -> Self::Result {
-        if !self.serves() {
+        if !self.serve_now() {
             return Err(ShardError::NotPrimary);
         }
         let now = self.now_ms();
@@ -727,22 +750,23 @@ impl Handler<Closed> for ShardActor {
 }
 
 impl Handler<ApplyPush> for ShardActor {
-    type Result = ResponseFuture<Result<Outcome, ProtocolError>>;
+    type Result = ResponseFuture<Result<PushAnswer, ProtocolError>>;
     fn handle(&mut self, msg: ApplyPush, ctx: &mut Context<Self>) -> Self::Result {
         let result = self.apply_push(msg, ctx);
+        let term = self.proto.term();
         let gate = self.ack_gate();
         Box::pin(async move {
             // The worker learns the outcome (and drops its copy of the push) only once the standby holds it too,
-            // and only from a node that still holds the lease.
+            // and only from a node that still holds the lease of the term it was applied in.
             if let Some((acked, seq, fence)) = gate {
                 wait_acked(acked, seq).await;
                 // Applied here, but this node lost the lease before the outcome could leave: the worker reconnects
                 // to the shard's primary and sends the push again (applied once, or answered as already applied).
-                if fence.is_some_and(|f| !f.serving()) {
+                if fence.is_some_and(|f| !still_serving(&f, term)) {
                     return Err(not_primary());
                 }
             }
-            result
+            result.map(|outcome| PushAnswer { outcome, term })
         })
     }
 }
@@ -753,7 +777,7 @@ impl ShardActor {
         msg: ApplyPush,
         ctx: &mut Context<Self>,
     ) -> Result<Outcome, ProtocolError> {
-        if !self.serves() {
+        if !self.serve_now() {
             return Err(not_primary());
         }
         let now = self.now_ms();
@@ -825,7 +849,7 @@ impl ShardActor {
 impl Handler<Pull> for ShardActor {
     type Result = Result<oneshot::Receiver<Result<WireReply, ShardError>>, ShardError>;
     fn handle(&mut self, msg: Pull, _: &mut Context<Self>) -> Self::Result {
-        if !self.serves() {
+        if !self.serve_now() {
             return Err(ShardError::NotPrimary);
         }
         let now = self.now_ms();
@@ -888,6 +912,12 @@ impl Handler<CheckpointNow> for ShardActor {
             r
         })
     }
+}
+
+/// Whether `fence` still holds the lease of `term` (a reply built in an older term never leaves, even if the node
+/// serves again in a newer one).
+fn still_serving(fence: &Fence, term: u64) -> bool {
+    fence.term() == term && fence.serving()
 }
 
 /// The answer to a push at a node that does not hold the lease: the connection closes with `NotPrimary`, and the

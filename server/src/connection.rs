@@ -606,7 +606,7 @@ async fn push_loop(
             })
             .await
         {
-            Ok(Ok(o)) => o,
+            Ok(Ok(a)) => a,
             Ok(Err(p)) => {
                 reject(&conn, None, &p).await;
                 return;
@@ -619,14 +619,15 @@ async fn push_loop(
         if out
             .send(Control::PushOutcome {
                 clock: meta.clock,
-                outcome,
+                outcome: outcome.outcome,
+                term: outcome.term,
             })
             .await
             .is_err()
         {
             return;
         }
-        if let Outcome::Refused(code) = outcome {
+        if let Outcome::Refused(code) = outcome.outcome {
             match code {
                 // Malformed or misaddressed frames are protocol violations: close this connection only.
                 ErrorCode::BadFrame | ErrorCode::WrongShard | ErrorCode::BadRange => {

@@ -92,6 +92,7 @@ async fn push(
         .await
         .unwrap()
         .unwrap()
+        .outcome
     {
         Outcome::Applied => Ok(addr.send(GetStats).await.unwrap().0),
         other => Err(other),

@@ -452,7 +452,8 @@ fn a_shard_checkpoints_to_the_store_in_the_background_and_resumes_from_it() {
                 .send(ApplyPush { conn: 1, body })
                 .await
                 .unwrap()
-                .unwrap();
+                .unwrap()
+                .outcome;
             assert_eq!(o, Outcome::Applied);
             clock += 1;
         }

@@ -458,6 +458,7 @@ impl Sim {
             payload: Payload::Control(Control::PushOutcome {
                 clock: meta.clock,
                 outcome,
+                term: self.shards[k].proto.as_ref().map_or(0, |p| p.term()),
             }),
         });
         self.drain_shard(k)
@@ -567,9 +568,14 @@ impl Sim {
                 return Ok(());
             }
             match msg.payload {
-                Payload::Control(Control::PushOutcome { clock, outcome }) => {
-                    self.workers[w].protocol.outcome(k, clock, outcome)
-                }
+                Payload::Control(Control::PushOutcome {
+                    clock,
+                    outcome,
+                    term,
+                }) => self.workers[w]
+                    .protocol
+                    .outcome(k, clock, outcome, term)
+                    .map_err(|e| format!("worker {w} refused shard {k}'s outcome: {e}"))?,
                 Payload::Control(Control::PullRefused { request, code }) => {
                     self.workers[w].protocol.pull_refused(k, request, code)
                 }

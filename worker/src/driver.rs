@@ -21,7 +21,7 @@ use tether_common::net::{
     NetError, RefusedBy, TlsPaths,
 };
 use tether_common::protocol::{
-    Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, Precision, PullMode, Welcome,
+    Control, ErrorCode, ProtocolError, FrameHeader, FrameKind, FrameLimits, Precision, PullMode, Welcome,
 };
 
 use crate::error::WorkerError;
@@ -719,8 +719,18 @@ impl Driver {
                     return Ok(());
                 }
                 match msg {
-                    Control::PushOutcome { clock, outcome } => {
-                        self.protocol.outcome(shard, clock, outcome)
+                    Control::PushOutcome {
+                        clock,
+                        outcome,
+                        term,
+                    } => {
+                        if let Err(e) = self.protocol.outcome(shard, clock, outcome, term) {
+                            // The protocol reset the link; the connection goes with it.
+                            warn!(rank = self.rank, shard, error = %e, "outcome from a deposed node; reconnecting");
+                            if let Some(io) = self.links[shard].take() {
+                                io.close(b"stale term");
+                            }
+                        }
                     }
                     Control::PullRefused { request, code } => {
                         self.protocol.pull_refused(shard, request, code)
@@ -772,6 +782,14 @@ impl Driver {
         let now = self.now_ms();
         if let Err(e) = self.protocol.connected(shard, &c.welcome, now) {
             c.conn.close(0u32.into(), b"bad welcome");
+            if matches!(e, ProtocolError::StaleTerm { .. }) {
+                // A deposed node welcomed us (we have seen a newer term at this shard): ask again soon, at the
+                // shard's other address first, as after a `NotPrimary`.
+                warn!(rank = self.rank, shard, error = %e, "welcomed by a deposed node; asking again");
+                self.outages[shard].backoff = NOT_PRIMARY_BACKOFF;
+                self.outages[shard].last_error = Some(e.to_string());
+                return self.reconnect(shard);
+            }
             return Err(WorkerError::Protocol { shard, source: e });
         }
         let outage = &mut self.outages[shard];

@@ -42,6 +42,7 @@ fn welcome(shard: usize, clock: u64) -> Welcome {
         version: 0,
         clock,
         initial: None,
+        term: 0,
     }
 }
 
@@ -65,6 +66,7 @@ fn answer(
             epoch,
             range_start: 0,
             range_end: 0,
+            term: 0,
         },
         public,
     }
@@ -207,7 +209,7 @@ fn an_unsettled_push_is_resent_byte_for_byte_after_a_reconnect() {
     );
     let (t, _) = drain(&mut s);
     let sent = pushes(&t);
-    s.outcome(1, 0, Outcome::Applied);
+    s.outcome(1, 0, Outcome::Applied, 0).unwrap();
     s.disconnected(0);
     drain(&mut s);
     // The rejoin starts at the unsettled round, and the same bytes go out again.
@@ -219,7 +221,7 @@ fn an_unsettled_push_is_resent_byte_for_byte_after_a_reconnect() {
     assert_eq!(resent.len(), 1);
     assert_eq!(resent[0].2, sent[0].2, "byte for byte");
     assert!(!s.settled());
-    s.outcome(0, 0, Outcome::Duplicate);
+    s.outcome(0, 0, Outcome::Duplicate, 0).unwrap();
     assert!(s.settled());
     assert_eq!(s.stats().duplicates, 1);
 }
@@ -230,8 +232,8 @@ fn a_refused_push_reaches_the_trainer_and_the_report() {
     let mut frames = vec![vec![1u8], vec![2u8]];
     s.push(&mut frames, 0.5).unwrap();
     drain(&mut s);
-    s.outcome(0, 0, Outcome::Refused(ErrorCode::NonFinite));
-    s.outcome(0, 0, Outcome::Applied); // a second answer for the same round is ignored
+    s.outcome(0, 0, Outcome::Refused(ErrorCode::NonFinite), 0).unwrap();
+    s.outcome(0, 0, Outcome::Applied, 0).unwrap(); // a second answer for the same round is ignored
     let (_, e) = drain(&mut s);
     assert!(matches!(
         e.as_slice(),
@@ -294,7 +296,7 @@ fn a_clock_jump_at_one_shard_rejoins_the_others_once_settled() {
     assert_eq!(s.clock(), 5);
     // Shard 0 still owes the outcome of round 0; only then does it rejoin at 5.
     assert!(!e.contains(&Event::Reconnect { shard: 0 }));
-    s.outcome(0, 0, Outcome::Applied);
+    s.outcome(0, 0, Outcome::Applied, 0).unwrap();
     let (_, e) = drain(&mut s);
     assert_eq!(e.last(), Some(&Event::Reconnect { shard: 0 }));
     assert_eq!(s.hello(0).clock, 5);
@@ -476,12 +478,24 @@ fn a_shard_streaming_another_number_of_fragments_is_refused_until_they_match() {
     s.connected(0, &same, 0).unwrap();
 }
 
-/// A full reply body from shard `shard` to `request` at clock 0, with `values` in `precision`.
+/// A full reply body from shard `shard` to `request` at clock 0, with `values` in `precision`, from a node of an
+/// unreplicated shard (term 0).
 fn full_reply(
     shard: usize,
     request: u64,
     values: &[f32],
     precision: Precision,
+) -> rkyv::util::AlignedVec {
+    full_reply_in(shard, request, values, precision, 0)
+}
+
+/// [`full_reply`] from a node serving in fence term `term`.
+fn full_reply_in(
+    shard: usize,
+    request: u64,
+    values: &[f32],
+    precision: Precision,
+    term: u64,
 ) -> rkyv::util::AlignedVec {
     let mut bytes = Vec::new();
     encode_values(values, precision, &mut bytes);
@@ -495,6 +509,7 @@ fn full_reply(
             epoch: 0,
             range_start: RANGES[shard].0,
             range_end: RANGES[shard].1,
+            term,
         },
         precision,
         values: bytes,
@@ -580,7 +595,7 @@ fn a_welcome_below_the_hello_fills_the_gap_with_skip_markers_then_resends() {
         s.skip(0.25).unwrap();
         drain(&mut s);
         for k in 0..2 {
-            s.outcome(k, s.clock() - 1, Outcome::Applied);
+            s.outcome(k, s.clock() - 1, Outcome::Applied, 0).unwrap();
         }
     }
     let mut frames = vec![vec![1u8], vec![2u8]];
@@ -604,7 +619,7 @@ fn a_welcome_below_the_hello_fills_the_gap_with_skip_markers_then_resends() {
     let (t, _) = drain(&mut s);
     assert!(requests(&t).iter().all(|(k, _, _)| *k != 0));
     for c in 2..=5 {
-        s.outcome(0, c, Outcome::Applied);
+        s.outcome(0, c, Outcome::Applied, 0).unwrap();
     }
     let (t, _) = drain(&mut s);
     assert_eq!(
@@ -612,7 +627,7 @@ fn a_welcome_below_the_hello_fills_the_gap_with_skip_markers_then_resends() {
         1,
         "asked once the gap settled"
     );
-    s.outcome(1, 5, Outcome::Applied);
+    s.outcome(1, 5, Outcome::Applied, 0).unwrap();
     assert!(s.settled());
     // A shard that claims an absurd gap is refused instead of costing a skip marker per round.
     let mut far = connected(0);
@@ -621,9 +636,9 @@ fn a_welcome_below_the_hello_fills_the_gap_with_skip_markers_then_resends() {
         far.skip(0.0).unwrap();
     }
     drain(&mut far);
-    far.outcome(0, 0, Outcome::Applied);
+    far.outcome(0, 0, Outcome::Applied, 0).unwrap();
     for c in 0..=MAX_GAP_ROUNDS {
-        far.outcome(0, c, Outcome::Applied);
+        far.outcome(0, c, Outcome::Applied, 0).unwrap();
     }
     far.disconnected(0);
     drain(&mut far);
@@ -643,7 +658,7 @@ fn a_round_refused_as_too_far_ahead_stays_pending_and_is_resent_at_the_next_tick
     s.push(&mut frames, 0.5).unwrap();
     let (t, _) = drain(&mut s);
     let sent = pushes(&t);
-    s.outcome(0, 0, Outcome::Refused(ErrorCode::ClockFromFuture));
+    s.outcome(0, 0, Outcome::Refused(ErrorCode::ClockFromFuture), 0).unwrap();
     let (_, e) = drain(&mut s);
     assert!(e.is_empty(), "not settled: {e:?}");
     assert!(!s.settled());
@@ -655,8 +670,8 @@ fn a_round_refused_as_too_far_ahead_stays_pending_and_is_resent_at_the_next_tick
     assert_eq!(again.len(), 1);
     assert_eq!((again[0].0, again[0].1), (0, 0));
     assert_eq!(again[0].2, sent[0].2, "byte for byte");
-    s.outcome(0, 0, Outcome::Applied);
-    s.outcome(1, 0, Outcome::Applied);
+    s.outcome(0, 0, Outcome::Applied, 0).unwrap();
+    s.outcome(1, 0, Outcome::Applied, 0).unwrap();
     assert!(s.settled());
 }
 
@@ -702,6 +717,7 @@ fn delta_reply(
             epoch: 0,
             range_start: RANGES[0].0,
             range_end: RANGES[0].1,
+            term: 0,
         },
         lineage: 7,
         base,
@@ -928,4 +944,120 @@ fn a_welcomes_initial_cut_is_computed_here_and_claimed_only_when_its_crc_matches
         other.connected(0, &offer(0, good), 0).unwrap();
         assert_eq!(other.public(0), None);
     }
+}
+
+/// A welcome from a node of a replicated shard serving in fence term `term`.
+fn welcome_in(shard: usize, clock: u64, term: u64) -> Welcome {
+    Welcome {
+        term,
+        ..welcome(shard, clock)
+    }
+}
+
+#[test]
+fn a_node_welcoming_in_a_term_older_than_one_seen_is_refused() {
+    let mut s = protocol();
+    s.hello(0);
+    s.connected(0, &welcome_in(0, 0, 4), 0).unwrap();
+    s.disconnected(0);
+    drain(&mut s);
+    s.hello(0);
+    // The old primary (term 2) still answers a dial: it was deposed, so it is refused and nothing changes.
+    assert_eq!(
+        s.connected(0, &welcome_in(0, 0, 2), 0),
+        Err(ProtocolError::StaleTerm {
+            shard: 0,
+            got: 2,
+            expected: 4
+        })
+    );
+    // The same term again (a reconnect to the node that serves) and a newer one are taken.
+    s.connected(0, &welcome_in(0, 0, 4), 0).unwrap();
+    s.disconnected(0);
+    drain(&mut s);
+    s.hello(0);
+    s.connected(0, &welcome_in(0, 0, 5), 0).unwrap();
+}
+
+#[test]
+fn a_reply_in_another_term_than_the_welcome_is_never_read() {
+    let v: Vec<f32> = (0..10).map(|i| i as f32).collect();
+    // A deposed node's reply (term 2) and a reply claiming a term the link was not welcomed in (4) are refused
+    // before any value is read, and the link is reset; the reply in the link's term (3) is read.
+    for (term, used) in [(2, false), (4, false), (3, true)] {
+        let mut s = protocol();
+        for k in 0..2 {
+            s.hello(k);
+            s.connected(k, &welcome_in(k, 0, 3), 0).unwrap();
+        }
+        drain(&mut s);
+        s.start_pull(0);
+        let (t, _) = drain(&mut s);
+        let r = requests(&t);
+        let mut params = vec![9.0f32; 20];
+        let got = s.handle_reply(
+            0,
+            FrameKind::Params,
+            &full_reply_in(0, r[0].1, &v, Precision::F32, term),
+            Some(&mut params),
+        );
+        let (_, e) = drain(&mut s);
+        if used {
+            assert_eq!(got, Ok(true));
+            assert_eq!(&params[..10], &v[..]);
+            assert!(e.is_empty(), "{e:?}");
+        } else {
+            assert_eq!(
+                got,
+                Err(ProtocolError::StaleTerm {
+                    shard: 0,
+                    got: term,
+                    expected: 3
+                })
+            );
+            assert_eq!(params, vec![9.0f32; 20]);
+            assert_eq!(e, vec![Event::Reconnect { shard: 0 }]);
+        }
+    }
+}
+
+#[test]
+fn an_outcome_in_another_term_settles_nothing_and_the_push_goes_to_whoever_serves() {
+    let mut s = protocol();
+    for k in 0..2 {
+        s.hello(k);
+        s.connected(k, &welcome_in(k, 0, 3), 0).unwrap();
+    }
+    drain(&mut s);
+    let mut frames = vec![vec![1u8, 2, 3], vec![4u8, 5]];
+    s.push(&mut frames, 0.5).unwrap();
+    let (t, _) = drain(&mut s);
+    let sent = pushes(&t);
+    s.outcome(1, 0, Outcome::Applied, 3).unwrap();
+    // Shard 0's outcome comes from a node in term 2: not an acknowledgement.
+    assert_eq!(
+        s.outcome(0, 0, Outcome::Applied, 2),
+        Err(ProtocolError::StaleTerm {
+            shard: 0,
+            got: 2,
+            expected: 3
+        })
+    );
+    assert!(!s.settled());
+    let (_, e) = drain(&mut s);
+    assert!(e.contains(&Event::Reconnect { shard: 0 }), "{e:?}");
+    assert!(
+        !e.iter()
+            .any(|x| matches!(x, Event::Settled(st) if st.shard == 0)),
+        "{e:?}"
+    );
+    // The node that serves now (term 5) gets the same bytes, and its outcome settles the round.
+    assert_eq!(s.hello(0).clock, 0);
+    s.connected(0, &welcome_in(0, 0, 5), 1).unwrap();
+    let (t, _) = drain(&mut s);
+    let resent = pushes(&t);
+    assert_eq!(resent.len(), 1);
+    assert_eq!(resent[0].2, sent[0].2);
+    s.outcome(0, 0, Outcome::Applied, 5).unwrap();
+    assert!(s.settled());
 }

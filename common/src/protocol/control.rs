@@ -70,6 +70,9 @@ pub enum Control {
         clock: u64,
         /// Applied, already applied, or refused.
         outcome: Outcome,
+        /// The fence term of the node that answered (0: an unreplicated shard); a worker takes the outcome only
+        /// in its connection's term.
+        term: u64,
     },
     /// Either side: a protocol error; the sender closes the connection with the same code.
     Error {
@@ -260,6 +263,9 @@ pub struct Welcome {
     /// Set by a shard that started fresh (not resumed): cut 0 of its public copy is the layout's deterministic
     /// initial weights, which a worker can compute instead of pulling them whole.
     pub initial: Option<InitialCut>,
+    /// The fence term the node serves in (0: an unreplicated shard). Every outcome and reply on this connection
+    /// carries it; a worker that has seen a newer term at this shard refuses the node.
+    pub term: u64,
 }
 
 /// Cut 0 of a shard's public copy when it is the layout's initial weights (`Layout::init_range` with `seed` over

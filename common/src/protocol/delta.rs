@@ -202,6 +202,7 @@ mod tests {
                 epoch: 0,
                 range_start: 10,
                 range_end: 110,
+                term: 6,
             },
             lineage: 7,
             base,

@@ -262,6 +262,17 @@ pub enum ProtocolError {
         /// The worker's own count.
         ours: u32,
     },
+    /// An answer from a node in another fence term than the connection's, or a welcome in a term older than one
+    /// this worker has seen at the shard: the node was deposed (the worker reconnects and asks again).
+    #[error("shard {shard} answered in term {got}, where term {expected} or newer serves")]
+    StaleTerm {
+        /// The shard.
+        shard: u32,
+        /// The term the answer carried.
+        got: u64,
+        /// The connection's term (or the newest seen, for a welcome).
+        expected: u64,
+    },
     /// A violation detected by a higher layer (shard validation, clock checks), carried with its code.
     #[error("{code}: {message}")]
     Rejected {
@@ -289,6 +300,7 @@ impl ProtocolError {
             ProtocolError::StalenessMismatch { .. } | ProtocolError::FragmentsMismatch { .. } => {
                 ErrorCode::ConfigMismatch
             }
+            ProtocolError::StaleTerm { .. } => ErrorCode::NotPrimary,
             ProtocolError::Remote { code, .. } | ProtocolError::Rejected { code, .. } => *code,
         }
     }

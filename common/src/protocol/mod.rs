@@ -37,8 +37,9 @@ pub use values::{check_finite_values, decode_values, encode_values};
 /// Version of this protocol; a `Hello` with another version is refused with [`ErrorCode::BadVersion`]. Version 4
 /// added the rollback `epoch` to pull replies and the `RolledBack` refusal; version 5 opens full and delta replies
 /// with the one [`ReplyHeader`] and adds [`ErrorCode::ConfigMismatch`]; version 6 adds `Welcome::fragments`;
-/// version 7 adds `Welcome::initial`.
-pub const PROTOCOL_VERSION: u32 = 7;
+/// version 7 adds `Welcome::initial`; version 8 adds the fence term to the welcome, to push outcomes and to every
+/// pull reply's header.
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";

@@ -32,6 +32,9 @@ pub struct ReplyHeader {
     pub range_start: u64,
     /// One past the last global index covered.
     pub range_end: u64,
+    /// The fence term of the node that answered (0: an unreplicated shard). A worker uses a reply only when this is
+    /// the term its connection was welcomed in, so a deposed node's answer is never taken.
+    pub term: u64,
 }
 
 impl ArchivedReplyHeader {
@@ -46,6 +49,7 @@ impl ArchivedReplyHeader {
             epoch: self.epoch.to_native(),
             range_start: self.range_start.to_native(),
             range_end: self.range_end.to_native(),
+            term: self.term.to_native(),
         }
     }
 

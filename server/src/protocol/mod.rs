@@ -227,6 +227,10 @@ pub struct ShardProtocol {
     /// Converted values of full replies, kept between replies so the allocation is reused.
     #[serde(skip)]
     scratch: Vec<u8>,
+    /// The fence term this node serves in (0: unfenced), stamped on every welcome and reply it builds. Node-local:
+    /// not in images or the log (a standby that takes over serves in its own term).
+    #[serde(skip)]
+    term: u64,
 }
 
 impl ShardProtocol {
@@ -240,7 +244,19 @@ impl ShardProtocol {
             next_token: 0,
             max_conn: 0,
             scratch: Vec::new(),
+            term: 0,
         }
+    }
+
+    /// Sets the fence term that the welcomes and replies built from now on carry (the shell calls it whenever it
+    /// is about to serve).
+    pub fn set_term(&mut self, term: u64) {
+        self.term = term;
+    }
+
+    /// The fence term welcomes and replies carry.
+    pub fn term(&self) -> u64 {
+        self.term
     }
 
     /// Completes a decoded protocol (a peer's state image, see [`crate::image`]) with `local`'s settings and
@@ -265,6 +281,7 @@ impl ShardProtocol {
         self.core.adopt_local(&local.core)?;
         self.actions.clear();
         self.scratch.clear();
+        self.term = local.term;
         Ok(())
     }
 
@@ -360,6 +377,7 @@ impl ShardProtocol {
             epoch: self.core.epoch(),
             range_start: range.start,
             range_end: range.end,
+            term: self.term,
         };
         let built = match pull.mode {
             PullMode::Full(precision) => {
@@ -426,6 +444,7 @@ impl ShardProtocol {
             version: self.core.version(),
             clock,
             initial: self.core.initial_cut(),
+            term: self.term,
         })
     }
 

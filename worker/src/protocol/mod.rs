@@ -187,6 +187,11 @@ struct Link {
     hello_clock: u64,
     /// A pending round was refused as too far ahead: resend the pending rounds at the next timer tick.
     retry: bool,
+    /// The fence term of the node the link is connected to (0: an unreplicated shard): outcomes and replies in any
+    /// other term are refused.
+    term: u64,
+    /// The newest term any welcome from this shard carried: a node welcoming us in an older one was deposed.
+    newest_term: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -275,6 +280,8 @@ impl WorkerProtocol {
                     rejoin: false,
                     hello_clock: 0,
                     retry: false,
+                    term: 0,
+                    newest_term: 0,
                 })
                 .collect(),
             round: None,
@@ -404,6 +411,13 @@ impl WorkerProtocol {
                 ours: self.fragments,
             });
         }
+        if welcome.term < self.links[shard].newest_term {
+            return Err(ProtocolError::StaleTerm {
+                shard: welcome.shard,
+                got: welcome.term,
+                expected: self.links[shard].newest_term,
+            });
+        }
         if welcome.staleness != self.staleness.bound() {
             return Err(ProtocolError::StalenessMismatch {
                 shard: welcome.shard,
@@ -453,6 +467,8 @@ impl WorkerProtocol {
         }
         self.adopt_initial(shard, welcome);
         let link = &mut self.links[shard];
+        link.term = welcome.term;
+        link.newest_term = welcome.term;
         link.retry = false;
         link.up = true;
         link.rejoin = false;
@@ -674,6 +690,16 @@ impl WorkerProtocol {
                 )))
             }
         };
+        let term = read.reply().header.term;
+        if term != self.links[shard].term {
+            // A node answering in another term than the one that welcomed us was deposed (or is not the node we
+            // think): nothing it says is used.
+            return Err(ProtocolError::StaleTerm {
+                shard: shard as u32,
+                got: term,
+                expected: self.links[shard].term,
+            });
+        }
         let Some(params) = params else {
             self.stray_reply();
             return Ok(false);
@@ -840,7 +866,30 @@ impl WorkerProtocol {
     /// `shard` reports the outcome of round `clock`. Outcomes for rounds no longer pending (a resend's second
     /// answer) are ignored. A round refused as too far ahead of the shard's minimum clock stays pending and is
     /// resent at the next timer tick; once the oldest pending rounds settle, a pull that waited for them is asked.
-    pub fn outcome(&mut self, shard: usize, clock: u64, outcome: Outcome) {
+    ///
+    /// An outcome in another fence `term` than the link's comes from a deposed node: it settles nothing, the link
+    /// is reset (the push stays pending and is resent to whoever serves) and the error says why.
+    pub fn outcome(
+        &mut self,
+        shard: usize,
+        clock: u64,
+        outcome: Outcome,
+        term: u64,
+    ) -> Result<(), ProtocolError> {
+        if term != self.links[shard].term {
+            let expected = self.links[shard].term;
+            self.disconnected(shard);
+            return Err(ProtocolError::StaleTerm {
+                shard: shard as u32,
+                got: term,
+                expected,
+            });
+        }
+        self.settle(shard, clock, outcome);
+        Ok(())
+    }
+
+    fn settle(&mut self, shard: usize, clock: u64, outcome: Outcome) {
         let link = &mut self.links[shard];
         let Some(i) = link.pending.iter().position(|p| p.clock == clock) else {
             return;
