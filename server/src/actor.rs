@@ -368,6 +368,15 @@ impl ShardActor {
         true
     }
 
+    /// Stamps the fence's current term on what the protocol builds next (inputs that release pulls without being
+    /// refused when the node does not serve: heartbeats, goodbyes, closed connections). A reply stamped in a term
+    /// the node no longer holds never leaves ([`still_serving`]).
+    fn sync_term(&mut self) {
+        if let Some(f) = &self.fence {
+            self.proto.set_term(f.term());
+        }
+    }
+
     /// Records the configuration fingerprint a standby must match ([`replica::config_digest`]).
     pub fn with_config_digest(mut self, digest: u64) -> Self {
         self.config_digest = digest;
@@ -705,6 +714,7 @@ impl Handler<Heartbeat> for ShardActor {
         if self.following.is_some() {
             return;
         }
+        self.sync_term();
         let now = self.now_ms();
         self.log(Input::Heartbeat {
             conn: msg.conn,
@@ -722,6 +732,7 @@ impl Handler<Goodbye> for ShardActor {
         if self.following.is_some() {
             return;
         }
+        self.sync_term();
         let now = self.now_ms();
         self.log(Input::Goodbye {
             conn: msg.conn,
@@ -742,6 +753,7 @@ impl Handler<Closed> for ShardActor {
         if self.following.is_some() {
             return;
         }
+        self.sync_term();
         self.log(Input::Closed { conn: msg.conn });
         self.proto.closed(msg.conn);
         self.kicks.remove(&msg.conn);

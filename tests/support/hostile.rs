@@ -411,9 +411,9 @@ async fn send_and_settle(s: &mut Session, clock: u64, frame: &[u8]) -> Option<Ou
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         match tokio::time::timeout_at(deadline, s.control.recv()).await {
-            Ok(Ok(Control::PushOutcome { clock: c, outcome, .. })) if c == clock => {
-                return Some(outcome)
-            }
+            Ok(Ok(Control::PushOutcome {
+                clock: c, outcome, ..
+            })) if c == clock => return Some(outcome),
             Ok(Ok(_)) => {}
             Ok(Err(_)) | Err(_) => return None,
         }

@@ -21,7 +21,8 @@ use tether_common::net::{
     NetError, RefusedBy, TlsPaths,
 };
 use tether_common::protocol::{
-    Control, ErrorCode, ProtocolError, FrameHeader, FrameKind, FrameLimits, Precision, PullMode, Welcome,
+    Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, Precision, ProtocolError, PullMode,
+    Welcome,
 };
 
 use crate::error::WorkerError;

@@ -232,7 +232,8 @@ fn a_refused_push_reaches_the_trainer_and_the_report() {
     let mut frames = vec![vec![1u8], vec![2u8]];
     s.push(&mut frames, 0.5).unwrap();
     drain(&mut s);
-    s.outcome(0, 0, Outcome::Refused(ErrorCode::NonFinite), 0).unwrap();
+    s.outcome(0, 0, Outcome::Refused(ErrorCode::NonFinite), 0)
+        .unwrap();
     s.outcome(0, 0, Outcome::Applied, 0).unwrap(); // a second answer for the same round is ignored
     let (_, e) = drain(&mut s);
     assert!(matches!(
@@ -658,7 +659,8 @@ fn a_round_refused_as_too_far_ahead_stays_pending_and_is_resent_at_the_next_tick
     s.push(&mut frames, 0.5).unwrap();
     let (t, _) = drain(&mut s);
     let sent = pushes(&t);
-    s.outcome(0, 0, Outcome::Refused(ErrorCode::ClockFromFuture), 0).unwrap();
+    s.outcome(0, 0, Outcome::Refused(ErrorCode::ClockFromFuture), 0)
+        .unwrap();
     let (_, e) = drain(&mut s);
     assert!(e.is_empty(), "not settled: {e:?}");
     assert!(!s.settled());
