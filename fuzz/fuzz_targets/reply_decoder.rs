@@ -180,7 +180,10 @@ impl World {
                         }
                     }
                     Transmit::Push { shard, clock, .. } => {
-                        self.s.outcome(shard, clock, Outcome::Applied)
+                        // Every link is welcomed in term 0 (an unreplicated shard), so the outcome is in its term.
+                        self.s
+                            .outcome(shard, clock, Outcome::Applied, 0)
+                            .expect("an outcome in the link's term")
                     }
                     Transmit::Control { .. } => {}
                 }
@@ -201,6 +204,7 @@ impl World {
                             version: 0,
                             clock: hello.clock,
                             initial: None,
+                            term: 0,
                         };
                         self.s
                             .connected(shard, &welcome, self.now)
@@ -234,6 +238,7 @@ impl World {
             epoch: u64::from(inp.u8() % 3 == 0),
             range_start: start,
             range_end: end,
+            term: 0,
         };
         if wrong & 0x80 == 0 {
             return h;
@@ -264,6 +269,10 @@ impl World {
                 1 => end.saturating_sub(1),
                 _ => inp.u64(),
             };
+        }
+        if wrong & 64 != 0 {
+            // A term the link was not welcomed in: a deposed node's answer.
+            h.term = inp.u64().max(1);
         }
         h
     }
