@@ -10,6 +10,7 @@ PyTorch sees; where there is none the tests say so and skip (CI has no GPU; scri
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -50,6 +51,20 @@ def _batch(device: str):
     return x.to(device), y.to(device)
 
 
+@contextlib.contextmanager
+def _one_shard(tmp_path, device: str, seed: int, local_steps: int):
+    """Yields (CPU module, its copy on `device`, a worker of a 1-shard cluster started from the CPU module's
+    weights)."""
+    torch.manual_seed(seed)
+    cpu_module = build_mlp(64, [32], 10)
+    tt.export_model(cpu_module, str(tmp_path / "model.safetensors"))
+    module = copy.deepcopy(cpu_module).to(device)
+    cfg = _config(tmp_path / "model.safetensors", local_steps)
+    with LocalCluster(tmp_path / "cluster", cfg, shards=1, workers=1) as c:
+        with tether.Worker(c.config_path, 0) as w:
+            yield cpu_module, module, w
+
+
 @pytest.fixture(params=DEVICES or [pytest.param("cuda:0", marks=pytest.mark.skip(reason="no CUDA device: "
                                                                                  "scripts/gpu-check.sh runs this"))])
 def device(request):
@@ -57,61 +72,51 @@ def device(request):
 
 
 def test_per_step_pushes_the_device_gradient_and_pulls_onto_the_device(tmp_path, device):
-    torch.manual_seed(0)
-    cpu_module = build_mlp(64, [32], 10)
-    tt.export_model(cpu_module, str(tmp_path / "model.safetensors"))
-    module = copy.deepcopy(cpu_module).to(device)
-    with LocalCluster(tmp_path / "cluster", _config(tmp_path / "model.safetensors", 0), shards=1, workers=1) as c:
-        with tether.Worker(c.config_path, 0) as w:
-            s = tt.PerStep(module, w)
-            assert s.flat.on_device and all(p.device == torch.device(device) for p in module.parameters())
-            theta = _flat(module)
-            assert np.array_equal(theta, _flat(cpu_module)), "the first pull must land the exported weights"
-            x, y = _batch(device)
-            loss = torch.nn.functional.cross_entropy(module(x), y)
-            loss.backward()
-            g_dev = np.concatenate([p.grad.detach().cpu().numpy().ravel() for p in module.parameters()])
-            torch.nn.functional.cross_entropy(cpu_module(x.cpu()), y.cpu()).backward()
-            g_cpu = np.concatenate([p.grad.numpy().ravel() for p in cpu_module.parameters()])
-            assert np.abs(g_dev - g_cpu).max() <= 1e-4 * np.abs(g_cpu).max()
-            assert s.step(loss=loss)
-            after = _flat(module)
-            # The shard applied the device's gradient, and the pull wrote the result onto the device.
-            expect = theta - np.float32(LR) * g_dev
-            assert np.allclose(after, expect, rtol=0, atol=1e-6 * max(1.0, np.abs(theta).max())), \
-                np.abs(after - expect).max()
-            assert not np.array_equal(after, theta)
-            assert np.array_equal(after, w.params), "device parameters differ from the worker's public copy"
+    with _one_shard(tmp_path, device, seed=0, local_steps=0) as (cpu_module, module, w):
+        s = tt.PerStep(module, w)
+        assert s.flat.on_device and all(p.device == torch.device(device) for p in module.parameters())
+        theta = _flat(module)
+        assert np.array_equal(theta, _flat(cpu_module)), "the first pull must land the exported weights"
+        x, y = _batch(device)
+        loss = torch.nn.functional.cross_entropy(module(x), y)
+        loss.backward()
+        g_dev = np.concatenate([p.grad.detach().cpu().numpy().ravel() for p in module.parameters()])
+        torch.nn.functional.cross_entropy(cpu_module(x.cpu()), y.cpu()).backward()
+        g_cpu = np.concatenate([p.grad.numpy().ravel() for p in cpu_module.parameters()])
+        assert np.abs(g_dev - g_cpu).max() <= 1e-4 * np.abs(g_cpu).max()
+        assert s.step(loss=loss)
+        after = _flat(module)
+        # The shard applied the device's gradient, and the pull wrote the result onto the device.
+        expect = theta - np.float32(LR) * g_dev
+        assert np.allclose(after, expect, rtol=0, atol=1e-6 * max(1.0, np.abs(theta).max())), \
+            np.abs(after - expect).max()
+        assert not np.array_equal(after, theta)
+        assert np.array_equal(after, w.params), "device parameters differ from the worker's public copy"
 
 
 def test_diloco_pushes_the_device_delta_and_loads_the_round_onto_the_device(tmp_path, device):
-    torch.manual_seed(1)
-    cpu_module = build_mlp(64, [32], 10)
-    tt.export_model(cpu_module, str(tmp_path / "model.safetensors"))
-    module = copy.deepcopy(cpu_module).to(device)
-    with LocalCluster(tmp_path / "cluster", _config(tmp_path / "model.safetensors", 2), shards=1, workers=1) as c:
-        with tether.Worker(c.config_path, 0) as w:
-            inner = torch.optim.SGD(module.parameters(), lr=0.05)
-            d = tt.DiLoCo(module, inner, w)
-            start = _flat(module)
-            x, y = _batch(device)
-            ended = []
-            for _ in range(2):
-                inner.zero_grad()
-                loss = torch.nn.functional.cross_entropy(module(x), y)
-                loss.backward()
-                ended.append(d.step(loss=loss))
-            assert ended == [False, True]
-            # One worker, outer SGD at lr 1: the new public copy is theta_start - (theta_start - theta_end), i.e.
-            # the device's theta_end; a pull that did not reach the device would leave the inner result unchecked,
-            # so compare against an independent CPU replay of the two inner steps.
-            replay = copy.deepcopy(cpu_module)
-            opt = torch.optim.SGD(replay.parameters(), lr=0.05)
-            for _ in range(2):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(replay(x.cpu()), y.cpu()).backward()
-                opt.step()
-            after = _flat(module)
-            assert np.allclose(after, _flat(replay), rtol=0, atol=1e-5), np.abs(after - _flat(replay)).max()
-            assert not np.allclose(after, start)
-            assert np.array_equal(after, w.params), "device parameters differ from the worker's public copy"
+    with _one_shard(tmp_path, device, seed=1, local_steps=2) as (cpu_module, module, w):
+        inner = torch.optim.SGD(module.parameters(), lr=0.05)
+        d = tt.DiLoCo(module, inner, w)
+        start = _flat(module)
+        x, y = _batch(device)
+        ended = []
+        for _ in range(2):
+            inner.zero_grad()
+            loss = torch.nn.functional.cross_entropy(module(x), y)
+            loss.backward()
+            ended.append(d.step(loss=loss))
+        assert ended == [False, True]
+        # One worker, outer SGD at lr 1: the new public copy is theta_start - (theta_start - theta_end), i.e.
+        # the device's theta_end; a pull that did not reach the device would leave the inner result unchecked,
+        # so compare against an independent CPU replay of the two inner steps.
+        replay = copy.deepcopy(cpu_module)
+        opt = torch.optim.SGD(replay.parameters(), lr=0.05)
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(replay(x.cpu()), y.cpu()).backward()
+            opt.step()
+        after = _flat(module)
+        assert np.allclose(after, _flat(replay), rtol=0, atol=1e-5), np.abs(after - _flat(replay)).max()
+        assert not np.allclose(after, start)
+        assert np.array_equal(after, w.params), "device parameters differ from the worker's public copy"
