@@ -723,7 +723,8 @@ fn run_schedule(seed: u64) -> (Vec<String>, String) {
     (violations, summary)
 }
 
-/// The fixed schedules CI runs (`TETHER_PARTITION_SCHEDULES=N` runs N from seed 0; `TETHER_PARTITION_SEED=S` one):
+/// The fixed schedules CI runs (`TETHER_PARTITION_SCHEDULES=N` runs N from seed `TETHER_PARTITION_FIRST`, default
+/// 0; `TETHER_PARTITION_SEED=S` one):
 /// cuts one way and both, an isolated witness, a flapping link, pauses and kills of each process, and a kill during
 /// a partition. `scripts/partitions.sh` runs hundreds.
 #[test]
@@ -738,7 +739,11 @@ fn nemesis_schedules_keep_one_server_and_every_update() {
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(10);
-            (0..n).collect()
+            let first: u64 = std::env::var("TETHER_PARTITION_FIRST")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            (first..first + n).collect()
         }
     };
     let mut failed = Vec::new();

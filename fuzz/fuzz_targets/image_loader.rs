@@ -6,9 +6,9 @@
 use libfuzzer_sys::fuzz_target;
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::Staleness;
-use tether_common::protocol::{access_push, encode_push, Precision, PullMode, PushFrame};
+use tether_common::protocol::{encode_push, Precision, PullMode, PushFrame};
 use tether_common::testing::{flat_layout, sgd};
-use tether_server::image;
+use tether_server::replication::image;
 use tether_server::protocol::ShardProtocol;
 use tether_server::shard::{ShardCore, ShardSpec};
 
@@ -69,11 +69,7 @@ fuzz_target!(|data: &[u8]| {
             payload: payload.clone(),
         })
         .expect("encode push");
-        let mut aligned = rkyv::util::AlignedVec::<16>::new();
-        aligned.extend_from_slice(&body);
-        if let Ok(frame) = access_push(&aligned) {
-            let _ = proto.push_frame(conn + u64::from(w), frame, now + 1);
-        }
+        let _ = proto.push_frame(conn + u64::from(w), &body, now + 1);
         for mode in [PullMode::Full(Precision::F32), PullMode::Delta { have: None }] {
             let _ = proto.pull(conn + u64::from(w), w, 1, welcome.clock, mode, now + 2);
         }

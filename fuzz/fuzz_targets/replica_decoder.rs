@@ -1,4 +1,4 @@
-//! Feeds arbitrary bytes to a standby's side of the replication log: the entry decoder, then the follower that
+//! Feeds arbitrary bytes to a standby's side of the replication log: the entry decoder, then the standby that
 //! applies what decodes to a real shard protocol. Any panic is a finding; a refused entry must leave the standby's
 //! state unchanged.
 #![no_main]
@@ -7,7 +7,7 @@ use libfuzzer_sys::fuzz_target;
 use tether_common::config::Staleness;
 use tether_common::testing::{flat_layout, sgd};
 use tether_server::protocol::ShardProtocol;
-use tether_server::replica::{self, Follower};
+use tether_server::replication::{self as replica, Standby};
 use tether_server::shard::{ShardCore, ShardSpec};
 
 fuzz_target!(|data: &[u8]| {
@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
         spike_factor: 0.0,
     };
     let mut proto = ShardProtocol::new(ShardCore::new(&flat_layout(16), &spec));
-    let mut follower = Follower::new();
+    let mut follower = Standby::new();
     // A log of up to 8 entries, each prefixed by its length (one byte).
     let mut rest = data;
     while let Some((&len, tail)) = rest.split_first() {

@@ -22,10 +22,9 @@ use tether_common::protocol::{
 
 use crate::checkpoint::CheckpointStore;
 use crate::fence_link::Fence;
-use crate::image;
-use crate::protocol::{Action, ConnId, ShardProtocol, WireReply};
+use crate::protocol::{Action, ConnId, FrameBody, Handled, Input, ShardProtocol, WireReply};
 use crate::remote::RemoteStore;
-use crate::replica::{self, Entry, Follower, Input, ReplicaError};
+use crate::replication::{image, Entry, Primary, ReplicaError, Role, RoleKind, Standby};
 use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REASONS};
 
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
@@ -134,22 +133,19 @@ pub struct GetWeights;
 #[rtype(result = "Option<(PublicRef, Vec<f32>)>")]
 pub struct GetPublic;
 
-/// A standby asks to follow this shard (see [`crate::replica`]): granted only by a primary (not a node that follows
+/// A standby asks to follow this shard (see [`crate::replication`]): granted only by a primary (not a node that follows
 /// or is still finding its role) that has no standby, whose configuration and layout match the standby's. On success
-/// the standby gets the shard's state image as of now (see [`crate::image`]), then the encoded log entries after
+/// the standby gets the shard's state image as of now (see [`crate::replication::image`]), then the encoded log entries after
 /// it out of the receiver, and the shard holds every reply back until the standby acknowledged, through the watch,
 /// the entry that produced it.
 #[derive(Message)]
 #[rtype(result = "Result<Subscription, ReplicaError>")]
 pub struct Subscribe {
-    /// The standby's configuration fingerprint ([`replica::config_digest`]).
+    /// The standby's configuration fingerprint ([`crate::replication::config_digest`]).
     pub config_digest: u64,
     /// The standby's layout fingerprint.
     pub layout_hash: u64,
 }
-
-/// The log bound: a standby this many entries behind is dropped (the primary serves on without it, fenced).
-pub const LOG_QUEUE: usize = 4096;
 
 /// What a granted [`Subscribe`] hands the replication link.
 pub struct Subscription {
@@ -159,7 +155,7 @@ pub struct Subscription {
     pub image: Vec<u8>,
     /// The log position of the image: entries continue at `seq + 1`.
     pub seq: u64,
-    /// Encoded log entries, in order (bounded by [`LOG_QUEUE`]).
+    /// Encoded log entries, in order (bounded by [`crate::replication::LOG_QUEUE`]).
     pub log: mpsc::Receiver<Vec<u8>>,
     /// Where the link reports the newest entry the standby applied.
     pub acked: Arc<watch::Sender<u64>>,
@@ -205,7 +201,7 @@ pub struct GetLayoutHash;
 #[derive(Message)]
 #[rtype(result = "Result<(), ReplicaError>")]
 pub struct Follow {
-    /// The primary's state image ([`crate::image`]).
+    /// The primary's state image ([`crate::replication::image`]).
     pub image: Vec<u8>,
     /// Its log position: the first entry due is `seq + 1`.
     pub seq: u64,
@@ -222,12 +218,6 @@ pub struct Replicate(pub Entry);
 #[derive(Message)]
 #[rtype(result = "(u64, u64, ConnId)")]
 pub struct TakeOver;
-
-/// The link to the standby while it follows.
-struct Replication {
-    log: mpsc::Sender<Vec<u8>>,
-    link: u64,
-}
 
 /// One shard of the parameter server.
 pub struct ShardActor {
@@ -251,19 +241,19 @@ pub struct ShardActor {
     epoch: u64,
     /// Milliseconds added to the time since `started` (a standby that took over continues its primary's clock).
     clock_base: u64,
-    /// The link to this shard's standby, while one follows.
-    replica: Option<Replication>,
-    /// Standby: the log applied so far, while following.
-    following: Option<Follower>,
-    /// Fingerprint of the configuration this shard runs under ([`replica::config_digest`]).
+    /// What this node is: a primary (with its side of the log) or a standby (with its side); held here only.
+    role: Role,
+    /// Where the role is published (connection tasks turn workers away unless it is [`RoleKind::Primary`]).
+    role_tx: watch::Sender<RoleKind>,
+    /// The newest log position of the node's last term as primary: a new term's log continues above it, so that
+    /// the acknowledgement watch only moves up.
+    seq_floor: u64,
+    /// Fingerprint of the configuration this shard runs under ([`crate::replication::config_digest`]).
     config_digest: u64,
     /// A replicated shard's fence: this node serves only while it holds the lease.
     fence: Option<Arc<Fence>>,
-    /// The newest log position (advanced for every input of a fenced shard, logged or not).
-    seq: u64,
     /// The newest position a standby acknowledged (`u64::MAX`: nothing needs to wait).
     acked: Arc<watch::Sender<u64>>,
-    links: u64,
     /// Where applied pushes are recorded, and this node's name in the records.
     history: Option<(std::fs::File, &'static str)>,
 }
@@ -326,13 +316,12 @@ impl ShardActor {
             grace_armed: None,
             epoch: 0,
             clock_base: 0,
-            replica: None,
-            following: None,
+            role: Role::Primary(Primary::new(false, 0)),
+            role_tx: watch::channel(RoleKind::Primary).0,
+            seq_floor: 0,
             config_digest: 0,
             fence: None,
-            seq: 0,
             acked: Arc::new(watch::channel(u64::MAX).0),
-            links: 0,
             history: None,
         }
     }
@@ -348,12 +337,26 @@ impl ShardActor {
     pub fn with_fence(mut self, fence: Arc<Fence>) -> Self {
         self.fence = Some(fence);
         self.acked.send_replace(0);
+        if let Role::Primary(p) = &mut self.role {
+            *p = Primary::new(true, p.seq());
+        }
         self
+    }
+
+    /// Where this node's role is published (it changes when the node takes over, steps down or is seeded).
+    pub fn role_watch(&self) -> watch::Receiver<RoleKind> {
+        self.role_tx.subscribe()
+    }
+
+    /// Changes the role and publishes it.
+    fn set_role(&mut self, role: Role) {
+        self.role = role;
+        self.role_tx.send_replace(self.role.kind());
     }
 
     /// Whether this node serves now: it leads, and (fenced) holds the lease.
     fn serves(&self) -> bool {
-        self.following.is_none() && self.fence.as_ref().is_none_or(|f| f.serving())
+        self.role.is_primary() && self.fence.as_ref().is_none_or(|f| f.serving())
     }
 
     /// Whether this node serves now; if so, what the protocol builds next carries the term it serves in.
@@ -377,7 +380,7 @@ impl ShardActor {
         }
     }
 
-    /// Records the configuration fingerprint a standby must match ([`replica::config_digest`]).
+    /// Records the configuration fingerprint a standby must match ([`crate::replication::config_digest`]).
     pub fn with_config_digest(mut self, digest: u64) -> Self {
         self.config_digest = digest;
         self
@@ -386,7 +389,7 @@ impl ShardActor {
     /// A node of a replicated shard finding its role: it serves nobody until [`TakeOver`]; after [`Follow`] it
     /// applies its primary's log ([`Replicate`]).
     pub fn following(mut self) -> Self {
-        self.following = Some(Follower::new());
+        self.set_role(Role::Standby(Standby::new()));
         self
     }
 
@@ -411,43 +414,25 @@ impl ShardActor {
         self.clock_base + self.started.elapsed().as_millis() as u64
     }
 
-    /// Appends `input` to the replication log, if a standby follows (before the protocol takes it). A fenced shard
-    /// numbers every input, logged or not, so that a reply never waits for less than the input that made it.
-    fn log(&mut self, input: Input) {
-        if self.fence.is_none() && self.replica.is_none() {
-            return;
-        }
-        self.seq += 1;
-        let Some(r) = self.replica.as_mut() else {
-            return;
+    /// Feeds one input to the protocol, numbered and queued for the standby first ([`Primary::record`]). The
+    /// actor's only way into its protocol, so no input skips the log; `None` (nothing fed) unless this node is the
+    /// primary.
+    fn step(&mut self, input: &Input) -> Option<Handled> {
+        let Role::Primary(p) = &mut self.role else {
+            return None;
         };
-        let entry = Entry {
-            seq: self.seq,
-            input,
-        };
-        // The channel owns each encoded entry: one buffer per entry, written once.
-        let mut encoded = Vec::new();
-        if let Err(e) = replica::encode(&entry, &mut encoded) {
-            warn!(shard = self.proto.shard(), error = %e, "cannot encode a replication entry; dropping the standby");
-            self.standby_gone();
-            return;
-        }
-        if let Err(e) = r.log.try_send(encoded) {
-            let why = match e {
-                mpsc::error::TrySendError::Full(_) => "the standby fell a whole log queue behind",
-                mpsc::error::TrySendError::Closed(_) => "replication link gone",
-            };
-            warn!(
-                shard = self.proto.shard(),
-                why, "serving without a standby once the fence records it"
-            );
+        if let Err(why) = p.record(input) {
+            warn!(shard = self.proto.shard(), %why, "serving without a standby once the fence records it");
             self.standby_gone();
         }
+        Some(self.proto.handle(input))
     }
 
     /// The standby is gone: replies wait until the fence recorded that this node serves alone.
     fn standby_gone(&mut self) {
-        self.replica = None;
+        if let Role::Primary(p) = &mut self.role {
+            p.detach(None);
+        }
         if let Some(m) = &self.metrics {
             m.replica_connected.set(0);
         }
@@ -468,8 +453,12 @@ impl ShardActor {
     /// What a reply produced now must wait for before it leaves: the standby's acknowledgement of the newest entry
     /// (or a recorded solo), then the lease.
     fn ack_gate(&self) -> Option<(watch::Receiver<u64>, u64, Option<Arc<Fence>>)> {
-        (self.fence.is_some() || self.replica.is_some())
-            .then(|| (self.acked.subscribe(), self.seq, self.fence.clone()))
+        match &self.role {
+            Role::Primary(p) if p.gates() => {
+                Some((self.acked.subscribe(), p.seq(), self.fence.clone()))
+            }
+            _ => None,
+        }
     }
 
     /// Carries out what the protocol asks for: sends finished replies, refuses dropped pulls, closes connections.
@@ -631,8 +620,10 @@ impl ShardActor {
             return;
         }
         let now = self.now_ms();
-        self.log(Input::Tick { now_ms: now });
-        let evicted = self.proto.tick(now);
+        let evicted = match self.step(&Input::Tick { now_ms: now }) {
+            Some(Handled::Evicted(e)) => e,
+            _ => Vec::new(),
+        };
         self.run_actions();
         if !evicted.is_empty() {
             warn!(
@@ -651,8 +642,7 @@ impl ShardActor {
             .collect();
         for t in gone {
             self.waiting.remove(&t);
-            self.log(Input::Cancel { token: t });
-            self.proto.cancel(t);
+            self.step(&Input::Cancel { token: t });
             self.run_actions();
         }
         self.run_actions();
@@ -685,13 +675,15 @@ impl Handler<Hello> for ShardActor {
             return Err(ShardError::NotPrimary);
         }
         let now = self.now_ms();
-        self.log(Input::Hello {
+        let joined = match self.step(&Input::Hello {
             conn: msg.conn,
             worker: msg.worker,
             clock: msg.clock,
             now_ms: now,
-        });
-        let joined = self.proto.hello(msg.conn, msg.worker, msg.clock, now);
+        }) {
+            Some(Handled::Welcome(w)) => w,
+            _ => Err(ShardError::NotPrimary),
+        };
         if joined.is_ok() {
             self.kicks.insert(msg.conn, msg.kick);
             debug!(
@@ -711,36 +703,35 @@ impl Handler<Hello> for ShardActor {
 impl Handler<Heartbeat> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Heartbeat, _: &mut Context<Self>) {
-        if self.following.is_some() {
-            return;
-        }
         self.sync_term();
         let now = self.now_ms();
-        self.log(Input::Heartbeat {
-            conn: msg.conn,
-            worker: msg.worker,
-            now_ms: now,
-        });
-        self.proto.heartbeat(msg.conn, msg.worker, now);
-        self.run_actions();
+        if self
+            .step(&Input::Heartbeat {
+                conn: msg.conn,
+                worker: msg.worker,
+                now_ms: now,
+            })
+            .is_some()
+        {
+            self.run_actions();
+        }
     }
 }
 
 impl Handler<Goodbye> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Goodbye, ctx: &mut Context<Self>) {
-        if self.following.is_some() {
-            return;
-        }
         self.sync_term();
         let now = self.now_ms();
-        self.log(Input::Goodbye {
+        let fed = self.step(&Input::Goodbye {
             conn: msg.conn,
             worker: msg.worker,
             clock: msg.clock,
             now_ms: now,
         });
-        self.proto.goodbye(msg.conn, msg.worker, msg.clock, now);
+        if fed.is_none() {
+            return;
+        }
         self.update_live();
         self.run_actions();
         self.arm_grace(ctx);
@@ -750,12 +741,10 @@ impl Handler<Goodbye> for ShardActor {
 impl Handler<Closed> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Closed, _: &mut Context<Self>) {
-        if self.following.is_some() {
+        self.sync_term();
+        if self.step(&Input::Closed { conn: msg.conn }).is_none() {
             return;
         }
-        self.sync_term();
-        self.log(Input::Closed { conn: msg.conn });
-        self.proto.closed(msg.conn);
         self.kicks.remove(&msg.conn);
         self.run_actions();
     }
@@ -793,22 +782,26 @@ impl ShardActor {
             return Err(not_primary());
         }
         let now = self.now_ms();
+        // Validated by the connection task already; checked again so that the log never holds a body the standby
+        // would refuse.
         let frame = access_push(&msg.body)?;
-        if self.fence.is_some() || self.replica.is_some() {
-            self.log(Input::Push {
-                conn: msg.conn,
-                now_ms: now,
-                body: msg.body.to_vec(),
-            });
-        }
-        let meta = frame.meta();
-        let (outcome, applied) = self.proto.push_frame(msg.conn, frame, now);
+        let (meta, wire_bytes) = (frame.meta(), frame.payload().len() as u64);
+        let input = Input::Push {
+            conn: msg.conn,
+            now_ms: now,
+            body: FrameBody(msg.body),
+        };
+        let (outcome, applied) = match self.step(&input) {
+            Some(Handled::Round(outcome, applied)) => (outcome, applied),
+            Some(Handled::BadFrame(e)) => return Err(e),
+            _ => return Err(not_primary()),
+        };
         if let Some(m) = &self.metrics {
             if !meta.skip {
                 let fp32 = 4 * meta.range_end.saturating_sub(meta.range_start);
                 m.bytes_received
                     .get_or_create(&vec![("kind", "wire")])
-                    .inc_by(frame.payload().len() as u64);
+                    .inc_by(wire_bytes);
                 m.bytes_received
                     .get_or_create(&vec![("kind", "fp32")])
                     .inc_by(fp32);
@@ -865,18 +858,18 @@ impl Handler<Pull> for ShardActor {
             return Err(ShardError::NotPrimary);
         }
         let now = self.now_ms();
-        self.log(Input::Pull {
+        let token = match self.step(&Input::Pull {
             conn: msg.conn,
             worker: msg.worker,
             request: msg.request,
             clock: msg.clock,
             mode: msg.mode,
             now_ms: now,
-        });
-        let token = self
-            .proto
-            .pull(msg.conn, msg.worker, msg.request, msg.clock, msg.mode, now);
-        // Drained after every input, refused or not, as a standby does (see `crate::replica`).
+        }) {
+            Some(Handled::Pull(t)) => t,
+            _ => Err(ShardError::NotPrimary),
+        };
+        // Drained after every input, refused or not, as a standby does (see `crate::replication::standby`).
         let token = match token {
             Ok(t) => t,
             Err(e) => {
@@ -949,12 +942,12 @@ async fn wait_acked(mut acked: watch::Receiver<u64>, seq: u64) {
 impl Handler<Subscribe> for ShardActor {
     type Result = Result<Subscription, ReplicaError>;
     fn handle(&mut self, msg: Subscribe, _: &mut Context<Self>) -> Self::Result {
-        if let Some(f) = &self.following {
+        let Role::Primary(p) = &self.role else {
             return Err(ReplicaError::NotLeading {
-                seeded: f.is_seeded(),
+                seeded: self.role.kind() == RoleKind::Standby,
             });
-        }
-        if self.replica.is_some() {
+        };
+        if p.standby().is_some() {
             return Err(ReplicaError::Taken);
         }
         let core = self.proto.core();
@@ -969,14 +962,15 @@ impl Handler<Subscribe> for ShardActor {
         let lineage = core.lineage();
         // The actions were drained after the last input, so the image is the state every reply so far reflects.
         let image = image::encode(&self.proto, self.now_ms())?;
-        let (log_tx, log_rx) = mpsc::channel(LOG_QUEUE);
-        self.links += 1;
-        let link = self.links;
-        self.replica = Some(Replication { log: log_tx, link });
+        let Role::Primary(p) = &mut self.role else {
+            return Err(ReplicaError::NotLeading { seeded: false });
+        };
+        let (link, log_rx) = p.attach();
+        let seq = p.seq();
         // Released already (this node served alone): nothing waits at or below the image, so from here on replies
         // wait for this standby's acknowledgements.
         if *self.acked.borrow() == u64::MAX {
-            self.acked.send_replace(self.seq);
+            self.acked.send_replace(seq);
         }
         if let Some(m) = &self.metrics {
             m.replica_connected.set(1);
@@ -990,7 +984,7 @@ impl Handler<Subscribe> for ShardActor {
         Ok(Subscription {
             lineage,
             image,
-            seq: self.seq,
+            seq,
             log: log_rx,
             acked: self.acked.clone(),
             link,
@@ -1001,7 +995,11 @@ impl Handler<Subscribe> for ShardActor {
 impl Handler<ReplicaLost> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: ReplicaLost, _: &mut Context<Self>) {
-        if self.replica.as_ref().is_some_and(|r| r.link == msg.0) {
+        let dropped = match &mut self.role {
+            Role::Primary(p) => p.detach(Some(msg.0)),
+            Role::Standby(_) => false,
+        };
+        if dropped {
             warn!(
                 shard = self.proto.shard(),
                 "standby lost; serving without one once the fence records it"
@@ -1014,8 +1012,8 @@ impl Handler<ReplicaLost> for ShardActor {
 impl Handler<StandbySynced> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: StandbySynced, _: &mut Context<Self>) {
-        if let (Some(r), Some(f)) = (&self.replica, &self.fence) {
-            if r.link == msg.link {
+        if let (Role::Primary(p), Some(f)) = (&self.role, &self.fence) {
+            if p.standby() == Some(msg.link) {
                 f.set_successor(tether_common::fence::Successor::Node(msg.incarnation));
                 info!(
                     shard = self.proto.shard(),
@@ -1029,7 +1027,8 @@ impl Handler<StandbySynced> for ShardActor {
 impl Handler<SoloRecorded> for ShardActor {
     type Result = ();
     fn handle(&mut self, _: SoloRecorded, _: &mut Context<Self>) {
-        if self.replica.is_none() && self.fence.as_ref().is_some_and(|f| f.solo()) {
+        let alone = matches!(&self.role, Role::Primary(p) if p.standby().is_none());
+        if alone && self.fence.as_ref().is_some_and(|f| f.solo()) {
             debug!(
                 shard = self.proto.shard(),
                 "the fence recorded that this node serves alone"
@@ -1042,9 +1041,10 @@ impl Handler<SoloRecorded> for ShardActor {
 impl Handler<StepDown> for ShardActor {
     type Result = ();
     fn handle(&mut self, _: StepDown, _: &mut Context<Self>) {
-        if self.following.is_some() {
+        let Role::Primary(p) = &self.role else {
             return;
-        }
+        };
+        self.seq_floor = p.seq();
         if let Some(f) = &self.fence {
             f.depose();
         }
@@ -1059,13 +1059,14 @@ impl Handler<StepDown> for ShardActor {
         for (_, (_, tx)) in self.waiting.drain() {
             let _ = tx.send(Err(ShardError::NotPrimary));
         }
-        self.replica = None;
         if let Some(m) = &self.metrics {
             m.replica_connected.set(0);
         }
         // Held outcomes wake and see the lease gone: they answer NotPrimary.
         self.acked.send_replace(u64::MAX);
-        self.following = Some(Follower::seeded(self.now_ms(), self.proto.max_conn(), 0));
+        // The standby's link drops with the primary's side of the log.
+        let standby = Standby::seeded(self.now_ms(), self.proto.max_conn(), 0);
+        self.set_role(Role::Standby(standby));
     }
 }
 
@@ -1079,11 +1080,12 @@ impl Handler<GetLayoutHash> for ShardActor {
 impl Handler<Follow> for ShardActor {
     type Result = Result<(), ReplicaError>;
     fn handle(&mut self, msg: Follow, _: &mut Context<Self>) -> Self::Result {
-        if self.following.is_none() {
+        if self.role.is_primary() {
             return Err(ReplicaError::Mismatch("this node serves already".into()));
         }
         let now_ms = image::restore(&msg.image, &mut self.proto)?;
-        self.following = Some(Follower::seeded(now_ms, self.proto.max_conn(), msg.seq));
+        let standby = Standby::seeded(now_ms, self.proto.max_conn(), msg.seq);
+        self.set_role(Role::Standby(standby));
         if let Some(m) = &self.metrics {
             m.version.set(self.proto.version() as i64);
         }
@@ -1094,12 +1096,12 @@ impl Handler<Follow> for ShardActor {
 impl Handler<Replicate> for ShardActor {
     type Result = Result<u64, ReplicaError>;
     fn handle(&mut self, msg: Replicate, _: &mut Context<Self>) -> Self::Result {
-        let Some(follower) = self.following.as_mut() else {
+        let Role::Standby(standby) = &mut self.role else {
             return Err(ReplicaError::Mismatch(
                 "this shard took over already".into(),
             ));
         };
-        let seq = follower.accept(&mut self.proto, &msg.0)?;
+        let seq = standby.accept(&mut self.proto, &msg.0)?;
         if let Some(m) = &self.metrics {
             m.version.set(self.proto.version() as i64);
         }
@@ -1110,9 +1112,15 @@ impl Handler<Replicate> for ShardActor {
 impl Handler<TakeOver> for ShardActor {
     type Result = MessageResult<TakeOver>;
     fn handle(&mut self, _: TakeOver, ctx: &mut Context<Self>) -> Self::Result {
-        let Some(follower) = self.following.take() else {
+        if self.role.is_primary() {
             return MessageResult((self.proto.version(), 0, self.proto.max_conn()));
+        }
+        let primary = Role::Primary(Primary::new(self.fence.is_some(), self.seq_floor));
+        let Role::Standby(follower) = std::mem::replace(&mut self.role, primary) else {
+            // Checked just above: the role was a standby's.
+            unreachable!("a primary taking over");
         };
+        self.role_tx.send_replace(RoleKind::Primary);
         // The shard's clock continues from the newest time of the image and the log.
         self.clock_base = follower.last_now_ms();
         self.started = Instant::now();
@@ -1120,7 +1128,7 @@ impl Handler<TakeOver> for ShardActor {
         // recorded that this node serves alone (it won its term declaring no successor).
         if let Some(f) = &self.fence {
             self.acked
-                .send_replace(if f.solo() { u64::MAX } else { self.seq });
+                .send_replace(if f.solo() { u64::MAX } else { self.seq_floor });
         }
         let version = self.proto.version();
         if follower.is_seeded() {

@@ -4,11 +4,11 @@
 //! before it is read and validated in place before it is forwarded, and its outcome goes back on the control
 //! stream. Pulls run as bounded tasks per connection. A protocol violation closes only this connection with a typed
 //! code and never reaches shard state. A connection from the shard's own standby (`tether-standby-K`) carries the
-//! replication log instead ([`crate::replica`]): its entries go out on one unidirectional stream, its
+//! replication log instead ([`crate::replication`]): its entries go out on one unidirectional stream, its
 //! acknowledgements come back on the control stream. While this process is itself a standby that follows, workers
 //! are turned away with [`ErrorCode::NotPrimary`]. No protocol rule lives here.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,8 +56,8 @@ pub struct ConnectionContext {
     pub next_conn: AtomicU64,
     /// The handshake and connection budgets.
     pub admission: Arc<Admission>,
-    /// Set while this process is a standby following its primary: workers are turned away.
-    pub following: Arc<AtomicBool>,
+    /// This node's role as its actor publishes it: unless it is the primary, workers are turned away.
+    pub role: tokio::sync::watch::Receiver<crate::replication::RoleKind>,
     /// A replicated shard's fence: the other node's lease requests are answered with this node's vote.
     pub fence: Option<Arc<crate::fence_link::Fence>>,
 }
@@ -118,7 +118,7 @@ pub async fn serve_connection(
             close_with(&conn, ErrorCode::Unauthorized, "not a node of this shard");
             return;
         }
-        _ if ctx.following.load(Ordering::Acquire) => {
+        _ if *ctx.role.borrow() != crate::replication::RoleKind::Primary => {
             debug!(shard = ctx.shard, %peer, "turning a worker away: this standby follows its primary");
             close_with(
                 &conn,

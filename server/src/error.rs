@@ -50,7 +50,7 @@ pub enum Error {
     Address(String),
     /// A replication log, a standby's start or a replicated entry was refused.
     #[error(transparent)]
-    Replica(#[from] crate::replica::ReplicaError),
+    Replica(#[from] crate::replication::ReplicaError),
     /// The shard actor stopped.
     #[error("shard actor is gone")]
     ActorGone,

@@ -6,7 +6,7 @@
 //! Must be called inside an actix `System` running on a multi-threaded tokio runtime.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +33,7 @@ use crate::fence_link::{self, Fence, RemoteVoter, WITNESS_VOTER};
 use crate::norm_guard::GuardSettings;
 use crate::quorum::QuorumSettings;
 use crate::remote::RemoteStore;
-use crate::replica;
+use crate::replication::{self, RoleKind};
 use crate::shard::{Membership, ShardCore, ShardSpec, ShardStats};
 use crate::update_rule;
 
@@ -80,8 +80,8 @@ pub struct RunningShard {
     follower: Option<tokio::task::JoinHandle<()>>,
     /// The fence's rounds (replicated shards).
     fence_task: Option<tokio::task::JoinHandle<()>>,
-    /// Set while this process is a standby that follows its primary.
-    following: Arc<AtomicBool>,
+    /// The node's role, as its actor publishes it.
+    role: tokio::sync::watch::Receiver<RoleKind>,
     /// A standby's follower reports here why it cannot follow (a refusal by the primary, a bad log).
     standby_failed: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
@@ -263,7 +263,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         opts.metrics.clone(),
     )
     .with_remote(remote, cfg.checkpoint.local)
-    .with_config_digest(replica::config_digest(cfg));
+    .with_config_digest(replication::config_digest(cfg));
     // Both nodes of a replicated shard start by finding their role: each asks the other to seed it. Each serves
     // only while the fence grants it the lease.
     let replicated = opts.standby || cfg.cluster.replicated();
@@ -303,6 +303,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
             })?;
         actor = actor.with_history(file, if opts.standby { "standby" } else { "primary" });
     }
+    let role = actor.role_watch();
     let (addr, arbiter) = actor.start_on_own_arbiter();
     let fence_task = match (&fence, cfg.cluster.witness.as_deref()) {
         (Some(f), Some(witness)) => {
@@ -336,8 +337,6 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         }
         _ => None,
     };
-    let following = Arc::new(AtomicBool::new(replicated));
-    let ctx_following = following.clone();
     let ctx = Arc::new(ConnectionContext {
         shard_actor: addr.clone(),
         shard: opts.shard,
@@ -345,7 +344,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         limits,
         next_conn: AtomicU64::new(0),
         admission: Admission::new(AdmissionLimits::for_workers(cfg.cluster.rank_limit())),
-        following: following.clone(),
+        role: role.clone(),
         fence: fence.clone(),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
@@ -358,10 +357,12 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
             addresses.get(1)
         }
         .cloned()
-        .ok_or(Error::Replica(replica::ReplicaError::Mismatch(format!(
-            "shard {} has no standby address in cluster.standbys",
-            opts.shard
-        ))))?;
+        .ok_or(Error::Replica(replication::ReplicaError::Mismatch(
+            format!(
+                "shard {} has no standby address in cluster.standbys",
+                opts.shard
+            ),
+        )))?;
         let link = FollowLink {
             peer,
             designated_primary: !opts.standby,
@@ -370,7 +371,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
             actor: addr.clone(),
             ctx,
             shard: opts.shard,
-            config_digest: replica::config_digest(cfg),
+            config_digest: replication::config_digest(cfg),
             limits,
             fence: fence.clone(),
             incarnation,
@@ -399,7 +400,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         follower,
         fence_task,
         standby_failed,
-        following: ctx_following,
+        role,
     })
 }
 
@@ -565,7 +566,6 @@ impl FollowLink {
         info!(shard = self.shard, term = fence.term(), "holding the lease");
         lost.await;
         fence.want(false);
-        self.ctx.following.store(true, Ordering::Release);
         self.actor
             .send(StepDown)
             .await
@@ -584,7 +584,6 @@ impl FollowLink {
         self.ctx
             .next_conn
             .fetch_max(max_conn.saturating_add(1), Ordering::AcqRel);
-        self.ctx.following.store(false, Ordering::Release);
         info!(
             shard = self.shard,
             version, entries, "serving as the shard's primary"
@@ -708,7 +707,7 @@ impl FollowLink {
             }
             // A bad entry changes nothing here; the standby stops following (it acknowledges nothing more, so the
             // primary drops it and serves on once the fence records that) and asks again.
-            let entry = match replica::decode(&buf) {
+            let entry = match replication::decode(&buf) {
                 Ok(e) => e,
                 Err(e) => return Ok(Session::Lost(format!("bad replication entry: {e}"))),
             };
@@ -780,7 +779,7 @@ impl RunningShard {
 
     /// Whether this process is a standby that still follows its primary (it has not taken over).
     pub fn is_following(&self) -> bool {
-        self.following.load(Ordering::Acquire)
+        *self.role.borrow() != RoleKind::Primary
     }
 
     /// Resolves with the reason when this standby cannot follow its primary (refused, or a bad log); never for a

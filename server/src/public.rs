@@ -329,7 +329,7 @@ fn full_bytes(values: &Arc<Vec<f32>>) -> Bytes {
     Bytes::from(out)
 }
 
-/// A raw-f32 encoder standing in for the public copy's until [`crate::image::restore`] builds the configured one.
+/// A raw-f32 encoder standing in for the public copy's until [`crate::replication::image::restore`] builds the configured one.
 fn placeholder_encoder() -> tether_common::codec::Encoder {
     let raw = tether_common::codec::CodecConfig {
         scheme: tether_common::codec::Scheme::None,

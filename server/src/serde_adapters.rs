@@ -1,4 +1,4 @@
-//! Serde adapters for the state types that travel in state images ([`crate::image`]): shapes that make equal states
+//! Serde adapters for the state types that travel in state images ([`crate::replication::image`]): shapes that make equal states
 //! encode to equal bytes (maps as sorted lists), configuration types in a compact form, and shared buffers as plain
 //! values. A leaf module: the cores that use them import them with a `use`, and it imports nothing of the crate.
 

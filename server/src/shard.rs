@@ -1066,7 +1066,7 @@ impl ShardCore {
         lead
     }
 
-    /// Completes a decoded core (a peer's state image, see [`crate::image`]) with `local`'s settings and scratch,
+    /// Completes a decoded core (a peer's state image, see [`crate::replication::image`]) with `local`'s settings and scratch,
     /// after checking that it is the same shard of the same layout and that every part has the range's shape.
     /// Changes only `self`.
     pub(crate) fn adopt_local(&mut self, local: &ShardCore) -> Result<(), String> {

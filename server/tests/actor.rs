@@ -432,7 +432,8 @@ async fn checkpoint_now_writes_what_a_fresh_actor_resumes_from() {
 #[actix_rt::test]
 async fn a_standby_holds_back_outcomes_until_it_acknowledges_and_bad_standbys_are_refused() {
     use tether_server::actor::{Follow, GetLayoutHash, ReplicaLost, Subscribe, TakeOver};
-    use tether_server::replica::{self, Input, ReplicaError};
+    use tether_server::protocol::Input;
+    use tether_server::replication::{self as replica, ReplicaError};
     const CONFIG: u64 = 7;
     let start_with_digest = || {
         ShardActor::new(core(Staleness::Unbounded, 60_000), None, 0, 60_000, None)

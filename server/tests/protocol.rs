@@ -8,12 +8,12 @@
 
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::Staleness;
-use tether_common::protocol::{ErrorCode, Outcome, Precision, PullMode};
+use tether_common::protocol::{encode_push, ErrorCode, Outcome, Precision, PullMode, PushFrame};
 use tether_common::testing::{flat_layout, sgd};
 
 const F32: PullMode = PullMode::Full(Precision::F32);
-use tether_server::protocol::{Action, Round, ShardProtocol, MAX_PARKED_PER_WORKER};
-use tether_server::shard::{Membership, Push, ShardCore, ShardError, ShardSpec, MAX_CLOCK};
+use tether_server::protocol::{Action, ShardProtocol, MAX_PARKED_PER_WORKER};
+use tether_server::shard::{Membership, ShardCore, ShardError, ShardSpec, MAX_CLOCK};
 
 const N: usize = 8;
 const TIMEOUT: u64 = 1_000;
@@ -76,15 +76,26 @@ fn push_on(
     payload: &[u8],
     now_ms: u64,
 ) -> Outcome {
-    let round = Round::Push(Push {
+    p.push_frame(conn, &round_body(worker, clock, payload, false), now_ms)
+        .unwrap()
+        .0
+}
+
+/// A push frame body (a skip marker when `skip`), as the wire carries it.
+fn round_body(worker: u32, clock: u64, payload: &[u8], skip: bool) -> Vec<u8> {
+    encode_push(&PushFrame {
         worker,
         clock,
         shard: 0,
-        range: (0, N as u64),
+        range_start: 0,
+        range_end: N as u64,
         read_version: 0,
-        payload,
-    });
-    p.round(conn, round, now_ms).0
+        loss: 1.0,
+        skip,
+        payload: if skip { Vec::new() } else { payload.to_vec() },
+    })
+    .unwrap()
+    .to_vec()
 }
 
 /// A push of `worker` on connection `conn`.
@@ -94,7 +105,9 @@ fn push(p: &mut ShardProtocol, conn: u64, worker: u32, clock: u64, payload: &[u8
 
 /// A skip marker of `worker` on connection `conn`.
 fn skip(p: &mut ShardProtocol, conn: u64, worker: u32, clock: u64) -> Outcome {
-    p.round(conn, Round::Skip { worker, clock }, 0).0
+    p.push_frame(conn, &round_body(worker, clock, &[], true), 0)
+        .unwrap()
+        .0
 }
 
 fn actions(p: &mut ShardProtocol) -> Vec<Action> {
@@ -572,34 +585,13 @@ fn a_member_that_heartbeats_but_never_pushes_is_evicted_at_the_progress_deadline
         q.heartbeat(10, 0, now);
         q.heartbeat(11, 1, now);
         let f = frame(0, c);
-        assert_eq!(
-            q.round(
-                10,
-                Round::Push(Push {
-                    worker: 0,
-                    clock: c,
-                    shard: 0,
-                    range: (0, N as u64),
-                    read_version: 0,
-                    payload: &f
-                }),
-                now
-            )
-            .0,
-            Outcome::Applied
-        );
+        assert_eq!(push_on(&mut q, 10, 0, c, &f, now), Outcome::Applied);
         q.pull(10, 0, c, c + 1, F32, now).unwrap();
         assert!(q.tick(now).is_empty());
         assert_eq!(
-            q.round(
-                11,
-                Round::Skip {
-                    worker: 1,
-                    clock: c
-                },
-                now
-            )
-            .0,
+            q.push_frame(11, &round_body(1, c, &[], true), now)
+                .unwrap()
+                .0,
             Outcome::Applied
         );
         actions(&mut q);

@@ -8,10 +8,9 @@ use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::Staleness;
 use tether_common::protocol::{encode_push, Precision, PullMode, PushFrame};
 use tether_common::testing::{flat_layout, sgd, TestRng};
-use tether_server::image;
-use tether_server::protocol::ShardProtocol;
+use tether_server::protocol::{FrameBody, Input, ShardProtocol};
 use tether_server::quorum::QuorumSettings;
-use tether_server::replica::{self, Entry, Follower, Input, ReplicaError};
+use tether_server::replication::{self as replica, image, Entry, EntryRef, ReplicaError, Standby};
 use tether_server::shard::{ShardCore, ShardSpec};
 
 const N: usize = 64;
@@ -75,53 +74,24 @@ fn push_body(rng: &mut TestRng, worker: u32, clock: u64, skip: bool) -> Vec<u8> 
     .to_vec()
 }
 
-/// Applies `input` to the primary as the actor does, by direct protocol calls (not through [`replica::apply`]),
-/// each followed by a full drain; returns the entry it logs.
+/// Feeds `input` to the primary as the actor does (through the protocol's one entry, then a full drain); returns
+/// the entry it logs.
 fn primary_takes(p: &mut ShardProtocol, seq: u64, input: Input) -> Entry {
-    match &input {
-        Input::Hello {
-            conn,
-            worker,
-            clock,
-            now_ms,
-        } => {
-            let _ = p.hello(*conn, *worker, *clock, *now_ms);
-        }
-        Input::Heartbeat {
-            conn,
-            worker,
-            now_ms,
-        } => p.heartbeat(*conn, *worker, *now_ms),
-        Input::Goodbye {
-            conn,
-            worker,
-            clock,
-            now_ms,
-        } => p.goodbye(*conn, *worker, *clock, *now_ms),
-        Input::Closed { conn } => p.closed(*conn),
-        Input::Push { conn, now_ms, body } => {
-            let mut aligned = rkyv::util::AlignedVec::<16>::new();
-            aligned.extend_from_slice(body);
-            let frame = tether_common::protocol::access_push(&aligned).unwrap();
-            let _ = p.push_frame(*conn, frame, *now_ms);
-        }
-        Input::Pull {
-            conn,
-            worker,
-            request,
-            clock,
-            mode,
-            now_ms,
-        } => {
-            let _ = p.pull(*conn, *worker, *request, *clock, *mode, *now_ms);
-        }
-        Input::Cancel { token } => p.cancel(*token),
-        Input::Tick { now_ms } => {
-            let _ = p.tick(*now_ms);
-        }
-    }
+    p.handle(&input);
     while p.poll_action().is_some() {}
     Entry { seq, input }
+}
+
+/// Encodes `entry` as the primary's side of the log does.
+fn to_wire(entry: &Entry, wire: &mut Vec<u8>) {
+    replica::encode(
+        &EntryRef {
+            seq: entry.seq,
+            input: &entry.input,
+        },
+        wire,
+    )
+    .unwrap();
 }
 
 /// A random schedule of inputs, as a primary's shell would produce them over `steps` steps.
@@ -164,7 +134,7 @@ fn schedule(seed: u64, steps: usize) -> Vec<Input> {
                 let input = Input::Push {
                     conn: c,
                     now_ms: now,
-                    body: push_body(&mut rng, w, clock[i], skip),
+                    body: FrameBody::copy_from(&push_body(&mut rng, w, clock[i], skip)),
                 };
                 clock[i] += 1;
                 input
@@ -242,13 +212,13 @@ fn a_standby_that_applies_the_log_holds_the_primarys_state_bit_for_bit() {
         let quorum = (seed % 3) as u32;
         let mut primary = shard(quorum);
         let mut standby = shard(quorum);
-        let mut follower = Follower::new();
+        let mut follower = Standby::new();
         let mut wire = Vec::new();
         let inputs = schedule(seed, 400);
         for (i, input) in inputs.into_iter().enumerate() {
             let entry = primary_takes(&mut primary, i as u64 + 1, input);
             // Through the wire format, as the replication link carries it.
-            replica::encode(&entry, &mut wire).unwrap();
+            to_wire(&entry, &mut wire);
             let got = replica::decode(&wire).unwrap();
             assert_eq!(got, entry);
             follower.accept(&mut standby, &got).unwrap();
@@ -297,13 +267,13 @@ fn a_standby_seeded_from_an_image_mid_run_then_following_the_log_holds_the_prima
                     state(&primary),
                     "seed {seed}: restored state"
                 );
-                follower = Some(Follower::seeded(now, standby.max_conn(), 0));
+                follower = Some(Standby::seeded(now, standby.max_conn(), 0));
                 seq = 0;
             }
             seq += 1;
             let entry = primary_takes(&mut primary, seq, input);
             if let Some(f) = follower.as_mut() {
-                replica::encode(&entry, &mut wire).unwrap();
+                to_wire(&entry, &mut wire);
                 f.accept(&mut standby, &replica::decode(&wire).unwrap())
                     .unwrap();
             }
@@ -380,7 +350,7 @@ fn images_that_do_not_fit_or_do_not_decode_are_refused_and_change_nothing() {
 fn out_of_order_backwards_or_bad_entries_are_refused_and_change_nothing() {
     let mut rng = TestRng::new(7);
     let mut standby = shard(0);
-    let mut follower = Follower::new();
+    let mut follower = Standby::new();
     let hello = Entry {
         seq: 1,
         input: Input::Hello {
@@ -397,7 +367,7 @@ fn out_of_order_backwards_or_bad_entries_are_refused_and_change_nothing() {
         input: Input::Push {
             conn: 1,
             now_ms,
-            body,
+            body: FrameBody::copy_from(&body),
         },
     };
     let good = push_body(&mut rng, 0, 0, false);
@@ -447,7 +417,7 @@ fn undecodable_entries_are_typed_errors() {
         input: Input::Tick { now_ms: 5 },
     };
     let mut wire = Vec::new();
-    replica::encode(&entry, &mut wire).unwrap();
+    to_wire(&entry, &mut wire);
     let mut trailing = wire.clone();
     trailing.push(0);
     for bytes in [
@@ -484,4 +454,48 @@ fn images_with_non_finite_values_are_refused_like_forged_checkpoints() {
         "{r:?}"
     );
     assert!(image::encode(&local, 0).unwrap() == fresh);
+}
+
+#[test]
+fn the_primary_numbers_every_input_and_queues_it_for_its_standby_until_it_falls_a_whole_queue_behind(
+) {
+    use tether_server::replication::{Dropped, Primary, LOG_QUEUE};
+    // Unfenced and without a standby, nothing waits on the log: inputs are not numbered.
+    let mut solo = Primary::new(false, 0);
+    solo.record(&Input::Tick { now_ms: 1 }).unwrap();
+    assert_eq!(solo.seq(), 0);
+    assert!(!solo.gates());
+    // Fenced: every input is numbered, standby or not.
+    let mut p = Primary::new(true, 5);
+    p.record(&Input::Tick { now_ms: 1 }).unwrap();
+    assert_eq!(p.seq(), 6);
+    let (link, mut rx) = p.attach();
+    assert_eq!(p.standby(), Some(link));
+    let inputs = schedule(3, 50);
+    for input in &inputs {
+        p.record(input).unwrap();
+    }
+    // The standby gets every input after its image, in order, numbered without gaps, byte for byte.
+    for (i, input) in inputs.iter().enumerate() {
+        let e = replica::decode(&rx.try_recv().unwrap()).unwrap();
+        assert_eq!(e.seq, 7 + i as u64);
+        assert_eq!(&e.input, input);
+    }
+    assert!(rx.try_recv().is_err());
+    // A standby that takes nothing more is dropped once a whole queue waits; the input is numbered all the same.
+    for _ in 0..LOG_QUEUE {
+        p.record(&Input::Tick { now_ms: 2 }).unwrap();
+    }
+    let seq = p.seq();
+    assert_eq!(p.record(&Input::Tick { now_ms: 3 }), Err(Dropped::Behind));
+    assert_eq!((p.seq(), p.standby()), (seq + 1, None));
+    // A link whose other end is gone is dropped at the next input.
+    let (_, rx) = p.attach();
+    drop(rx);
+    assert_eq!(p.record(&Input::Tick { now_ms: 4 }), Err(Dropped::Gone));
+    assert_eq!(p.standby(), None);
+    // Another link's loss does not drop the current standby.
+    let (link, _rx) = p.attach();
+    assert!(!p.detach(Some(link + 1)));
+    assert!(p.detach(Some(link)));
 }

@@ -6,7 +6,7 @@
 
 use tether_common::codec::{CodecConfig, Encoder, Scheme};
 use tether_common::config::{RollbackConfig, Staleness};
-use tether_common::protocol::{access_push, encode_push, ErrorCode, Outcome, PushFrame};
+use tether_common::protocol::{encode_push, ErrorCode, Outcome, PushFrame};
 use tether_common::testing::{flat_layout, sgd};
 use tether_server::protocol::ShardProtocol;
 use tether_server::public::Answer;
@@ -79,8 +79,7 @@ fn send(p: &mut ShardProtocol, worker: u32, clock: u64, read_version: u64, loss:
         payload: payload((r.end - r.start) as usize, worker, clock),
     };
     let bytes = encode_push(&frame).unwrap();
-    let archived = access_push(&bytes).unwrap();
-    p.push_frame(u64::from(worker), archived, 0).0
+    p.push_frame(u64::from(worker), &bytes, 0).unwrap().0
 }
 
 /// One BSP round on every shard: each worker pushes with `loss`, read at the shard's current version.

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use tether::common::protocol::{encode_push, PushFrame};
-use tether::server::replica::Input;
+use tether::server::protocol::{Handled, Input};
 use tether::server::shard::MAX_CLOCK;
 
 use super::net::{Conn, Lane, Msg, Payload};
@@ -148,10 +148,9 @@ impl Sim {
                     return Ok(());
                 };
                 let now = self.now;
-                if let Some(p) = self.shards[shard].proto.as_mut() {
+                if let Some(p) = self.shards[shard].proto.as_ref() {
                     let clock = p.core().clocks().clock_of(HOSTILE as u32).unwrap_or(0);
-                    p.goodbye(conn, HOSTILE as u32, clock, now);
-                    self.replicate(
+                    self.feed(
                         shard,
                         Input::Goodbye {
                             conn,
@@ -167,17 +166,13 @@ impl Sim {
                 let conn = self.next_conn;
                 self.next_conn += 1;
                 let now = self.now;
-                if let Some(p) = self.shards[shard].proto.as_mut() {
-                    let welcomed = p.hello(conn, BEYOND, 0, now);
-                    self.replicate(
-                        shard,
-                        Input::Hello {
-                            conn,
-                            worker: BEYOND,
-                            clock: 0,
-                            now_ms: now,
-                        },
-                    );
+                let hello = Input::Hello {
+                    conn,
+                    worker: BEYOND,
+                    clock: 0,
+                    now_ms: now,
+                };
+                if let Some(Handled::Welcome(welcomed)) = self.feed(shard, hello) {
                     let Some(p) = self.shards[shard].proto.as_mut() else {
                         return Ok(());
                     };
@@ -203,19 +198,15 @@ impl Sim {
         let conn = self.next_conn;
         self.next_conn += 1;
         let now = self.now;
-        let Some(p) = self.shards[shard].proto.as_mut() else {
+        let hello = Input::Hello {
+            conn,
+            worker: HOSTILE as u32,
+            clock: claim,
+            now_ms: now,
+        };
+        let Some(Handled::Welcome(hello)) = self.feed(shard, hello) else {
             return Ok(None);
         };
-        let hello = p.hello(conn, HOSTILE as u32, claim, now);
-        self.replicate(
-            shard,
-            Input::Hello {
-                conn,
-                worker: HOSTILE as u32,
-                clock: claim,
-                now_ms: now,
-            },
-        );
         let welcome = match hello {
             Ok(w) => w,
             Err(e) => {

@@ -47,10 +47,9 @@ use tether::common::config::Staleness;
 use tether::common::layout::Layout;
 use tether::common::protocol::{Precision, PullMode};
 use tether::common::testing::{flat_layout, sgd, TestRng};
-use tether::server::image;
-use tether::server::protocol::{ConnId, ShardProtocol};
+use tether::server::protocol::{ConnId, Handled, Input, ShardProtocol};
 use tether::server::quorum::QuorumSettings;
-use tether::server::replica::{self, Entry, Follower, Input};
+use tether::server::replication::{self as replica, image, Entry, EntryRef, Standby as StandbyLog};
 use tether::server::shard::{Membership, ShardCore, ShardSpec};
 use tether::worker::protocol::WorkerProtocol;
 
@@ -108,7 +107,7 @@ struct SimWorker {
 /// A shard's standby: its own protocol core, fed every input the primary takes through the encoded log.
 struct Standby {
     proto: ShardProtocol,
-    follower: Follower,
+    follower: StandbyLog,
 }
 
 /// One shard: the real protocol core (none while crashed), its last checkpoint, and what the checker tracks of it.
@@ -343,7 +342,7 @@ impl Sim {
                     twin.set_public(lossless(), lineage);
                     Standby {
                         proto: ShardProtocol::new(twin),
-                        follower: Follower::new(),
+                        follower: StandbyLog::new(),
                     }
                 });
                 SimShard {
@@ -425,9 +424,17 @@ impl Sim {
         }
     }
 
+    /// Feeds `input` to shard `k`'s primary through the protocol's one entry and then to its standby through the
+    /// encoded log, as the actor and the replication link do; `None` when the primary is down.
+    pub(crate) fn feed(&mut self, k: usize, input: Input) -> Option<Handled> {
+        let handled = self.shards[k].proto.as_mut()?.handle(&input);
+        self.replicate(k, input);
+        Some(handled)
+    }
+
     /// Feeds `input`, which shard `k`'s primary has just taken, to its standby through the encoded log (a
     /// failure to encode, decode or apply it is recorded as a violation).
-    pub(crate) fn replicate(&mut self, k: usize, input: Input) {
+    fn replicate(&mut self, k: usize, input: Input) {
         let Some(standby) = self.shards[k].standby.as_mut() else {
             return;
         };
@@ -436,9 +443,15 @@ impl Sim {
             input,
         };
         let mut wire = Vec::new();
-        let applied = replica::encode(&entry, &mut wire)
-            .and_then(|()| replica::decode(&wire))
-            .and_then(|e| standby.follower.accept(&mut standby.proto, &e));
+        let applied = replica::encode(
+            &EntryRef {
+                seq: entry.seq,
+                input: &entry.input,
+            },
+            &mut wire,
+        )
+        .and_then(|()| replica::decode(&wire))
+        .and_then(|e| standby.follower.accept(&mut standby.proto, &e));
         if let Err(e) = applied {
             self.diverged.get_or_insert(format!(
                 "shard {k}'s standby refused entry {}: {e}",
@@ -489,7 +502,7 @@ impl Sim {
         match seeded {
             Ok(now) => {
                 self.shards[k].standby = Some(Standby {
-                    follower: Follower::seeded(now, twin.max_conn(), 0),
+                    follower: StandbyLog::seeded(now, twin.max_conn(), 0),
                     proto: twin,
                 });
             }
@@ -724,9 +737,7 @@ impl Sim {
                 }
             }
             for k in 0..SHARDS {
-                if let Some(p) = self.shards[k].proto.as_mut() {
-                    p.tick(tick);
-                    self.replicate(k, Input::Tick { now_ms: tick });
+                if self.feed(k, Input::Tick { now_ms: tick }).is_some() {
                     self.observe_quorum(k);
                     self.drain_shard(k)?;
                 }
@@ -773,18 +784,16 @@ impl Sim {
                     .find(|(w, _)| *w == worker as u32)
                     .map_or(0, |(_, c)| c);
                 // The shard protocol's own welcome, exactly what the connection shell sends.
-                let welcome = p
-                    .hello(conn, worker as u32, clock, self.now)
-                    .map_err(|e| format!("hello refused: {e}"))?;
-                self.replicate(
-                    shard,
-                    Input::Hello {
-                        conn,
-                        worker: worker as u32,
-                        clock,
-                        now_ms: self.now,
-                    },
-                );
+                let hello = Input::Hello {
+                    conn,
+                    worker: worker as u32,
+                    clock,
+                    now_ms: self.now,
+                };
+                let welcome = match self.feed(shard, hello) {
+                    Some(Handled::Welcome(w)) => w.map_err(|e| format!("hello refused: {e}"))?,
+                    other => return Err(format!("a hello handled as {other:?}")),
+                };
                 // With nobody else live, the join value is evidence honest workers left, never a departed member's
                 // clock (the hostile one's, run up alone).
                 let high = self.shards[shard].honest_high;

@@ -9,8 +9,7 @@ use std::collections::BTreeMap;
 use tether::common::protocol::{
     access_push, Control, ErrorCode, FrameKind, Outcome, PullMode, Welcome,
 };
-use tether::server::protocol::{Action, ConnId, Round};
-use tether::server::replica::Input;
+use tether::server::protocol::{Action, ConnId, FrameBody, Handled, Input};
 use tether::worker::protocol::{Event, Settled, Transmit, Verdict};
 
 use super::{bound, Phase, Sim, TICK_MS, TIMEOUT_MS, WORKERS};
@@ -253,10 +252,7 @@ impl Sim {
         c.alive = false;
         let (w, k) = (c.worker, c.shard);
         self.note(format!("conn {conn} (w{w} s{k}) broken"));
-        if let Some(p) = self.shards[k].proto.as_mut() {
-            p.closed(conn);
-            self.replicate(k, Input::Closed { conn });
-        }
+        self.feed(k, Input::Closed { conn });
         if notify_worker
             && w < WORKERS
             && self.workers[w].conns[k] == Some(conn)
@@ -399,19 +395,16 @@ impl Sim {
                 .unwrap_or(0)
                 .max(self.shards[k].quorum_high),
         };
-        let Some(proto) = self.shards[k].proto.as_mut() else {
-            return Ok(());
-        };
         let gate_before = proto.core().clocks().gate();
-        let (outcome, _) = proto.round(conn, Round::from_frame(frame), now);
-        self.replicate(
-            k,
-            Input::Push {
-                conn,
-                now_ms: now,
-                body: bytes.to_vec(),
-            },
-        );
+        let push = Input::Push {
+            conn,
+            now_ms: now,
+            body: FrameBody::copy_from(&bytes),
+        };
+        let outcome = match self.feed(k, push) {
+            Some(Handled::Round(outcome, _)) => outcome,
+            other => return Err(format!("a push handled as {other:?}")),
+        };
         self.observe_quorum(k);
         if outcome == Outcome::Applied {
             if let Some(s) = bound(self.faults.staleness) {
@@ -490,12 +483,7 @@ impl Sim {
             let now = self.now;
             match msg.payload {
                 Payload::Control(Control::Heartbeat { .. }) => {
-                    self.shards[k]
-                        .proto
-                        .as_mut()
-                        .expect("up")
-                        .heartbeat(conn, w as u32, now);
-                    self.replicate(
+                    self.feed(
                         k,
                         Input::Heartbeat {
                             conn,
@@ -509,23 +497,15 @@ impl Sim {
                     clock,
                     mode,
                 }) => {
-                    let r = self.shards[k]
-                        .proto
-                        .as_mut()
-                        .expect("up")
-                        .pull(conn, w as u32, request, clock, mode, now);
-                    self.replicate(
-                        k,
-                        Input::Pull {
-                            conn,
-                            worker: w as u32,
-                            request,
-                            clock,
-                            mode,
-                            now_ms: now,
-                        },
-                    );
-                    if let Err(e) = r {
+                    let pull = Input::Pull {
+                        conn,
+                        worker: w as u32,
+                        request,
+                        clock,
+                        mode,
+                        now_ms: now,
+                    };
+                    if let Some(Handled::Pull(Err(e))) = self.feed(k, pull) {
                         self.send(Msg {
                             conn,
                             worker: w,
@@ -539,12 +519,7 @@ impl Sim {
                     }
                 }
                 Payload::Control(Control::Goodbye { clock }) => {
-                    self.shards[k]
-                        .proto
-                        .as_mut()
-                        .expect("up")
-                        .goodbye(conn, w as u32, clock, now);
-                    self.replicate(
+                    self.feed(
                         k,
                         Input::Goodbye {
                             conn,

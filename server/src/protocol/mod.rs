@@ -20,18 +20,21 @@
 //! - every peer-supplied number goes through checked arithmetic and fails with a typed [`ShardError`];
 //! - at most [`MAX_PARKED_PER_WORKER`] pulls per worker wait on the gate, so no peer can take the others' slots.
 
+mod input;
 pub mod reply;
 
 use std::collections::{BTreeMap, VecDeque};
 
 use tether_common::config::Staleness;
 use tether_common::protocol::{
-    ArchivedPushFrame, ErrorCode, Outcome, PublicRef, PullMode, ReplyHeader, Welcome,
+    access_push, ArchivedPushFrame, ErrorCode, Outcome, ProtocolError, PublicRef, PullMode,
+    ReplyHeader, Welcome,
 };
 
 use crate::checkpoint::ShardSnapshot;
 use crate::shard::{Applied, Push, ShardCore, ShardError, ShardStats, MAX_CLOCK};
 
+pub use input::{FrameBody, Handled, Input};
 pub use reply::WireReply;
 
 /// Identifies one connection to this shard; the shell assigns them, never reusing one.
@@ -198,18 +201,22 @@ enum Queued {
 
 /// The server side of the protocol for one shard.
 ///
-/// Call order (as quinn-proto's `Connection`): the shell owns one `ShardProtocol` per shard and, for each input,
-/// calls the matching method with the current `now_ms`, then drains [`poll_action`](Self::poll_action) until it
-/// returns `None` and carries every action out:
-/// - a connection authenticated and sent its hello → [`hello`](Self::hello) (send the returned [`Welcome`]);
-/// - any control message from a worker → [`heartbeat`](Self::heartbeat) (pulls and goodbyes count as well);
-/// - a validated push frame → [`push_frame`](Self::push_frame) (or [`round`](Self::round)); send back the outcome;
-/// - a pull request → [`pull`](Self::pull); an `Err` is refused at once, an `Ok` token is answered or refused later
+/// Call order (as quinn-proto's `Connection`): the shell owns one `ShardProtocol` per shard and feeds every input
+/// through the one entry, [`handle`](Self::handle), as an [`Input`] carrying the current `now_ms` (the replication
+/// log carries the same inputs, so a standby feeds the same entry), then drains [`poll_action`](Self::poll_action)
+/// until it returns `None` and carries every action out:
+/// - a connection authenticated and sent its hello → [`Input::Hello`] (send the returned [`Welcome`]);
+/// - any control message from a worker → [`Input::Heartbeat`] (pulls and goodbyes count as well);
+/// - a validated push frame → [`Input::Push`]; send back the outcome;
+/// - a pull request → [`Input::Pull`]; an `Err` is refused at once, an `Ok` token is answered or refused later
 ///   through [`Action::Answer`] / [`Action::Refuse`] (the reply is finished: send `reply.chunks` as they are);
-/// - a goodbye → [`goodbye`](Self::goodbye); a connection closed → [`closed`](Self::closed); a requester gone
-///   before its answer → [`cancel`](Self::cancel);
-/// - on a timer (a fraction of the eviction timeout) → [`tick`](Self::tick), which evicts silent workers and ends
+/// - a goodbye → [`Input::Goodbye`]; a connection closed → [`Input::Closed`]; a requester gone before its answer
+///   → [`Input::Cancel`];
+/// - on a timer (a fraction of the eviction timeout) → [`Input::Tick`], which evicts silent workers and ends
 ///   goodbye drains.
+///
+/// The typed methods ([`hello`](Self::hello), [`push_frame`](Self::push_frame), ...) build the input and feed
+/// [`handle`](Self::handle) too; they are for harnesses and tests, which keep no log.
 ///
 /// Read-only views ([`version`](Self::version), [`stats`](Self::stats), [`snapshot`](Self::snapshot), ...) serve
 /// metrics and checkpoints; they change nothing.
@@ -259,7 +266,7 @@ impl ShardProtocol {
         self.term
     }
 
-    /// Completes a decoded protocol (a peer's state image, see [`crate::image`]) with `local`'s settings and
+    /// Completes a decoded protocol (a peer's state image, see [`crate::replication::image`]) with `local`'s settings and
     /// scratch, after checking its shapes: outcome windows and parked pulls within their bounds, every parked token
     /// below the next one, and the core (see [`ShardCore::adopt_local`]). Changes only `self`.
     pub(crate) fn adopt_local(&mut self, local: &ShardProtocol) -> Result<(), String> {
@@ -409,12 +416,167 @@ impl ShardProtocol {
         }
     }
 
+    /// Feeds one input: the one entry through which anything changes this protocol (see the type's docs).
+    pub fn handle(&mut self, input: &Input) -> Handled {
+        match input {
+            Input::Hello {
+                conn,
+                worker,
+                clock,
+                now_ms,
+            } => Handled::Welcome(self.on_hello(*conn, *worker, *clock, *now_ms)),
+            Input::Heartbeat {
+                conn,
+                worker,
+                now_ms,
+            } => {
+                self.on_heartbeat(*conn, *worker, *now_ms);
+                Handled::Done
+            }
+            Input::Goodbye {
+                conn,
+                worker,
+                clock,
+                now_ms,
+            } => {
+                self.on_goodbye(*conn, *worker, *clock, *now_ms);
+                Handled::Done
+            }
+            Input::Closed { conn } => {
+                self.on_closed(*conn);
+                Handled::Done
+            }
+            Input::Push { conn, now_ms, body } => match access_push(body.as_slice()) {
+                Ok(frame) => {
+                    let (outcome, result) = self.on_push_frame(*conn, frame, *now_ms);
+                    Handled::Round(outcome, result)
+                }
+                Err(e) => Handled::BadFrame(e),
+            },
+            Input::Pull {
+                conn,
+                worker,
+                request,
+                clock,
+                mode,
+                now_ms,
+            } => Handled::Pull(self.on_pull(*conn, *worker, *request, *clock, *mode, *now_ms)),
+            Input::Cancel { token } => {
+                self.on_cancel(*token);
+                Handled::Done
+            }
+            Input::Tick { now_ms } => Handled::Evicted(self.on_tick(*now_ms)),
+        }
+    }
+
+    /// [`Input::Hello`] through [`handle`](Self::handle).
+    pub fn hello(
+        &mut self,
+        conn: ConnId,
+        worker: u32,
+        clock: u64,
+        now_ms: u64,
+    ) -> Result<Welcome, ShardError> {
+        match self.handle(&Input::Hello {
+            conn,
+            worker,
+            clock,
+            now_ms,
+        }) {
+            Handled::Welcome(w) => w,
+            // `handle` answers every hello with `Handled::Welcome`.
+            other => unreachable!("a hello handled as {other:?}"),
+        }
+    }
+
+    /// [`Input::Heartbeat`] through [`handle`](Self::handle).
+    pub fn heartbeat(&mut self, conn: ConnId, worker: u32, now_ms: u64) {
+        self.handle(&Input::Heartbeat {
+            conn,
+            worker,
+            now_ms,
+        });
+    }
+
+    /// [`Input::Push`] of a push frame body (copied into an aligned buffer) through [`handle`](Self::handle): the
+    /// outcome and what the shard did, or the frame's validation error (nothing changed).
+    pub fn push_frame(
+        &mut self,
+        conn: ConnId,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Result<(Outcome, Result<Option<Applied>, ShardError>), ProtocolError> {
+        match self.handle(&Input::Push {
+            conn,
+            now_ms,
+            body: FrameBody::copy_from(body),
+        }) {
+            Handled::Round(outcome, result) => Ok((outcome, result)),
+            Handled::BadFrame(e) => Err(e),
+            // `handle` answers every push with `Handled::Round` or `Handled::BadFrame`.
+            other => unreachable!("a push handled as {other:?}"),
+        }
+    }
+
+    /// [`Input::Pull`] through [`handle`](Self::handle).
+    pub fn pull(
+        &mut self,
+        conn: ConnId,
+        worker: u32,
+        request: u64,
+        clock: u64,
+        mode: PullMode,
+        now_ms: u64,
+    ) -> Result<u64, ShardError> {
+        match self.handle(&Input::Pull {
+            conn,
+            worker,
+            request,
+            clock,
+            mode,
+            now_ms,
+        }) {
+            Handled::Pull(t) => t,
+            // `handle` answers every pull with `Handled::Pull`.
+            other => unreachable!("a pull handled as {other:?}"),
+        }
+    }
+
+    /// [`Input::Goodbye`] through [`handle`](Self::handle).
+    pub fn goodbye(&mut self, conn: ConnId, worker: u32, clock: u64, now_ms: u64) {
+        self.handle(&Input::Goodbye {
+            conn,
+            worker,
+            clock,
+            now_ms,
+        });
+    }
+
+    /// [`Input::Closed`] through [`handle`](Self::handle).
+    pub fn closed(&mut self, conn: ConnId) {
+        self.handle(&Input::Closed { conn });
+    }
+
+    /// [`Input::Cancel`] through [`handle`](Self::handle).
+    pub fn cancel(&mut self, token: u64) {
+        self.handle(&Input::Cancel { token });
+    }
+
+    /// [`Input::Tick`] through [`handle`](Self::handle): the workers it evicted.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<u32> {
+        match self.handle(&Input::Tick { now_ms }) {
+            Handled::Evicted(e) => e,
+            // `handle` answers every tick with `Handled::Evicted`.
+            other => unreachable!("a tick handled as {other:?}"),
+        }
+    }
+
     /// A worker's hello on connection `conn`: the explicit rejoin (see [`ShardCore::join_at`]: a rank outside the
     /// configured workers or a claim past [`MAX_CLOCK`] is refused and changes nothing; a claim beyond the bound
     /// rejoins at the shard's value). The new connection supersedes the worker's older one: that one's parked pulls
     /// are refused and it is closed with [`ErrorCode::Superseded`]. Returns the finished [`Welcome`] the shell sends
     /// back (this shard, its range and bound, the worker's clock here, the min clock, the version).
-    pub fn hello(
+    fn on_hello(
         &mut self,
         conn: ConnId,
         worker: u32,
@@ -449,7 +611,7 @@ impl ShardProtocol {
     }
 
     /// Any message from `worker` on `conn` is a sign of life; on a superseded connection it is ignored.
-    pub fn heartbeat(&mut self, conn: ConnId, worker: u32, now_ms: u64) {
+    fn on_heartbeat(&mut self, conn: ConnId, worker: u32, now_ms: u64) {
         if self.is_current(conn, worker) {
             self.core.heartbeat(worker, now_ms);
         }
@@ -472,7 +634,7 @@ impl ShardProtocol {
     /// `(worker, clock)`: a round that was applied before is acknowledged as [`Outcome::Duplicate`] and changes
     /// nothing; a round refused before is refused again with the same code. Returns the outcome the worker is told,
     /// and what the shard did now: the application details, nothing (a duplicate or skip), or the refusal in full.
-    pub fn round(
+    fn on_round(
         &mut self,
         conn: ConnId,
         round: Round<'_>,
@@ -531,7 +693,7 @@ impl ShardProtocol {
     /// A validated push frame on connection `conn`: its reported loss goes to the loss-spike detector (see
     /// [`ShardCore::note_loss`]) when `conn` is the worker's current connection, then it is handled as
     /// [`round`](Self::round) handles its push or skip marker.
-    pub fn push_frame(
+    fn on_push_frame(
         &mut self,
         conn: ConnId,
         frame: &ArchivedPushFrame,
@@ -542,14 +704,14 @@ impl ShardProtocol {
             self.core
                 .note_loss(meta.worker, meta.clock, meta.read_version, meta.loss);
         }
-        self.round(conn, Round::from_frame(frame), now_ms)
+        self.on_round(conn, Round::from_frame(frame), now_ms)
     }
 
     /// A pull request. Checks membership (a live worker speaking on its current connection) and the clock
     /// (`own ≤ clock ≤ own + s + 1`: an honest worker pulls at most `s + 1` rounds past its last applied push),
     /// then answers at once or parks the pull on the gate. Returns the pull's token; the answer comes out of
     /// [`poll_action`](Self::poll_action).
-    pub fn pull(
+    fn on_pull(
         &mut self,
         conn: ConnId,
         worker: u32,
@@ -558,7 +720,7 @@ impl ShardProtocol {
         mode: PullMode,
         now_ms: u64,
     ) -> Result<u64, ShardError> {
-        self.heartbeat(conn, worker, now_ms);
+        self.on_heartbeat(conn, worker, now_ms);
         if !self.is_current(conn, worker) {
             return Err(self.not_current(worker));
         }
@@ -606,7 +768,7 @@ impl ShardProtocol {
     /// A worker said goodbye on `conn` at `clock`: once the shard has taken its rounds below `clock` (they travel on
     /// the push path, which the goodbye may overtake) or [`GOODBYE_DRAIN_MS`] passed, it leaves the clock table
     /// (nobody waits on it), its parked pulls are refused and its connection is closed in order.
-    pub fn goodbye(&mut self, conn: ConnId, worker: u32, clock: u64, now_ms: u64) {
+    fn on_goodbye(&mut self, conn: ConnId, worker: u32, clock: u64, now_ms: u64) {
         if !self.is_current(conn, worker) {
             return;
         }
@@ -644,7 +806,7 @@ impl ShardProtocol {
 
     /// Connection `conn` closed: its parked pulls are dropped. The worker stays in the table until it rejoins or
     /// its silence evicts it.
-    pub fn closed(&mut self, conn: ConnId) {
+    fn on_closed(&mut self, conn: ConnId) {
         self.parked.retain(|p| p.conn != conn);
         for m in self.members.values_mut() {
             if m.conn == Some(conn) {
@@ -654,7 +816,7 @@ impl ShardProtocol {
     }
 
     /// A pull's requester went away before its answer (the shell noticed); drops it.
-    pub fn cancel(&mut self, token: u64) {
+    fn on_cancel(&mut self, token: u64) {
         self.parked.retain(|p| p.token != token);
     }
 
@@ -662,7 +824,7 @@ impl ShardProtocol {
     /// minimum clock that made no progress for the progress deadline ([`ShardCore::evict_stalled`]): they stop
     /// blocking the gate, their parked pulls are refused and their connections closed (so that, if they are alive
     /// after all, they reconnect and rejoin).
-    pub fn tick(&mut self, now_ms: u64) -> Vec<u32> {
+    fn on_tick(&mut self, now_ms: u64) -> Vec<u32> {
         let draining: Vec<u32> = self
             .members
             .iter()

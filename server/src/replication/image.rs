@@ -2,15 +2,15 @@
 //! table and quorum state, members with their outcome windows and parked pulls, the public copy and its delta log,
 //! the guard's and the spike detector's windows, rollback snapshots and counters) as one bincode body, so that a
 //! standby can start following a primary that has served workers for a while: it restores the image and then
-//! applies the log entries that follow it (see [`crate::replica`]). This module owns the image format and the checks
+//! applies the log entries that follow it (see [`super::log`]). This module owns the image format and the checks
 //! that make a peer's image safe to adopt: bounded size, typed
 //! errors, and shapes checked against the local shard (same shard, range and layout; every vector of the range's
 //! length) before anything local changes. Settings and scratch never travel: they come from the local shard.
 
 use serde::{Deserialize, Serialize};
 
+use super::log::ReplicaError;
 use crate::protocol::ShardProtocol;
-use crate::replica::ReplicaError;
 
 /// The image format's version; an image of another version is refused.
 pub const IMAGE_FORMAT: u32 = 1;
