@@ -291,6 +291,7 @@ impl LocalCluster {
                     .map(|(_, s)| *s),
                 model: self.model.clone(),
                 colocated: workers,
+                history: None,
             };
             let prepared =
                 prepare_worker(opts).map_err(|source| ClusterError::Worker { rank, source })?;

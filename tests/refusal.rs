@@ -82,6 +82,7 @@ async fn failed_worker(
         straggle: None,
         model: None,
         colocated: 1,
+        history: None,
     };
     let started = Instant::now();
     let prepared = prepare_worker(opts).expect("worker prepares");

@@ -252,6 +252,7 @@ pub fn run_workers(
                 straggle: None,
                 model: Some(factory.clone()),
                 colocated: workers,
+                history: None,
             };
             let prepared = prepare_worker(opts)?;
             tasks.push(tokio::spawn(prepared.run()));

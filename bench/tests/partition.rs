@@ -14,6 +14,7 @@ use tether_bench::netns::{is_root, Star};
 use tether_common::pki::{Authority, Node, Validity};
 use tether_common::splitmix::SplitMix64;
 use tether_server::actor::HistoryLine;
+use tether_worker::WorkerHistoryLine;
 
 const PRIMARY: usize = 0;
 const STANDBY: usize = 1;
@@ -216,6 +217,7 @@ impl Bed {
             .map(|(rank, &i)| {
                 let name = format!("w{rank}");
                 let report = format!("{name}.json");
+                let history = format!("{name}.history");
                 let r = rank.to_string();
                 let args = [
                     "--config",
@@ -226,6 +228,8 @@ impl Bed {
                     &report,
                     "--step-delay-ms",
                     "40",
+                    "--history",
+                    &history,
                 ];
                 self.spawn(i, &name, "tether-worker", &args)
             })
@@ -238,6 +242,15 @@ impl Bed {
             .unwrap_or_default()
             .lines()
             .map(|l| serde_json::from_str(l).expect("history line"))
+            .collect()
+    }
+
+    /// Worker `rank`'s history: its settled pushes and the reads it used, with the terms that answered.
+    fn worker_history(&self, rank: usize) -> Vec<WorkerHistoryLine> {
+        std::fs::read_to_string(self.path(&format!("w{rank}.history")))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("worker history line"))
             .collect()
     }
 
@@ -307,6 +320,62 @@ fn check(primary: &[HistoryLine], standby: &[HistoryLine]) -> Verdict {
         violations,
         applied: [primary.len(), standby.len()],
     }
+}
+
+/// The checker over the workers' side, against the shard nodes' applied pushes (`shards`, both nodes):
+/// - every push a worker was told is in (applied, or a duplicate of an applied one) was applied, and never twice in
+///   one term (a deposed node's application that its standby never acknowledged is discarded with its state, so
+///   the same round applied again in a newer term is the one that counts);
+/// - a push a worker was told was applied now was applied in the term that told it (no deposed node's answer);
+/// - a worker's reads of the shard never go back, in version or in term (it never reads a deposed node's older
+///   state after a newer one).
+fn check_workers(shards: &[&HistoryLine], workers: &[Vec<WorkerHistoryLine>]) -> Vec<String> {
+    let mut applied: std::collections::BTreeMap<(u32, u64), Vec<u64>> = Default::default();
+    for l in shards {
+        applied.entry((l.worker, l.clock)).or_default().push(l.term);
+    }
+    let mut violations = Vec::new();
+    for (rank, lines) in workers.iter().enumerate() {
+        let rank = rank as u32;
+        let mut last_read = (0u64, 0u64);
+        for l in lines {
+            match l.kind.as_str() {
+                "push" if l.outcome == "applied" || l.outcome == "duplicate" => {
+                    let terms = applied.get(&(rank, l.clock)).cloned().unwrap_or_default();
+                    let mut distinct = terms.clone();
+                    distinct.sort_unstable();
+                    distinct.dedup();
+                    if terms.is_empty() {
+                        violations.push(format!(
+                            "worker {rank} was told round {} is in ({}, term {}), but no node applied it",
+                            l.clock, l.outcome, l.term
+                        ));
+                    } else if distinct.len() != terms.len() {
+                        violations.push(format!(
+                            "worker {rank}'s round {} applied twice in one term (terms {terms:?})",
+                            l.clock
+                        ));
+                    } else if l.outcome == "applied" && !terms.contains(&l.term) {
+                        violations.push(format!(
+                            "worker {rank}'s round {} was applied in terms {terms:?} but acknowledged in term {}",
+                            l.clock, l.term
+                        ));
+                    }
+                }
+                "read" => {
+                    if l.version < last_read.0 || l.term < last_read.1 {
+                        violations.push(format!(
+                            "worker {rank} read version {} in term {} after version {} in term {}",
+                            l.version, l.term, last_read.0, last_read.1
+                        ));
+                    }
+                    last_read = (last_read.0.max(l.version), last_read.1.max(l.term));
+                }
+                _ => {}
+            }
+        }
+    }
+    violations
 }
 
 fn skip_without_root() -> bool {
@@ -509,6 +578,75 @@ fn the_checker_fails_on_interleaved_terms() {
     assert_eq!(shared.violations.len(), 1, "{:?}", shared.violations);
 }
 
+#[test]
+fn the_worker_checker_fails_on_lost_doubled_deposed_or_backward_answers() {
+    let shard = |term, worker, clock| HistoryLine {
+        t_us: clock,
+        node: "primary".into(),
+        term,
+        worker,
+        clock,
+        version: clock,
+    };
+    let push = |clock, outcome: &str, term| WorkerHistoryLine {
+        t_us: clock,
+        kind: "push".into(),
+        shard: 0,
+        clock,
+        outcome: outcome.into(),
+        version: 0,
+        term,
+    };
+    let read = |version, term| WorkerHistoryLine {
+        t_us: version,
+        kind: "read".into(),
+        shard: 0,
+        clock: 0,
+        outcome: String::new(),
+        version,
+        term,
+    };
+    let applied = [shard(2, 0, 0), shard(2, 0, 1), shard(3, 0, 2)];
+    let refs: Vec<&HistoryLine> = applied.iter().collect();
+    let good = vec![
+        push(0, "applied", 2),
+        read(1, 2),
+        push(1, "duplicate", 3),
+        push(2, "applied", 3),
+        read(3, 3),
+        push(3, "refused", 3),
+    ];
+    assert_eq!(check_workers(&refs, &[good.clone()]), Vec::<String>::new());
+    let cases: [(Vec<WorkerHistoryLine>, &[&HistoryLine]); 4] = [
+        // Acknowledged but never applied (a lost update).
+        (vec![push(5, "applied", 3)], &refs),
+        // Applied in term 2, acknowledged in term 3 (an answer that was not the applier's).
+        (vec![push(0, "applied", 3)], &refs),
+        // A read that goes back in version (a deposed node's older state).
+        (vec![read(3, 3), read(2, 3)], &refs),
+        // A read in an older term after a newer one.
+        (vec![read(3, 3), read(3, 2)], &refs),
+    ];
+    for (lines, shards) in cases {
+        assert_eq!(
+            check_workers(shards, &[lines.clone()]).len(),
+            1,
+            "{lines:?}"
+        );
+    }
+    // Applied twice in one term; in two terms (a deposed node's discarded application, then the new primary's) it
+    // counts once.
+    let doubled = [shard(2, 0, 0), shard(2, 0, 0)];
+    let refs2: Vec<&HistoryLine> = doubled.iter().collect();
+    assert_eq!(
+        check_workers(&refs2, &[vec![push(0, "applied", 2)]]).len(),
+        1
+    );
+    let again = [shard(2, 0, 0), shard(3, 0, 0)];
+    let refs3: Vec<&HistoryLine> = again.iter().collect();
+    assert!(check_workers(&refs3, &[vec![push(0, "applied", 3)]]).is_empty());
+}
+
 /// One fault of a nemesis schedule.
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -709,15 +847,31 @@ fn run_schedule(seed: u64) -> (Vec<String>, String) {
                 .and_then(|v| v["updates_applied"].as_f64())
         })
         .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
-    let verdict = check(&bed.history("primary"), &bed.history("standby"));
+    let (primary_history, standby_history) = (bed.history("primary"), bed.history("standby"));
+    let verdict = check(&primary_history, &standby_history);
     let mut violations = verdict.violations;
+    let shards: Vec<&HistoryLine> = primary_history.iter().chain(&standby_history).collect();
+    let workers: Vec<Vec<WorkerHistoryLine>> = (0..2).map(|r| bed.worker_history(r)).collect();
+    if workers.iter().any(Vec::is_empty) {
+        violations.push("a worker recorded no history".into());
+    }
+    violations.extend(check_workers(&shards, &workers));
     match applied {
         Some(a) if a == steps => {}
         Some(a) => violations.push(format!("{a} updates applied for {steps} worker steps")),
         None => violations.push("no shard node wrote its report".into()),
     }
+    let (acks, reads) = workers
+        .iter()
+        .flatten()
+        .fold((0, 0), |(a, r), l| match l.kind.as_str() {
+            "push" if l.outcome != "refused" => (a + 1, r),
+            "read" => (a, r + 1),
+            _ => (a, r),
+        });
     let summary = format!(
-        "seed {seed}: {:?} ({applied_faults} applied), pushes by node {:?}, {steps} steps",
+        "seed {seed}: {:?} ({applied_faults} applied), pushes by node {:?}, {steps} steps, worker histories: \
+         {acks} acknowledged rounds, {reads} reads",
         faults, verdict.applied
     );
     (violations, summary)

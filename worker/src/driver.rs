@@ -21,8 +21,8 @@ use tether_common::net::{
     NetError, RefusedBy, TlsPaths,
 };
 use tether_common::protocol::{
-    Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, Precision, ProtocolError, PullMode,
-    Welcome,
+    Control, ErrorCode, FrameHeader, FrameKind, FrameLimits, Outcome, Precision, ProtocolError,
+    PullMode, Welcome,
 };
 
 use crate::error::WorkerError;
@@ -163,6 +163,28 @@ pub struct Driver {
     push_rtt: (u64, Duration),
     /// The slowest reply transfer of the last pull.
     pull_transfer: Duration,
+    /// Where settled pushes and used reads are recorded (JSON lines), when asked.
+    history: Option<std::fs::File>,
+}
+
+/// One record of a worker's history (a JSON line): a push's outcome, or a read it used, with the fence term of the
+/// link that answered. The partition checker reads these beside the shards' own histories.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct WorkerHistoryLine {
+    /// Wall-clock time, microseconds since the Unix epoch.
+    pub t_us: u64,
+    /// `push` or `read`.
+    pub kind: String,
+    /// The shard.
+    pub shard: u32,
+    /// A push's round; 0 for a read.
+    pub clock: u64,
+    /// A push's outcome (`applied`, `duplicate`, `refused`, or `skipped` for a skip marker taken); empty for a read.
+    pub outcome: String,
+    /// The shard version a read reflected; 0 for a push.
+    pub version: u64,
+    /// The fence term of the link it came on (0: unreplicated).
+    pub term: u64,
 }
 
 /// Everything [`Driver::new`] needs.
@@ -199,6 +221,8 @@ pub struct DriverConfig {
     /// The model's layout, to compute a fresh shard's initial weights instead of pulling them whole
     /// ([`WorkerProtocol::with_initial`]); `None` pulls them.
     pub initial: Option<std::sync::Arc<tether_common::layout::Layout>>,
+    /// Where to record settled pushes and used reads ([`WorkerHistoryLine`]); `None`: nowhere.
+    pub history: Option<std::fs::File>,
 }
 
 impl DriverConfig {
@@ -260,6 +284,7 @@ impl DriverConfig {
             reconnect_deadline,
             tls_paths,
             initial: None,
+            history: None,
         }
     }
 }
@@ -305,6 +330,7 @@ impl Driver {
             in_flight: std::collections::VecDeque::new(),
             push_rtt: (0, Duration::ZERO),
             pull_transfer: Duration::ZERO,
+            history: cfg.history,
         }
     }
 
@@ -503,6 +529,13 @@ impl Driver {
                     Event::PullDone { clock } => done = Some(clock),
                     Event::Settled(settled) => {
                         let (shard, clock) = (settled.shard, settled.clock);
+                        let outcome = match (settled.verdict(), settled.outcome) {
+                            (Verdict::Skipped, _) => "skipped",
+                            (_, Outcome::Applied) => "applied",
+                            (_, Outcome::Duplicate) => "duplicate",
+                            (_, Outcome::Refused(_)) => "refused",
+                        };
+                        self.record("push", shard, clock, outcome, 0, settled.term);
                         if let Some(i) = self
                             .in_flight
                             .iter()
@@ -765,16 +798,55 @@ impl Driver {
                 }
                 self.pull_transfer = self.pull_transfer.max(transfer);
                 self.bytes_pulled += body.len() as u64;
-                if let Err(e) = self.protocol.handle_reply(shard, kind, &body, params) {
-                    // The protocol forgot the shard's copy and reset the link; the connection goes with it.
-                    warn!(rank = self.rank, shard, error = %e, "bad pull reply; reconnecting");
-                    if let Some(io) = self.links[shard].take() {
-                        io.close(b"bad reply");
+                match self.protocol.handle_reply(shard, kind, &body, params) {
+                    Ok(true) => {
+                        let (term, version) = self.protocol.read_of(shard);
+                        self.record("read", shard, 0, "", version, term);
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        // The protocol forgot the shard's copy and reset the link; the connection goes with it.
+                        warn!(rank = self.rank, shard, error = %e, "bad pull reply; reconnecting");
+                        if let Some(io) = self.links[shard].take() {
+                            io.close(b"bad reply");
+                        }
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// Appends one line to the history, if one is kept (a write error stops the recording, not the training).
+    fn record(
+        &mut self,
+        kind: &str,
+        shard: usize,
+        clock: u64,
+        outcome: &str,
+        version: u64,
+        term: u64,
+    ) {
+        let Some(file) = self.history.as_mut() else {
+            return;
+        };
+        let line = WorkerHistoryLine {
+            t_us: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
+            kind: kind.to_string(),
+            shard: shard as u32,
+            clock,
+            outcome: outcome.to_string(),
+            version,
+            term,
+        };
+        let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
+        bytes.push(b'\n');
+        if let Err(e) = std::io::Write::write_all(file, &bytes) {
+            warn!(rank = self.rank, error = %e, "cannot write the history; no longer recording");
+            self.history = None;
+        }
     }
 
     fn install(&mut self, shard: usize, c: Connection) -> Result<(), WorkerError> {

@@ -82,6 +82,15 @@ pub enum WorkerError {
     /// The worker actor stopped.
     #[error("worker actor is gone")]
     ActorGone,
+    /// The history file could not be opened.
+    #[error("cannot open the history file {path}: {source}")]
+    History {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A remote worker's runtime could not be started.
     #[error("cannot start the worker's runtime: {0}")]
     Runtime(#[source] std::io::Error),

@@ -18,6 +18,7 @@ mod run;
 pub mod step;
 pub mod threads;
 
+pub use driver::WorkerHistoryLine;
 pub use error::WorkerError;
 pub use model::{Model, ModelFactory};
 pub use remote::{Pulled, RemoteOptions, RemoteReport, RemoteWorker, UpdateKind};

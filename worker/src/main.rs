@@ -57,6 +57,10 @@ struct Cli {
     /// `push@STEP:FACTOR` (the pushed update, after clipping) (repeatable).
     #[arg(long)]
     inject: Vec<String>,
+    /// Record every settled push and every pull reply used (with the fence term that answered) to this file, one
+    /// JSON line each: the history the partition checker reads.
+    #[arg(long)]
+    history: Option<std::path::PathBuf>,
 }
 
 fn main() {
@@ -189,6 +193,7 @@ fn run() -> Result<()> {
             straggle: cli.straggle,
             model,
             colocated: tether_worker::threads::colocated_workers(&cfg),
+            history: cli.history.clone(),
         };
         let prepared = prepare_worker(opts)?;
         let r = tokio::spawn(prepared.run())

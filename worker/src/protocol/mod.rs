@@ -102,6 +102,8 @@ pub struct Settled {
     pub outcome: Outcome,
     /// The frame as sent (for the residual policy on refusal).
     pub frame: Bytes,
+    /// The fence term of the link it was settled on (0: unreplicated).
+    pub term: u64,
 }
 
 /// What a settled round means for the worker.
@@ -489,6 +491,7 @@ impl WorkerProtocol {
                 clock: p.clock,
                 outcome: Outcome::Refused(ErrorCode::Evicted),
                 frame: p.frame,
+                term: link.term,
             }));
         }
         link.next_clock = link
@@ -715,6 +718,13 @@ impl WorkerProtocol {
         Ok(true)
     }
 
+    /// The fence term of `shard`'s current link and the shard version of the newest reply used from it: what a
+    /// history records of a read.
+    pub fn read_of(&self, shard: usize) -> (u64, u64) {
+        let l = &self.links[shard];
+        (l.term, l.version)
+    }
+
     /// Judges a pull reply from `shard`. Returns true when it answers the shard's current request of this round
     /// (then its values are used, and the worker holds `reply.public` from then on when given); false when it is
     /// stale and must be dropped. A used reply of another rollback epoch than the last one from this shard raises
@@ -914,6 +924,7 @@ impl WorkerProtocol {
             clock,
             outcome,
             frame: p.frame,
+            term: link.term,
         }));
         if link.rejoin && link.pending.is_empty() {
             link.up = false;

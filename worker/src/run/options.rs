@@ -50,6 +50,8 @@ pub struct WorkerOptions {
     /// Workers sharing this host's cores, this one included: with `train.threads = 0` each computes on an equal
     /// share of them ([`crate::threads::compute_threads`]).
     pub colocated: u32,
+    /// Record every settled push and used read here (JSON lines, [`crate::WorkerHistoryLine`]).
+    pub history: Option<std::path::PathBuf>,
 }
 
 /// Straggler emulation: with `probability`, a round is stretched to `factor` × its compute time (the worker waits

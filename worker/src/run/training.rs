@@ -108,9 +108,23 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
     let addr = WorkerActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
     let endpoint = client_endpoint(&opts.tls, &TransportTuning::for_cluster(cfg))
         .map_err(WorkerError::Endpoint)?;
+    let history = match &opts.history {
+        Some(path) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| WorkerError::History {
+                    path: path.clone(),
+                    source,
+                })?,
+        ),
+        None => None,
+    };
     let driver = Driver::new(DriverConfig {
         // A fresh shard's initial weights are computed here from the layout instead of pulled whole.
         initial: Some(std::sync::Arc::new(layout.clone())),
+        history,
         ..DriverConfig::for_config(
             cfg,
             opts.rank,
