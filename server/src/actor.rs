@@ -27,6 +27,10 @@ use crate::remote::RemoteStore;
 use crate::replication::{image, Entry, Primary, ReplicaError, Role, RoleKind, Standby};
 use crate::shard::{reject_reason, ShardCore, ShardError, ShardStats, REJECT_REASONS};
 
+/// The partition checker's mutation (feature `mutation-unfenced`): the node ignores its lease. Never enabled in a
+/// real build.
+const UNFENCED: bool = cfg!(feature = "mutation-unfenced");
+
 /// Mailbox capacity of a shard actor: at most this many messages queue before senders wait.
 pub const MAILBOX: usize = 64;
 
@@ -356,7 +360,7 @@ impl ShardActor {
 
     /// Whether this node serves now: it leads, and (fenced) holds the lease.
     fn serves(&self) -> bool {
-        self.role.is_primary() && self.fence.as_ref().is_none_or(|f| f.serving())
+        self.role.is_primary() && (UNFENCED || self.fence.as_ref().is_none_or(|f| f.serving()))
     }
 
     /// Whether this node serves now; if so, what the protocol builds next carries the term it serves in.
@@ -439,7 +443,7 @@ impl ShardActor {
         match &self.fence {
             Some(f) => {
                 f.set_successor(tether_common::fence::Successor::Nobody);
-                if f.solo() {
+                if UNFENCED || f.solo() {
                     self.acked.send_replace(u64::MAX);
                 }
             }
@@ -922,7 +926,7 @@ impl Handler<CheckpointNow> for ShardActor {
 /// Whether `fence` still holds the lease of `term` (a reply built in an older term never leaves, even if the node
 /// serves again in a newer one).
 fn still_serving(fence: &Fence, term: u64) -> bool {
-    fence.term() == term && fence.serving()
+    UNFENCED || (fence.term() == term && fence.serving())
 }
 
 /// The answer to a push at a node that does not hold the lease: the connection closes with `NotPrimary`, and the
@@ -1044,6 +1048,9 @@ impl Handler<StepDown> for ShardActor {
         let Role::Primary(p) = &self.role else {
             return;
         };
+        if UNFENCED {
+            return;
+        }
         self.seq_floor = p.seq();
         if let Some(f) = &self.fence {
             f.depose();

@@ -17,7 +17,7 @@ use tether_common::fence::{Lease, LeaseEvent, Request, Successor, Vote, Voter, V
 use tether_common::net::{
     connect, peer_is_witness, peer_shard, ControlChannel, NetError, TlsFiles,
 };
-use tether_common::protocol::Control;
+use tether_common::protocol::{Control, ProtocolError};
 
 use crate::address::{host_of, resolve};
 
@@ -395,14 +395,21 @@ async fn voter_link(
             let reader = async {
                 loop {
                     match rx.recv().await? {
-                        Control::LeaseVote { vote } => {
-                            let id = pending
+                        Control::LeaseVote { round, vote } => {
+                            let due = pending
                                 .lock()
                                 .unwrap_or_else(|p| p.into_inner())
                                 .pop_front();
-                            if let Some(id) = id {
-                                fence.take(id, voter.index, vote);
+                            // Each request gets one answer, in order: anything else (a second answer, an answer
+                            // to a request never sent) would count a promise for a round it was not made for.
+                            if due != Some(round) {
+                                let due = due.map_or("none".into(), |d| d.to_string());
+                                warn!(shard = fence.shard, voter = voter.index, round, %due, "a voter answered a round that was not due; dropping its link");
+                                return Err(NetError::Protocol(ProtocolError::UnexpectedMessage(
+                                    format!("a vote for round {round} where {due} was due"),
+                                )));
                             }
+                            fence.take(round, voter.index, vote);
                         }
                         other => {
                             return Err::<(), _>(NetError::Identity(format!(
@@ -439,7 +446,12 @@ pub async fn serve_votes(
     let mut req = first;
     loop {
         let vote = answer(&req);
-        control.send(&Control::LeaseVote { vote }).await?;
+        control
+            .send(&Control::LeaseVote {
+                round: req.round,
+                vote,
+            })
+            .await?;
         match control.recv().await? {
             Control::LeaseRequest { shard: s, request } if s == shard => req = request,
             Control::LeaseRequest { shard: s, .. } => {

@@ -123,8 +123,12 @@ pub enum Control {
         /// The term, incarnation, round and successor claimed.
         request: crate::fence::Request,
     },
-    /// The voter's answer to a [`Control::LeaseRequest`], in request order.
+    /// The voter's answer to a [`Control::LeaseRequest`], in request order, naming the request's `round`: a vote
+    /// for any other round than the oldest unanswered one (a voter answering twice, or out of order) ends the link
+    /// and counts for nothing.
     LeaseVote {
+        /// The `round` of the request it answers.
+        round: u64,
         /// Granted, or refused with the voter's newest term.
         vote: crate::fence::Vote,
     },

@@ -38,8 +38,8 @@ pub use values::{check_finite_values, decode_values, encode_values};
 /// added the rollback `epoch` to pull replies and the `RolledBack` refusal; version 5 opens full and delta replies
 /// with the one [`ReplyHeader`] and adds [`ErrorCode::ConfigMismatch`]; version 6 adds `Welcome::fragments`;
 /// version 7 adds `Welcome::initial`; version 8 adds the fence term to the welcome, to push outcomes and to every
-/// pull reply's header.
-pub const PROTOCOL_VERSION: u32 = 8;
+/// pull reply's header; version 9 names the request's round in every lease vote.
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// TLS ALPN protocol identifier.
 pub const ALPN: &[u8] = b"tether/1";
