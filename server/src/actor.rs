@@ -1123,13 +1123,13 @@ impl Handler<TakeOver> for ShardActor {
             return MessageResult((self.proto.version(), 0, self.proto.max_conn()));
         }
         let primary = Role::Primary(Primary::new(self.fence.is_some(), self.seq_floor));
-        let Role::Standby(follower) = std::mem::replace(&mut self.role, primary) else {
+        let Role::Standby(standby) = std::mem::replace(&mut self.role, primary) else {
             // Checked just above: the role was a standby's.
             unreachable!("a primary taking over");
         };
         self.role_tx.send_replace(RoleKind::Primary);
         // The shard's clock continues from the newest time of the image and the log.
-        self.clock_base = follower.last_now_ms();
+        self.clock_base = standby.last_now_ms();
         self.started = Instant::now();
         // Nothing of this node's own waits; replies from here on wait for a standby, or not at all once the fence
         // recorded that this node serves alone (it won its term declaring no successor).
@@ -1138,11 +1138,11 @@ impl Handler<TakeOver> for ShardActor {
                 .send_replace(if f.solo() { u64::MAX } else { self.seq_floor });
         }
         let version = self.proto.version();
-        if follower.is_seeded() {
+        if standby.is_seeded() {
             info!(
                 shard = self.proto.shard(),
                 version,
-                entries = follower.applied(),
+                entries = standby.applied(),
                 "standby took over"
             );
         } else {
@@ -1153,13 +1153,13 @@ impl Handler<TakeOver> for ShardActor {
         }
         if let Some(m) = &self.metrics {
             m.version.set(version as i64);
-            if follower.is_seeded() {
+            if standby.is_seeded() {
                 m.takeovers.inc();
             }
         }
         self.update_live();
         self.arm_grace(ctx);
-        MessageResult((version, follower.applied(), self.proto.max_conn()))
+        MessageResult((version, standby.applied(), self.proto.max_conn()))
     }
 }
 

@@ -77,12 +77,12 @@ pub struct RunningShard {
     arbiter: Arbiter,
     accept: tokio::task::JoinHandle<()>,
     /// A standby's link to its primary.
-    follower: Option<tokio::task::JoinHandle<()>>,
+    standby_task: Option<tokio::task::JoinHandle<()>>,
     /// The fence's rounds (replicated shards).
     fence_task: Option<tokio::task::JoinHandle<()>>,
     /// The node's role, as its actor publishes it.
     role: tokio::sync::watch::Receiver<RoleKind>,
-    /// A standby's follower reports here why it cannot follow (a refusal by the primary, a bad log).
+    /// A standby's replication task reports here why it cannot follow (a refusal by the primary, a bad log).
     standby_failed: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
@@ -348,7 +348,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         fence: fence.clone(),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
-    let (follower, standby_failed) = if replicated {
+    let (standby_task, standby_failed) = if replicated {
         let (failed_tx, failed_rx) = tokio::sync::watch::channel(None);
         let addresses = cfg.cluster.shard_addresses(opts.shard as usize);
         let peer = if opts.standby {
@@ -397,7 +397,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         endpoint,
         arbiter,
         accept,
-        follower,
+        standby_task,
         fence_task,
         standby_failed,
         role,
@@ -802,7 +802,7 @@ impl RunningShard {
     /// Returns the final version and counters.
     pub async fn shutdown(self, final_checkpoint: bool) -> Result<(u64, ShardStats), Error> {
         self.accept.abort();
-        if let Some(f) = &self.follower {
+        if let Some(f) = &self.standby_task {
             f.abort();
         }
         if let Some(f) = &self.fence_task {
@@ -832,7 +832,7 @@ impl RunningShard {
     /// Closes every connection abruptly without a checkpoint (tests of crash recovery).
     pub fn kill(self) {
         self.accept.abort();
-        if let Some(f) = &self.follower {
+        if let Some(f) = &self.standby_task {
             f.abort();
         }
         if let Some(f) = &self.fence_task {
