@@ -499,3 +499,44 @@ fn the_primary_numbers_every_input_and_queues_it_for_its_standby_until_it_falls_
     assert!(!p.detach(Some(link + 1)));
     assert!(p.detach(Some(link)));
 }
+
+/// Why a worker of the old split brain blew up (issue 36): a standby takes over its primary's public-copy lineage
+/// with the image, so two copies that both kept serving after a cut cut their public copies in one numbering. The
+/// same (lineage, seq) then names different weights on each, and a delta from one applied to a base read from the
+/// other lands on the wrong weights. The fence keeps the two from serving at once (a cut the primary released is
+/// one its standby acknowledged, so it holds the same values), and a worker does not build on a copy read from a
+/// node of another term (`a_copy_read_from_a_node_of_one_term_is_not_built_on_after_a_failover` in the worker's
+/// protocol tests).
+#[test]
+fn two_diverged_copies_name_different_weights_by_the_same_public_cut() {
+    let mut rng = TestRng::new(11);
+    let mut primary = shard(0);
+    primary.hello(1, 0, 0, 0).unwrap();
+    let first = push_body(&mut rng, 0, 0, false);
+    primary.push_frame(1, &first, 1).unwrap().1.unwrap();
+    primary
+        .pull(1, 0, 1, 1, PullMode::Delta { have: None }, 2)
+        .unwrap();
+    while primary.poll_action().is_some() {}
+    let (base, _) = primary.public().unwrap();
+    // The standby adopts the primary's state, lineage included.
+    let mut standby = shard(0);
+    image::restore(&image::encode(&primary, 2).unwrap(), &mut standby).unwrap();
+    assert_eq!(standby.public().unwrap().0, base);
+    // A cut between them: each applies another push for round 1 (the split brain), then answers a delta pull.
+    for (p, seed) in [(&mut primary, 1u64), (&mut standby, 2)] {
+        let body = push_body(&mut TestRng::new(seed), 0, 1, false);
+        p.push_frame(1, &body, 3).unwrap().1.unwrap();
+        p.pull(1, 0, 2, 2, PullMode::Delta { have: Some(base) }, 4)
+            .unwrap();
+        while p.poll_action().is_some() {}
+    }
+    let (a, va) = primary.public().unwrap();
+    let (b, vb) = standby.public().unwrap();
+    assert_eq!(a, b, "both copies name their new cut alike");
+    assert_ne!(
+        va.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        vb.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "the same cut holds different weights on each copy"
+    );
+}

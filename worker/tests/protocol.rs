@@ -1063,3 +1063,48 @@ fn an_outcome_in_another_term_settles_nothing_and_the_push_goes_to_whoever_serve
     s.outcome(0, 0, Outcome::Applied, 5).unwrap();
     assert!(s.settled());
 }
+
+#[test]
+fn a_copy_read_from_a_node_of_one_term_is_not_built_on_after_a_failover() {
+    let mut s = WorkerProtocol::new(
+        3,
+        0xabc,
+        RANGES.to_vec(),
+        Staleness::Bounded(2),
+        PullMode::Delta { have: None },
+        HB,
+    );
+    for k in 0..2 {
+        s.hello(k);
+        s.connected(k, &welcome_in(k, 0, 2), 0).unwrap();
+    }
+    drain(&mut s);
+    let cut = |seq| Some(PublicRef { lineage: 7, seq });
+    s.start_pull(0);
+    let (t, _) = drain(&mut s);
+    let r = requests(&t);
+    assert!(s.reply(0, answer(r[0].1, 0, 1, 0, 0, cut(4))));
+    assert!(s.reply(1, answer(r[1].1, 0, 1, 0, 0, cut(2))));
+    // A reconnect to the node of the same term keeps the copy.
+    s.disconnected(0);
+    drain(&mut s);
+    s.hello(0);
+    s.connected(0, &welcome_in(0, 0, 2), 5).unwrap();
+    assert_eq!(s.public(0), cut(4));
+    // Shard 0's standby took over (term 3): the copy from the term-2 node is given up, shard 1's is kept.
+    s.disconnected(0);
+    drain(&mut s);
+    s.hello(0);
+    s.connected(0, &welcome_in(0, 0, 3), 10).unwrap();
+    assert_eq!((s.public(0), s.public(1)), (None, cut(2)));
+    assert_eq!(s.stats().bases_dropped, 1);
+    drain(&mut s);
+    s.push(&mut [vec![1], vec![2]], 0.5).unwrap();
+    s.start_pull(1);
+    let (t, _) = drain(&mut s);
+    assert_eq!(
+        haves(&t),
+        vec![(0, None), (1, cut(2))],
+        "the next pull of shard 0 is whole"
+    );
+}

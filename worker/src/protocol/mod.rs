@@ -155,6 +155,8 @@ pub struct ProtocolStats {
     pub rollbacks_seen: u64,
     /// Skip markers sent to fill the gap below a hello's clock that a shard did not take.
     pub gap_skips: u64,
+    /// Public copies given up because the shard's node changed term (the next pull is whole).
+    pub bases_dropped: u64,
     /// Rounds resent because a shard found them too far ahead of its minimum clock.
     pub held_back: u64,
     /// Shard copies held from their initial cut, computed here instead of pulled whole.
@@ -179,6 +181,8 @@ struct Link {
     version: u64,
     /// The shard's public copy this worker holds (delta pulls).
     public: Option<PublicRef>,
+    /// The fence term of the node that gave it (a delta is taken only against a copy from the same term).
+    public_term: u64,
     /// The shard's rollback epoch in the last reply used.
     epoch: u64,
     /// When we last sent a control message (heartbeat timer).
@@ -277,6 +281,7 @@ impl WorkerProtocol {
                     pending: VecDeque::new(),
                     version: 0,
                     public: None,
+                    public_term: 0,
                     epoch: 0,
                     last_sent_ms: 0,
                     rejoin: false,
@@ -467,6 +472,15 @@ impl WorkerProtocol {
                 "shard welcomed us below our clock: filling the gap with skip markers"
             );
         }
+        // A copy read from a node of another term is not built on: after a failover the next pull is whole. A fenced
+        // standby holds every cut its primary released, but a delta against a base from any other copy of the
+        // shard would be applied to the wrong weights (the split brain before the fence: both copies cut their
+        // public copy in one lineage's numbering, and a worker moving between them diverged).
+        let link = &mut self.links[shard];
+        if link.public.is_some() && link.public_term != welcome.term {
+            link.public = None;
+            self.stats.bases_dropped += 1;
+        }
         self.adopt_initial(shard, welcome);
         let link = &mut self.links[shard];
         link.term = welcome.term;
@@ -621,6 +635,7 @@ impl WorkerProtocol {
                 lineage: initial.lineage,
                 seq: 0,
             });
+            link.public_term = welcome.term;
             self.stats.initial_cuts += 1;
         } else {
             tracing::warn!(
@@ -757,6 +772,7 @@ impl WorkerProtocol {
         }
         if public.is_some() {
             self.links[shard].public = public;
+            self.links[shard].public_term = self.links[shard].term;
         }
         self.stats.max_clock_lead = self
             .stats
