@@ -20,6 +20,8 @@ const PRIMARY: usize = 0;
 const STANDBY: usize = 1;
 const WITNESS: usize = 2;
 const WORKERS: [usize; 2] = [3, 4];
+/// The bed's SSP bound: every read a worker records must have been answered within it, whichever node answered.
+const STALENESS: u64 = 2;
 
 /// The binaries `cargo test` built beside this test's own executable.
 fn bin(name: &str) -> PathBuf {
@@ -128,7 +130,7 @@ impl Bed {
         }
         let config = format!(
             "[cluster]\nservers = [\"{}:7000\"]\nstandbys = [\"{}:7000\"]\nwitness = \"{}:7000\"\nworkers = 2\n\
-             staleness = \"inf\"\nworker_timeout_ms = 5000\nfailover_ms = 1000\n\
+             staleness = {STALENESS}\nworker_timeout_ms = 5000\nfailover_ms = 1000\n\
              [model]\nkind = \"mlp\"\nhidden = [64]\nseed = 42\n[data]\ndataset = \"digits\"\n\
              [train]\nepochs = {epochs}\nbatch = 32\n\
              [optimizer]\nkind = \"adam\"\nlr = 0.003\n",
@@ -328,7 +330,8 @@ fn check(primary: &[HistoryLine], standby: &[HistoryLine]) -> Verdict {
 ///   the same round applied again in a newer term is the one that counts);
 /// - a push a worker was told was applied now was applied in the term that told it (no deposed node's answer);
 /// - a worker's reads of the shard never go back, in version or in term (it never reads a deposed node's older
-///   state after a newer one).
+///   state after a newer one), and each was answered within the SSP bound (`clock - min_clock <= STALENESS`),
+///   across failovers.
 fn check_workers(shards: &[&HistoryLine], workers: &[Vec<WorkerHistoryLine>]) -> Vec<String> {
     let mut applied: std::collections::BTreeMap<(u32, u64), Vec<u64>> = Default::default();
     for l in shards {
@@ -363,6 +366,13 @@ fn check_workers(shards: &[&HistoryLine], workers: &[Vec<WorkerHistoryLine>]) ->
                     }
                 }
                 "read" => {
+                    if l.clock > l.min_clock + STALENESS {
+                        violations.push(format!(
+                            "worker {rank}'s read at clock {} was answered at min clock {} (term {}), beyond the \
+                             bound {STALENESS}",
+                            l.clock, l.min_clock, l.term
+                        ));
+                    }
                     if l.version < last_read.0 || l.term < last_read.1 {
                         violations.push(format!(
                             "worker {rank} read version {} in term {} after version {} in term {}",
@@ -579,7 +589,7 @@ fn the_checker_fails_on_interleaved_terms() {
 }
 
 #[test]
-fn the_worker_checker_fails_on_lost_doubled_deposed_or_backward_answers() {
+fn the_worker_checker_fails_on_lost_doubled_deposed_backward_or_too_stale_answers() {
     let shard = |term, worker, clock| HistoryLine {
         t_us: clock,
         node: "primary".into(),
@@ -593,6 +603,7 @@ fn the_worker_checker_fails_on_lost_doubled_deposed_or_backward_answers() {
         kind: "push".into(),
         shard: 0,
         clock,
+        min_clock: 0,
         outcome: outcome.into(),
         version: 0,
         term,
@@ -602,6 +613,7 @@ fn the_worker_checker_fails_on_lost_doubled_deposed_or_backward_answers() {
         kind: "read".into(),
         shard: 0,
         clock: 0,
+        min_clock: 0,
         outcome: String::new(),
         version,
         term,
@@ -617,7 +629,14 @@ fn the_worker_checker_fails_on_lost_doubled_deposed_or_backward_answers() {
         push(3, "refused", 3),
     ];
     assert_eq!(check_workers(&refs, &[good.clone()]), Vec::<String>::new());
-    let cases: [(Vec<WorkerHistoryLine>, &[&HistoryLine]); 4] = [
+    let beyond = WorkerHistoryLine {
+        clock: 5,
+        min_clock: 5 - STALENESS - 1,
+        ..read(3, 3)
+    };
+    let cases: [(Vec<WorkerHistoryLine>, &[&HistoryLine]); 5] = [
+        // A read answered beyond the SSP bound.
+        (vec![beyond], &refs),
         // Acknowledged but never applied (a lost update).
         (vec![push(5, "applied", 3)], &refs),
         // Applied in term 2, acknowledged in term 3 (an answer that was not the applier's).

@@ -177,8 +177,11 @@ pub struct WorkerHistoryLine {
     pub kind: String,
     /// The shard.
     pub shard: u32,
-    /// A push's round; 0 for a read.
+    /// A push's round, or the clock a read was pulled at.
     pub clock: u64,
+    /// A read's answer: the shard's minimum clock when it answered (SSP: `clock - min_clock` is at most the
+    /// bound); 0 for a push.
+    pub min_clock: u64,
     /// A push's outcome (`applied`, `duplicate`, `refused`, or `skipped` for a skip marker taken); empty for a read.
     pub outcome: String,
     /// The shard version a read reflected; 0 for a push.
@@ -535,7 +538,7 @@ impl Driver {
                             (_, Outcome::Duplicate) => "duplicate",
                             (_, Outcome::Refused(_)) => "refused",
                         };
-                        self.record("push", shard, clock, outcome, 0, settled.term);
+                        self.record("push", shard, (clock, 0), outcome, 0, settled.term);
                         if let Some(i) = self
                             .in_flight
                             .iter()
@@ -800,8 +803,8 @@ impl Driver {
                 self.bytes_pulled += body.len() as u64;
                 match self.protocol.handle_reply(shard, kind, &body, params) {
                     Ok(true) => {
-                        let (term, version) = self.protocol.read_of(shard);
-                        self.record("read", shard, 0, "", version, term);
+                        let (term, version, clock, min_clock) = self.protocol.read_of(shard);
+                        self.record("read", shard, (clock, min_clock), "", version, term);
                     }
                     Ok(false) => {}
                     Err(e) => {
@@ -822,7 +825,7 @@ impl Driver {
         &mut self,
         kind: &str,
         shard: usize,
-        clock: u64,
+        (clock, min_clock): (u64, u64),
         outcome: &str,
         version: u64,
         term: u64,
@@ -837,6 +840,7 @@ impl Driver {
             kind: kind.to_string(),
             shard: shard as u32,
             clock,
+            min_clock,
             outcome: outcome.to_string(),
             version,
             term,

@@ -183,6 +183,8 @@ struct Link {
     public: Option<PublicRef>,
     /// The fence term of the node that gave it (a delta is taken only against a copy from the same term).
     public_term: u64,
+    /// The clock and the shard's minimum clock of the last reply used (what a history records of a read).
+    read: (u64, u64),
     /// The shard's rollback epoch in the last reply used.
     epoch: u64,
     /// When we last sent a control message (heartbeat timer).
@@ -282,6 +284,7 @@ impl WorkerProtocol {
                     version: 0,
                     public: None,
                     public_term: 0,
+                    read: (0, 0),
                     epoch: 0,
                     last_sent_ms: 0,
                     rejoin: false,
@@ -733,11 +736,11 @@ impl WorkerProtocol {
         Ok(true)
     }
 
-    /// The fence term of `shard`'s current link and the shard version of the newest reply used from it: what a
-    /// history records of a read.
-    pub fn read_of(&self, shard: usize) -> (u64, u64) {
+    /// What a history records of the newest reply used from `shard`: the fence term of its link, the shard
+    /// version it reflected, the pull's clock and the shard's minimum clock when it answered.
+    pub fn read_of(&self, shard: usize) -> (u64, u64, u64, u64) {
         let l = &self.links[shard];
-        (l.term, l.version)
+        (l.term, l.version, l.read.0, l.read.1)
     }
 
     /// Judges a pull reply from `shard`. Returns true when it answers the shard's current request of this round
@@ -765,6 +768,7 @@ impl WorkerProtocol {
         round.requests[shard] = None;
         round.done[shard] = true;
         self.links[shard].version = version;
+        self.links[shard].read = (clock, min_clock);
         if self.links[shard].epoch != epoch {
             self.links[shard].epoch = epoch;
             self.stats.rollbacks_seen += 1;
