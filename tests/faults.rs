@@ -976,3 +976,77 @@ fn a_killed_standby_stalls_its_primary_no_longer_than_the_detection_bound() {
         "a dead standby stalled the workers {stall:.2} s, beyond 2 x failover_ms"
     );
 }
+
+/// A standby that stops reading and acknowledging the log (SIGSTOP: stuck but reachable, its connection still up) is
+/// dropped by its primary within the failure bound: the workers stall no longer than with a dead standby, every
+/// update is applied once, and the primary keeps its lease.
+#[test]
+fn a_standby_that_stops_acknowledging_is_dropped_within_the_detection_bound() {
+    let _serial = serial();
+    let c = Cluster::new(Spec {
+        shards: 1,
+        standbys: true,
+        epochs: 40,
+        ..spec()
+    });
+    let failover_s = 1.0; // cluster.failover_ms's default
+    let _witness = c.witness();
+    let mut primary = c.server(
+        0,
+        &["--exit-after-workers", "2", "--report", "server-0.json"],
+    );
+    let mut standby = c.standby(0, &[]);
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1.json"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !standby.log_text().contains("following its log") {
+        assert!(
+            Instant::now() < deadline,
+            "the standby never followed:\n{}",
+            standby.log_tail(3000)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        w0.alive() && w1.alive(),
+        "the workers ended before the stop"
+    );
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &standby.pid().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} failed");
+    };
+    signal("-STOP");
+    std::thread::sleep(Duration::from_secs(5));
+    signal("-CONT");
+    w0.wait_success(Duration::from_secs(120));
+    w1.wait_success(Duration::from_secs(120));
+    primary.wait_success(Duration::from_secs(30));
+    let (r0, r1) = (c.report("w0.json"), c.report("w1.json"));
+    let steps = num(&r0, "steps") + num(&r1, "steps");
+    let applied = num(&c.report("server-0.json"), "updates_applied");
+    let stall = max_step_gap(&r0).max(max_step_gap(&r1));
+    let log = primary.log_text();
+    println!(
+        "standby stopped for 5 s: longest worker stall {stall:.2} s (failover_ms {failover_s} s), applied {applied} \
+         for {steps} steps"
+    );
+    assert!(
+        log.contains("stopped acknowledging") || log.contains("serving without"),
+        "the primary never dropped its stuck standby:\n{}",
+        primary.log_tail(3000)
+    );
+    assert!(
+        !log.contains("no longer serving"),
+        "a stuck standby deposed the primary:\n{}",
+        primary.log_tail(3000)
+    );
+    assert_eq!(applied, steps, "the primary lost or doubled an update");
+    assert!(
+        stall <= 2.0 * failover_s,
+        "a stuck standby stalled the workers {stall:.2} s, beyond 2 x failover_ms"
+    );
+}
