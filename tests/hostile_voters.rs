@@ -279,3 +279,120 @@ fn a_voter_that_answers_twice_is_dropped_and_never_counted() {
     let _ = standby.alive();
     drop(rt);
 }
+
+/// A hostile seeder: whoever holds the standby's key answers the designated primary's request to be seeded with a
+/// welcome and a malformed state image (random bytes), and the fence votes it asks for with refusals. The primary
+/// refuses the image with a typed error, never exits for it, never adopts it, and leads from its own state on the
+/// witness's vote: the workers train to the end with every update applied once.
+#[test]
+fn a_malformed_image_from_the_standbys_address_is_refused_and_the_primary_leads() {
+    use tether::common::protocol::{FrameHeader, FrameKind};
+    let _serial = serial();
+    let c = Cluster::new(Spec {
+        epochs: 10,
+        ..spec(1)
+    });
+    let addr = c.standbys[0];
+    let tls = TlsFiles::for_standby(&c.path("certs"), 0).expect("standby-0 bundle");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a test runtime builds");
+    let ep = {
+        let _in = rt.enter();
+        server_endpoint(addr, &tls, &TransportTuning::default()).expect("the seeder binds")
+    };
+    let images = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    rt.spawn({
+        let (ep, images) = (ep.clone(), images.clone());
+        async move {
+            let mut rng = tether::common::testing::TestRng::new(5);
+            let garbage: Vec<u8> = (0..100_000).map(|_| rng.next_u64() as u8).collect();
+            while let Some(incoming) = ep.accept().await {
+                let (images, garbage) = (images.clone(), garbage.clone());
+                tokio::spawn(async move {
+                    let Ok(conn) = incoming.await else { return };
+                    while let Ok(mut control) = ControlChannel::accept(&conn).await {
+                        let (conn, images, garbage) =
+                            (conn.clone(), images.clone(), garbage.clone());
+                        tokio::spawn(async move {
+                            while let Ok(msg) = control.recv().await {
+                                let sent = match msg {
+                                    Control::ReplicaHello { .. } => {
+                                        let welcome = Control::ReplicaWelcome {
+                                            lineage: 99,
+                                            seq: 0,
+                                        };
+                                        if control.send(&welcome).await.is_err() {
+                                            return;
+                                        }
+                                        let Ok(mut stream) = conn.open_uni().await else {
+                                            return;
+                                        };
+                                        let Ok(header) = FrameHeader::encode(
+                                            FrameKind::ReplicaImage,
+                                            garbage.len(),
+                                        ) else {
+                                            return;
+                                        };
+                                        images.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                        let _ = stream.write_all(&header).await;
+                                        let _ = stream.write_all(&garbage).await;
+                                        let _ = stream.finish();
+                                        Ok(())
+                                    }
+                                    Control::LeaseRequest { request, .. } => {
+                                        control
+                                            .send(&Control::LeaseVote {
+                                                round: request.round,
+                                                vote: Vote::Refused {
+                                                    term: 0,
+                                                    why: Refusal::Quiet,
+                                                },
+                                            })
+                                            .await
+                                    }
+                                    _ => return,
+                                };
+                                if sent.is_err() {
+                                    return;
+                                }
+                            }
+                        });
+                    }
+                });
+            }
+        }
+    });
+    let _witness = c.witness();
+    let mut primary = c.server(
+        0,
+        &["--exit-after-workers", "2", "--report", "server-0.json"],
+    );
+    let mut w0 = c.worker(0, &worker_args("w0.json"));
+    let mut w1 = c.worker(1, &worker_args("w1.json"));
+    w0.wait_success(Duration::from_secs(180));
+    w1.wait_success(Duration::from_secs(120));
+    primary.wait_success(Duration::from_secs(30));
+    let steps = num(&c.report("w0.json"), "steps") + num(&c.report("w1.json"), "steps");
+    let applied = num(&c.report("server-0.json"), "updates_applied");
+    let log = primary.log_text();
+    let refused = log.matches("refused the peer's state image").count();
+    println!(
+        "malformed images sent {}, refused {refused}; applied {applied} for {steps} steps",
+        images.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(
+        refused > 0,
+        "the primary never got or never refused the image:\n{}",
+        primary.log_tail(3000)
+    );
+    assert!(
+        !log.contains("seeded from the primary's image"),
+        "the primary adopted a malformed image:\n{}",
+        primary.log_tail(3000)
+    );
+    assert_eq!(applied, steps, "an update was lost or applied twice");
+    drop(rt);
+}
