@@ -995,7 +995,7 @@ fn a_standby_that_stops_acknowledging_is_dropped_within_the_detection_bound() {
         0,
         &["--exit-after-workers", "2", "--report", "server-0.json"],
     );
-    let mut standby = c.standby(0, &[]);
+    let standby = c.standby(0, &[]);
     let mut w0 = c.worker(0, &worker_args("w0.json"));
     let mut w1 = c.worker(1, &worker_args("w1.json"));
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -628,7 +628,10 @@ fn the_worker_checker_fails_on_lost_doubled_deposed_backward_or_too_stale_answer
         read(3, 3),
         push(3, "refused", 3),
     ];
-    assert_eq!(check_workers(&refs, &[good.clone()]), Vec::<String>::new());
+    assert_eq!(
+        check_workers(&refs, std::slice::from_ref(&good)),
+        Vec::<String>::new()
+    );
     let beyond = WorkerHistoryLine {
         clock: 5,
         min_clock: 5 - STALENESS - 1,
@@ -648,7 +651,7 @@ fn the_worker_checker_fails_on_lost_doubled_deposed_backward_or_too_stale_answer
     ];
     for (lines, shards) in cases {
         assert_eq!(
-            check_workers(shards, &[lines.clone()]).len(),
+            check_workers(shards, std::slice::from_ref(&lines)).len(),
             1,
             "{lines:?}"
         );
