@@ -915,6 +915,19 @@ fn no_false_takeover_under_full_cpu_load() {
 /// A standby killed for good stalls its primary no longer than the detection bound: the primary holds outcomes back
 /// until the follower is declared dead (no acknowledgement for `failover_ms`) and a majority recorded that it serves
 /// alone (a fence round, a quarter lease), then serves on without losing an update.
+/// Waits (bounded) until `standby` follows its primary's log.
+fn wait_following(standby: &Proc) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !standby.log_text().contains("following its log") {
+        assert!(
+            Instant::now() < deadline,
+            "the standby never followed:\n{}",
+            standby.log_tail(3000)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn a_killed_standby_stalls_its_primary_no_longer_than_the_detection_bound() {
     let _serial = serial();
@@ -934,15 +947,7 @@ fn a_killed_standby_stalls_its_primary_no_longer_than_the_detection_bound() {
     let mut w0 = c.worker(0, &worker_args("w0.json"));
     let mut w1 = c.worker(1, &worker_args("w1.json"));
     // Kill it once it follows the log (seeded) and the workers train: bounded waits.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !standby.log_text().contains("following its log") {
-        assert!(
-            Instant::now() < deadline,
-            "the standby never followed:\n{}",
-            standby.log_tail(3000)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_following(&standby);
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         w0.alive() && w1.alive(),
@@ -998,15 +1003,7 @@ fn a_standby_that_stops_acknowledging_is_dropped_within_the_detection_bound() {
     let standby = c.standby(0, &[]);
     let mut w0 = c.worker(0, &worker_args("w0.json"));
     let mut w1 = c.worker(1, &worker_args("w1.json"));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !standby.log_text().contains("following its log") {
-        assert!(
-            Instant::now() < deadline,
-            "the standby never followed:\n{}",
-            standby.log_tail(3000)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_following(&standby);
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         w0.alive() && w1.alive(),

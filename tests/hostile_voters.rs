@@ -89,6 +89,20 @@ fn ask(
     })
 }
 
+/// A fake peer listening at `addr` with `tls`'s certificate, on its own runtime (the test spawns its handler there).
+fn fake_peer(addr: SocketAddr, tls: &TlsFiles) -> (tokio::runtime::Runtime, quinn::Endpoint) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a test runtime builds");
+    let ep = {
+        let _in = rt.enter();
+        server_endpoint(addr, tls, &TransportTuning::default()).expect("the fake peer binds")
+    };
+    (rt, ep)
+}
+
 fn claim(term: u64, round: u64) -> Request {
     Request {
         term,
@@ -190,15 +204,7 @@ fn a_voter_that_answers_twice_is_dropped_and_never_counted() {
     });
     let addr = c.witness.expect("a witness address");
     let tls = TlsFiles::for_witness(&c.path("certs")).expect("witness bundle");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("a test runtime builds");
-    let ep = {
-        let _in = rt.enter();
-        server_endpoint(addr, &tls, &TransportTuning::default()).expect("the fake witness binds")
-    };
+    let (rt, ep) = fake_peer(addr, &tls);
     let base = Instant::now();
     let voter = std::sync::Arc::new(std::sync::Mutex::new(Voter::new(
         VoterState::default(),
@@ -294,15 +300,7 @@ fn a_malformed_image_from_the_standbys_address_is_refused_and_the_primary_leads(
     });
     let addr = c.standbys[0];
     let tls = TlsFiles::for_standby(&c.path("certs"), 0).expect("standby-0 bundle");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("a test runtime builds");
-    let ep = {
-        let _in = rt.enter();
-        server_endpoint(addr, &tls, &TransportTuning::default()).expect("the seeder binds")
-    };
+    let (rt, ep) = fake_peer(addr, &tls);
     let images = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     rt.spawn({
         let (ep, images) = (ep.clone(), images.clone());
