@@ -4,7 +4,10 @@
 #   1. the job runs to the end: exit 0, every worker's report, rank 0's accuracy above a floor, both nodes of each
 #      shard hold the same number of applied pushes, and both shards the same;
 #   2. shard 0's primary step is cancelled mid-run (`scancel JOB.STEP`, for good: its standby takes over), then the
-#      worker step: the script starts the workers again, they rejoin, and the job still finishes with every report.
+#      worker step: the script starts the workers again, they rejoin, and the job still finishes with every report;
+#   3. with TETHER_PYTHON (an interpreter with tether and torch): deploy/slurm/tether-torch.sbatch runs
+#      python/tests/launched.py as 3 PyTorch ranks beside 2 shards with standbys, its ranks' step is cancelled
+#      mid-run, started again, the ranks rejoin at the running clock and the job completes.
 # Starts the daemons when none run (and stops what it started); every wait is bounded. Needs root and the packages
 # (apt-get install slurmctld slurmd slurm-client munge).
 #
@@ -168,4 +171,44 @@ grep -q "standby took over" "$work/cancel/standby-0.log" || fail "shard 0's stan
 check_run cancel "$job"
 grep -h "reconnected\|rejoin" "$work/cancel"/worker-*.log | head -n 2 | sed 's/^/slurm:   /'
 say "job $job completed after both cancels"
+
+# --- 3. PyTorch ranks through the launcher (tether-torch.sbatch), their step cancelled mid-run --------------------
+py=${TETHER_PYTHON:-}
+if [ -z "$py" ] || ! "$py" -c 'import tether, torch' 2>/dev/null; then
+  say "PyTorch job SKIPPED: set TETHER_PYTHON to an interpreter with tether and torch (pip install ./python torch)"
+  echo "slurm: PASS"
+  exit 0
+fi
+mkdir -p "$work/torch"
+job=$(cd "$work/torch" && TETHER_BIN="$bin" TETHER_WORK="$work/torch" TETHER_PYTHON="$py" TETHER_PORT=17600 \
+  TETHER_SHARDS=2 TETHER_NPROC=3 LAUNCHED_ROUNDS=300 LAUNCHED_STEP_SLEEP=0.005 RUST_LOG=info \
+  sbatch --parsable --nodes=1 --ntasks-per-node=1 "$root/deploy/slurm/tether-torch.sbatch" \
+  "$root/python/tests/launched.py")
+say "job $job submitted (PyTorch: 2 shards with standbys, 3 ranks through python -m tether.launch)"
+step=""
+for i in $(seq 240); do
+  step=$(squeue -h -s -j "$job" -o '%i %j' | awk '$2 == "ranks" {print $1}' | head -n 1)
+  [ -n "$step" ] && break
+  sleep 0.5
+done
+[ -n "$step" ] || fail "no running ranks' step to cancel"
+sleep 6 # the ranks import torch, join and train
+[ ! -s "$work/torch/worker-0.json" ] || fail "the ranks finished before their step could be cancelled"
+scancel "$step"
+say "cancelled the ranks' step $step mid-run"
+wait_gone "$job" 400
+state=$(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z]*' || true)
+[ "$state" = "JobState=COMPLETED" ] || fail "PyTorch job $job ended as ${state:-unknown}"
+grep -q "starting it again" "$work/torch"/tether-torch-*.out || fail "the ranks' step was not started again"
+grep -q "shards finished" "$work/torch"/tether-torch-*.out || fail "the shards did not finish"
+for r in 0 1 2; do [ -s "$work/torch/worker-$r.json" ] || fail "rank $r wrote no report"; done
+python3 - "$work/torch" <<'PY'
+import json, sys
+d = sys.argv[1]
+acc = [json.loads(l) for l in open(f"{d}/logs/rank-0.log") if l.startswith("{")]
+assert acc and acc[-1]["accuracy"] >= 0.85, acc
+assert acc[-1]["start_clock"] > 0, f"rank 0 did not rejoin mid-run: {acc[-1]}"
+print(f"slurm:   PyTorch rank 0 rejoined at clock {acc[-1]['start_clock']}, accuracy {acc[-1]['accuracy']:.4f}")
+PY
+say "job $job (PyTorch) completed after its ranks' step was cancelled"
 echo "slurm: PASS"

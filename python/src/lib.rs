@@ -118,6 +118,15 @@ fn to_py(py: Python<'_>, e: WorkerError) -> PyErr {
     }
 }
 
+/// A variable the launcher sets, for an argument left out; a `ConfigError` naming both when it is not set.
+fn from_env(var: &str, arg: &str) -> PyResult<String> {
+    std::env::var(var).map_err(|_| {
+        ConfigError_::new_err(format!(
+            "no {arg} given and ${var} is not set: pass {arg}= or start the script with `python -m tether.launch`"
+        ))
+    })
+}
+
 fn config_err(e: ConfigError) -> PyErr {
     ConfigError_::new_err(e.to_string())
 }
@@ -155,16 +164,34 @@ struct Worker {
 
 #[pymethods]
 impl Worker {
+    /// `config` and `rank` default to `$TETHER_CONFIG` and `$TETHER_RANK`, and `tls_dir` to `$TETHER_TLS_DIR` (then
+    /// `cluster.tls_dir`): what `python -m tether.launch` sets for every rank it starts.
     #[new]
-    #[pyo3(signature = (config, rank, *, tls_dir=None, servers=None, reconnect_deadline_s=60.0))]
+    #[pyo3(signature = (config=None, rank=None, *, tls_dir=None, servers=None, reconnect_deadline_s=60.0))]
     fn new(
         py: Python<'_>,
-        config: PathBuf,
-        rank: u32,
+        config: Option<PathBuf>,
+        rank: Option<u32>,
         tls_dir: Option<PathBuf>,
         servers: Option<Vec<String>>,
         reconnect_deadline_s: f64,
     ) -> PyResult<Self> {
+        let config = match config {
+            Some(c) => c,
+            None => PathBuf::from(from_env("TETHER_CONFIG", "config")?),
+        };
+        let rank = match rank {
+            Some(r) => r,
+            None => {
+                let text = from_env("TETHER_RANK", "rank")?;
+                text.trim().parse::<u32>().map_err(|_| {
+                    ConfigError_::new_err(format!(
+                        "TETHER_RANK is {text:?}, not a rank (a whole number from 0)"
+                    ))
+                })?
+            }
+        };
+        let tls_dir = tls_dir.or_else(|| std::env::var_os("TETHER_TLS_DIR").map(PathBuf::from));
         let mut cfg = Config::load(&config).map_err(config_err)?;
         if let Some(s) = servers {
             cfg.cluster.servers = s;
@@ -362,6 +389,13 @@ impl Worker {
         let limit = Duration::from_secs_f64(timeout_s.clamp(0.0, 1e6));
         let inner = &mut self.inner;
         let r = py.detach(|| inner.close(limit)).map_err(|e| to_py(py, e))?;
+        // Under `python -m tether.launch`: the report tells the launcher that this rank finished and said goodbye.
+        if let Some(path) = std::env::var_os("TETHER_REPORT") {
+            let json = serde_json::to_vec_pretty(&r).map_err(|e| TetherError::new_err(e.to_string()))?;
+            std::fs::write(&path, json).map_err(|e| {
+                TetherError::new_err(format!("writing the report to {}: {e}", PathBuf::from(&path).display()))
+            })?;
+        }
         report_dict(py, &r)
     }
 
@@ -414,6 +448,15 @@ fn read_model_file(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String, Vec<u
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()))
         .collect())
+}
+
+/// A cluster.toml parsed and validated as the shards and workers read it, as a dict of its sections (every default
+/// filled in); `ConfigError` names the key at fault.
+#[pyfunction]
+fn read_config<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
+    let cfg = Config::load(&path).map_err(config_err)?;
+    let json = serde_json::to_string(&cfg).map_err(|e| TetherError::new_err(e.to_string()))?;
+    py.import("json")?.call_method1("loads", (json,))
 }
 
 /// The configured data set as the Rust worker loads it: x_train, y_train, x_test, y_test (NumPy), features,
@@ -497,6 +540,7 @@ fn _tether(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_model_file, m)?)?;
     m.add_function(wrap_pyfunction!(read_model_file, m)?)?;
     m.add_function(wrap_pyfunction!(load_data, m)?)?;
+    m.add_function(wrap_pyfunction!(read_config, m)?)?;
     m.add_function(wrap_pyfunction!(enable_logging, m)?)?;
     m.add("TetherError", py.get_type::<TetherError>())?;
     m.add("ConfigError", py.get_type::<ConfigError_>())?;

@@ -9,6 +9,9 @@ This package re-exports the native API and adds two pure-Python modules:
 
 - :mod:`tether.torch`: PyTorch glue (``export_model``, ``check_layout``, ``FlatParams``, the ``DiLoCo`` and
   ``PerStep`` wrappers); imported on demand, so ``import tether`` does not need torch.
+- :mod:`tether.launch`: ``python -m tether.launch``, one command per host that starts the host's shard nodes and
+  runs the training script once per local rank (``tether.Worker()`` then reads its rank and config from the
+  environment).
 - :mod:`tether.cluster`: :class:`~tether.cluster.LocalCluster`, shards on loopback for development and tests.
 
 Every refusal is a typed exception under :class:`TetherError` carrying the shard's message; see docs/python.md.
@@ -30,6 +33,7 @@ from ._tether import (  # noqa: F401  (re-exports)
     __version__,
     enable_logging,
     load_data,
+    read_config,
     read_model_file,
     write_model_file,
 )
@@ -41,6 +45,7 @@ __all__ = [
     "write_model_file",
     "read_model_file",
     "load_data",
+    "read_config",
     "Partition",
     "enable_logging",
     "TetherError",

@@ -6,6 +6,7 @@ This module owns the mapping between a module and a :class:`tether.Worker`, and 
   (``[model] kind = "file"``, ``file = PATH``). Its values are the initial weights: the shards start from them and
   every worker's first pull returns them, so all workers start from the same weights. One process writes it once
   (the launcher, or rank 0 before any shard starts).
+- :func:`prepare` writes that file in the launcher's preparing run (``TETHER_PREPARE``) and exits; a no-op otherwise.
 - :func:`check_layout` compares a module with the worker's layout (name, shape, float32) and raises
   :class:`tether.LayoutMismatchError` naming the first tensor that differs.
 - :class:`FlatParams` makes every CPU parameter a view into one flat float32 tensor over ``worker.params``, so
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -66,6 +68,16 @@ def export_model(module: torch.nn.Module, path: str) -> List[Tuple[str, Tuple[in
         raise ValueError("the module has no parameters")
     _tether.write_model_file(str(path), tensors)
     return shapes
+
+
+def prepare(module: torch.nn.Module) -> None:
+    """The launcher's hook for the model file: under ``python -m tether.launch``'s preparing run (``TETHER_PREPARE``
+    set to the path that ``[model] file`` names), writes ``module`` there with :func:`export_model` and ends the
+    process with status 0; otherwise returns at once. Call it once the model is built, before the worker."""
+    path = os.environ.get("TETHER_PREPARE")
+    if path:
+        export_model(module, path)
+        raise SystemExit(0)
 
 
 def check_layout(module: torch.nn.Module, worker: Any) -> None:
