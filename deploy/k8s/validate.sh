@@ -8,6 +8,8 @@
 # Service; every shard has a standby that a required anti-affinity rule keeps off its primary's node, and the witness
 # is kept off every shard node's; shard nodes and the witness keep their state on a PersistentVolumeClaim; and the
 # binary accepts the rendered config and each role's bundle (each role started for a moment on loopback).
+# Then the same for the PyTorch overlay deploy/k8s-torch (rendered over the same base and Secrets; its checks are
+# described where they start below).
 #
 # Usage: deploy/k8s/validate.sh        (needs kubectl and kubernetes-validate; TETHER_BIN=DIR optional)
 set -euo pipefail
@@ -303,5 +305,192 @@ for node, why in failed.items():
     print(f"--- {node}: {why}\n{open(procs[node][1]).read()}", file=sys.stderr)
 assert not failed, f"the binary refused the rendered config or a bundle: {sorted(failed)}"
 print(f"k8s: tether-server accepts the rendered cluster.toml and each role's bundle ({', '.join(procs)} listened)")
+PY
+
+# The PyTorch overlay (deploy/k8s-torch) over the same base copy and Secrets: rendered, validated against the same
+# schemas, then checked for what they cannot: it reuses every base object but the Rust worker Job (gone) and the
+# config (the base's but for [model] = a model file); the shard and standby pods get that file from an init container
+# of the workers' image at the path cluster.toml names (the path the image's build writes it to); the Job runs one
+# `python -m tether.launch --role ranks` per rank, as many pods as cluster.toml's workers, each pod mounting only its
+# own bundle; and the binary accepts the overlay's config with a model file of train.py's layout.
+cp -r ../k8s-torch "$work/k8s-torch"
+kubectl kustomize "$work/k8s-torch" > "$work/rendered-torch.yaml"
+kubernetes-validate --strict --kubernetes-version "$version" "$work/rendered-torch.yaml"
+python3 - "$work/rendered.yaml" "$work/rendered-torch.yaml" "$work/k8s/cluster.toml" "$work/k8s-torch" "$bin" \
+  "$work" <<'PY'
+import array, base64, copy, json, math, os, re, shlex, signal, struct, subprocess, sys, time, yaml
+try:
+    import tomllib  # Python 3.11+
+except ModuleNotFoundError:
+    import tomli as tomllib
+base_rendered, rendered, base_toml, overlay, bin_dir, work = sys.argv[1:7]
+def load(path):
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(open(path)) if d}
+base, objs = load(base_rendered), load(rendered)
+print("k8s-torch: rendered", ", ".join(sorted(f"{k}/{n}" for k, n in objs)))
+
+# The config: deploy/k8s-torch/cluster.toml, the base's but for [model], which names an absolute model file.
+(cm_key,) = [k for k in objs if k[0] == "ConfigMap" and k[1].startswith("tether-config")]
+(base_cm_key,) = [k for k in base if k[0] == "ConfigMap" and k[1].startswith("tether-config")]
+config_text = objs[cm_key]["data"]["cluster.toml"]
+assert config_text == open(os.path.join(overlay, "cluster.toml")).read(), "tether-config is not k8s-torch/cluster.toml"
+config = tomllib.loads(config_text)
+with open(base_toml, "rb") as f:
+    base_config = tomllib.load(f)
+assert {k: v for k, v in config.items() if k != "model"} == {k: v for k, v in base_config.items() if k != "model"}, \
+    "deploy/k8s-torch/cluster.toml differs from deploy/k8s/cluster.toml outside [model]"
+model_file = config["model"].get("file", "")
+assert config["model"].get("kind") == "file" and model_file.startswith("/"), ("[model]", config["model"])
+model_dir, model_name = os.path.split(model_file)
+workers = config["cluster"]["workers"]
+
+# Reuse: the base's Rust Job is gone, one Job of PyTorch workers came in; every other object is the base's (its
+# ConfigMap references renamed), the shard and standby StatefulSets once the model file's additions are taken out.
+jobs = {n: d for (k, n), d in objs.items() if k == "Job"}
+assert ("Job", "worker") in base and len(jobs) == 1, ("Jobs", sorted(jobs))
+((job_name, job),) = jobs.items()
+kept = {k for k in base if k[0] not in ("ConfigMap", "Job")}
+assert {k for k in objs if k[0] not in ("ConfigMap", "Job")} == kept, "the overlay adds or drops base objects"
+pod = job["spec"]["template"]["spec"]
+(c,) = pod["containers"]
+image = c["image"]
+def with_base_config(d):
+    return json.loads(json.dumps(d).replace(json.dumps(base_cm_key[1]), json.dumps(cm_key[1])))
+for key in sorted(kept):
+    d = copy.deepcopy(objs[key])
+    if key in (("StatefulSet", "server"), ("StatefulSet", "standby")):
+        spec = d["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (node,) = spec["containers"]
+        found = [m for m in node["volumeMounts"] if m["mountPath"] == model_dir]
+        assert len(found) == 1, f"{key[1]} mounts no volume at {model_dir}, where cluster.toml's model file is"
+        (mount,) = found
+        assert mount.get("readOnly") and "emptyDir" in volumes[mount["name"]], (key, mount)
+        (fill,) = [i for i in spec["initContainers"] if any(m["name"] == mount["name"] for m in i["volumeMounts"])]
+        (out,) = [m["mountPath"] for m in fill["volumeMounts"]]  # the model volume and nothing else (no Secret)
+        assert fill["image"] == image, f"{key[1]}'s model comes from {fill['image']}, the workers' from {image}"
+        assert fill["command"] == ["cp", model_file, f"{out}/{model_name}"], (key, fill["command"])
+        spec["initContainers"].remove(fill)
+        spec["volumes"].remove(volumes[mount["name"]])
+        node["volumeMounts"].remove(mount)
+    assert d == with_base_config(base[key]), f"{key[0]}/{key[1]} differs from the base's"
+print(f"k8s-torch: the base's objects reused; tether-config names the model file {model_file}, which the shard and "
+      f"standby pods get from an init container of {image} (the rest as in the base)")
+
+# The Job: Indexed, one pod per rank, each running the launcher for its rank with its own bundle only.
+spec = job["spec"]
+assert spec["completionMode"] == "Indexed" and pod["restartPolicy"] == "Never", job_name
+assert spec["completions"] == spec["parallelism"] == workers, \
+    f"{job_name}: completions {spec['completions']}, parallelism {spec['parallelism']}, cluster.toml workers {workers}"
+assert spec.get("backoffLimitPerIndex", 0) >= 1, f"{job_name}: a failed pod must be replaced (its rank rejoins)"
+args = list(c["command"]) + list(c.get("args", []))
+if args[:2] in (["bash", "-c"], ["sh", "-c"]):
+    args = shlex.split(args[2])
+    args = args[1:] if args[0] == "exec" else args
+assert args[0] in ("python", "python3") and args[1:3] == ["-m", "tether.launch"], args
+opts, i = {}, 3
+while args[i].startswith("-"):
+    opts[args[i]], i = args[i + 1], i + 2
+script = args[i]
+assert opts.get("--role") == "ranks", ("not --role ranks", args)
+assert opts.get("--nproc-per-host", "1") == "1", ("one rank per pod, so that completions = workers", args)
+env = {e["name"]: e for e in c.get("env", [])}
+assert "--node-rank" not in opts and not {"TETHER_NODE_RANK", "SLURM_NODEID"} & set(env), \
+    "the host place must come from $JOB_COMPLETION_INDEX"
+volumes = {v["name"]: v for v in pod["volumes"]}
+mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+conf_dir, conf_name = os.path.split(opts["--config"])
+assert volumes[mounts[conf_dir]["name"]].get("configMap", {}).get("name") == cm_key[1] and conf_name == "cluster.toml"
+tls = opts.get("--tls-dir", config["cluster"]["tls_dir"])
+assert mounts[tls]["name"] == "certs" and mounts[tls].get("readOnly") and "emptyDir" in volumes["certs"], tls
+# The reports go to --work-dir (default: the config's folder, a read-only ConfigMap here).
+work_mount = mounts.get(opts.get("--work-dir"), {"readOnly": True, "name": None})
+assert not work_mount.get("readOnly") and "emptyDir" in volumes.get(work_mount["name"], {}), \
+    ("--work-dir on a writable volume", opts)
+assert model_dir not in mounts, f"{job_name} hides the image's {model_dir}, where its model file is"
+assert not any(m["name"].startswith("all-") or "secret" in volumes[m["name"]] or "projected" in volumes[m["name"]]
+               for m in c["volumeMounts"]), (job_name, "the worker container mounts Secrets", sorted(mounts))
+(init,) = pod["initContainers"]
+assert init["image"] == image and "/all/worker-$JOB_COMPLETION_INDEX/" in " ".join(init["command"]), init["command"]
+assert "batch.kubernetes.io/job-completion-index" in json.dumps(
+    {e["name"]: e for e in init.get("env", [])}["JOB_COMPLETION_INDEX"]), "select-bundle's index is not the pod's"
+init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+assert init_mounts.get(tls) == "certs", init_mounts
+(all_,) = [n for n in init_mounts.values() if n.startswith("all-")]
+secrets = {n: d for (k, n), d in objs.items() if k == "Secret"}
+sources = volumes[all_]["projected"]["sources"]
+assert [s["secret"]["name"] for s in sources] == [f"tether-worker-{r}" for r in range(workers)], sources
+for s in sources:
+    node = s["secret"]["name"].removeprefix("tether-")
+    assert all(item["path"].startswith(f"{node}/") for item in s["secret"]["items"]), s
+    assert sorted(item["key"] for item in s["secret"]["items"]) == sorted(secrets[f"tether-{node}"]["data"])
+labels = job["spec"]["template"]["metadata"]["labels"]
+policy = objs[("NetworkPolicy", "tether-nodes")]["spec"]["podSelector"]["matchLabels"]
+assert all(labels.get(k) == v for k, v in policy.items()), "the NetworkPolicy does not cover the PyTorch workers"
+dockerfile = open(os.path.join(overlay, "Dockerfile")).read()
+assert re.search(rf"^COPY\s+\S+\s+{re.escape(script)}\s*$", dockerfile, re.M), f"the image has no {script}"
+assert f"TETHER_PREPARE={model_file} " in dockerfile, f"the image's build writes no {model_file}"
+print(f"k8s-torch: {job_name} runs `python -m tether.launch --role ranks` ({script}) in {workers} pods, one per "
+      f"rank (cluster.toml workers), each mounting only its own bundle; the image's build writes {model_file}")
+
+# The binary: each shard node started for a moment on loopback with the overlay's config, its own bundle and a model
+# file of train.py's layout (MLP 784-256-128-10 as nn.Sequential names it) must load the file and listen.
+layout = [("0.weight", (256, 784)), ("0.bias", (256,)), ("2.weight", (128, 256)), ("2.bias", (128,)),
+          ("4.weight", (10, 128)), ("4.bias", (10,))]
+header, body = {"__metadata__": {"tether.order": json.dumps([n for n, _ in layout])}}, bytearray()
+for name, shape in layout:
+    n = math.prod(shape)
+    header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [len(body), len(body) + 4 * n]}
+    body += array.array("f", [0.01] * n).tobytes()
+head = json.dumps(header).encode()
+head += b" " * (-len(head) % 8)
+model_path = os.path.join(work, "torch-model.safetensors")
+with open(model_path, "wb") as f:
+    f.write(struct.pack("<Q", len(head)) + head + body)
+procs = {}
+for node in [f"{r}-{k}" for r in ("server", "standby") for k in range(len(config["cluster"]["servers"]))]:
+    bundle, scratch = os.path.join(work, "torch-bundles", node), os.path.join(work, "torch-state", node)
+    os.makedirs(bundle)
+    for name, value in secrets[f"tether-{node}"]["data"].items():
+        with open(os.path.join(bundle, name), "wb") as out:
+            out.write(base64.b64decode(value))
+        os.chmod(os.path.join(bundle, name), 0o600)
+    text = re.sub(r'(?m)^tls_dir\s*=.*$', f'tls_dir = "{bundle}"', config_text)
+    text = re.sub(r'(?m)^dir\s*=.*$', f'dir = "{scratch}"', text)
+    text = re.sub(r'(?m)^file\s*=.*$', f'file = "{model_path}"', text)
+    t = tomllib.loads(text)
+    assert (t["cluster"]["tls_dir"], t["checkpoint"]["dir"], t["model"]["file"]) == (bundle, scratch, model_path)
+    cfg = os.path.join(work, f"torch-{node}.toml")
+    with open(cfg, "w") as out:
+        out.write(text)
+    role, k = node.rsplit("-", 1)
+    cmd = [os.path.join(bin_dir, "tether-server"), "--config", cfg, "--shard", k, "--listen", "127.0.0.1:0", "--resume"]
+    log = open(os.path.join(work, f"torch-{node}.log"), "w")
+    procs[node] = (subprocess.Popen(cmd + (["--standby"] if role == "standby" else []), stdout=log,
+                                    stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}), log.name)
+deadline, failed, waiting = time.time() + 60, {}, dict(procs)
+while waiting and time.time() < deadline:
+    for node, (proc, log) in list(waiting.items()):
+        if "listening on" in open(log).read():
+            del waiting[node]
+        elif proc.poll() is not None:
+            failed[node] = f"exited with {proc.returncode}"
+            del waiting[node]
+    time.sleep(0.1)
+failed.update({node: "did not listen within 60 s" for node in waiting})
+for proc, _ in procs.values():
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+for proc, _ in procs.values():
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+for node, why in failed.items():
+    print(f"--- {node}: {why}\n{open(procs[node][1]).read()}", file=sys.stderr)
+assert not failed, f"the binary refused the overlay's cluster.toml, the model file or a bundle: {sorted(failed)}"
+print(f"k8s-torch: tether-server accepts the overlay's cluster.toml with a model file of train.py's layout "
+      f"({', '.join(procs)} listened)")
 PY
 echo "k8s: PASS (validated against Kubernetes $version schemas, offline)"

@@ -15,6 +15,8 @@ Needs the package (``maturin develop --release -m python/Cargo.toml``) and the `
 (``cargo build --release -p tether-server``, or ``--bin-dir`` / ``$TETHER_BIN_DIR``).
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
@@ -23,9 +25,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch.nn
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--shards", type=int, default=2, help="parameter shards (default 2)")
@@ -54,14 +61,14 @@ def parse_args(argv=None):
     return a
 
 
-def build_model(features, classes):
+def build_model(features: int, classes: int) -> torch.nn.Sequential:
     import torch.nn as nn
 
     return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
                          nn.Linear(128, classes))
 
 
-def worker(a):
+def worker(a: argparse.Namespace) -> None:
     """One rank: join, pull the initial weights, train this rank's share, evaluate on rank 0, report."""
     import torch
     import torch.nn.functional as F
@@ -73,6 +80,7 @@ def worker(a):
     data = tether.load_data(a.config)
     model = build_model(int(data["features"]), int(data["classes"]))
     with tether.Worker(a.config, a.rank) as w:
+        sync: tt.DiLoCo | tt.PerStep
         if a.diloco:
             inner = torch.optim.Adam(model.parameters(), lr=a.lr)
             sync = tt.DiLoCo(model, inner, w, local_steps=a.diloco)
@@ -94,7 +102,7 @@ def worker(a):
                 loss.backward()
                 sync.step(loss=loss.detach())
                 steps += 1
-        if a.diloco:
+        if isinstance(sync, tt.DiLoCo):  # with --diloco
             sync.sync()
         train_s = time.perf_counter() - t0
         acc = None
@@ -109,7 +117,7 @@ def worker(a):
     Path(a.out).write_text(json.dumps(out))
 
 
-def launcher(a):
+def launcher(a: argparse.Namespace) -> None:
     import torch
 
     import tether.torch as tt
@@ -132,7 +140,7 @@ def launcher(a):
     train_n = 60000 if dataset == "fashion-mnist" else 1437
     steps_per_worker = (train_n // a.workers // min(a.batch, train_n // a.workers)) * a.epochs
     updates = steps_per_worker * a.workers
-    cfg = {
+    cfg: dict[str, dict[str, Any]] = {
         "cluster": {"staleness": staleness},
         "model": {"kind": "file", "file": str(model_file)},
         "data": {"dataset": dataset},
@@ -157,6 +165,7 @@ def launcher(a):
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log))
         results = []
         for p, out, log in procs:
+            rc: int | str
             try:
                 rc = p.wait(timeout=3600)
             except subprocess.TimeoutExpired:
@@ -190,7 +199,7 @@ def launcher(a):
             print(f"{k:>22}  {v}")
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
     if a.rank is not None:
         worker(a)

@@ -27,6 +27,8 @@ ways summed over workers, against ``fp32_per_step_bytes`` (every step pushing an
     python examples/python/nanogpt_kjv.py --workers 4 --shards 2 --diloco 16 --stop-at-target
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import math
@@ -35,10 +37,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from numpy.typing import NDArray
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--single", action="store_true", help="one plain PyTorch process (the peer)")
@@ -85,7 +94,7 @@ def parse_args(argv=None):
     return a
 
 
-def build_model(a):
+def build_model(a: argparse.Namespace) -> torch.nn.Module:
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -94,13 +103,15 @@ def build_model(a):
     explicit = a.explicit_attention
 
     class CausalSelfAttention(nn.Module):
-        def __init__(self):
+        mask: torch.Tensor  # a buffer
+
+        def __init__(self) -> None:
             super().__init__()
             self.c_attn = nn.Linear(C, 3 * C)
             self.c_proj = nn.Linear(C, C)
             self.register_buffer("mask", torch.tril(torch.ones(T, T, dtype=torch.bool)), persistent=False)
 
-        def forward(self, x):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             B, Tx, _ = x.shape
             q, k, v = self.c_attn(x).split(C, dim=2)
             q = q.view(B, Tx, H, C // H).transpose(1, 2)
@@ -112,32 +123,35 @@ def build_model(a):
                 y = torch.softmax(att, dim=-1) @ v
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.c_proj(y.transpose(1, 2).contiguous().view(B, Tx, C))
+            out: torch.Tensor = self.c_proj(y.transpose(1, 2).contiguous().view(B, Tx, C))
+            return out
 
     class MLP(nn.Module):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.c_fc = nn.Linear(C, 4 * C)
             self.gelu = nn.GELU(approximate="tanh")
             self.c_proj = nn.Linear(4 * C, C)
 
-        def forward(self, x):
-            return self.c_proj(self.gelu(self.c_fc(x)))
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.c_proj(self.gelu(self.c_fc(x)))
+            return out
 
     class Block(nn.Module):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.ln_1 = nn.LayerNorm(C, eps=1e-5)
             self.attn = CausalSelfAttention()
             self.ln_2 = nn.LayerNorm(C, eps=1e-5)
             self.mlp = MLP()
 
-        def forward(self, x):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
+            out: torch.Tensor = x + self.mlp(self.ln_2(x))
+            return out
 
     class GPT(nn.Module):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.wte = nn.Embedding(V, C)
             self.wpe = nn.Embedding(T, C)
@@ -146,13 +160,14 @@ def build_model(a):
             self.apply(self._init)
 
         @staticmethod
-        def _init(m):
+        def _init(m: nn.Module) -> None:
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+                bias = getattr(m, "bias", None)  # nn.Embedding has none
+                if bias is not None:
+                    nn.init.zeros_(bias)
 
-        def forward(self, idx, targets):
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             B, Tx = idx.shape
             x = self.wte(idx) + self.wpe(torch.arange(Tx, device=idx.device))
             for blk in self.h:
@@ -163,7 +178,7 @@ def build_model(a):
     return GPT()
 
 
-def adamw(model, a):
+def adamw(model: torch.nn.Module, a: argparse.Namespace) -> torch.optim.AdamW:
     """nanoGPT's AdamW: weight decay on tensors of 2 or more dimensions only."""
     import torch
 
@@ -173,15 +188,17 @@ def adamw(model, a):
     return torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.99), eps=1e-8)
 
 
-def lr_factor(step, total, a):
+def lr_factor(step: int, total: int, a: argparse.Namespace) -> float:
     """Linear warm-up over --warmup steps, then cosine to --min-lr-ratio at ``total``."""
-    if step < a.warmup:
-        return (step + 1) / a.warmup
-    p = min(1.0, (step - a.warmup) / max(1, total - a.warmup))
-    return a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    warmup: int = a.warmup
+    min_ratio: float = a.min_lr_ratio
+    if step < warmup:
+        return (step + 1) / warmup
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
 
 
-def lm_batch(x, y, idx):
+def lm_batch(x: NDArray[Any], y: NDArray[Any], idx: NDArray[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     inp = torch.from_numpy(x[idx]).long()
@@ -189,7 +206,7 @@ def lm_batch(x, y, idx):
     return inp, torch.cat([inp[:, 1:], nxt], dim=1)
 
 
-def val_loss(model, data, batch=128):
+def val_loss(model: torch.nn.Module, data: Mapping[str, Any], batch: int = 128) -> float:
     import numpy as np
     import torch
 
@@ -208,18 +225,18 @@ def val_loss(model, data, batch=128):
 class Evaluator:
     """Evaluates every --eval-every samples, keeping training time apart from evaluation time."""
 
-    def __init__(self, a, model, data):
+    def __init__(self, a: argparse.Namespace, model: torch.nn.Module, data: Mapping[str, Any]) -> None:
         self.a, self.model, self.data = a, model, data
         self.t0 = time.perf_counter()
         self.eval_s = 0.0
         self.next = a.eval_every
-        self.curve = []
-        self.reached = None
+        self.curve: list[list[float]] = []
+        self.reached: dict[str, float] | None = None
 
-    def train_seconds(self):
+    def train_seconds(self) -> float:
         return time.perf_counter() - self.t0 - self.eval_s
 
-    def maybe(self, samples, force=False):
+    def maybe(self, samples: int, force: bool = False) -> bool:
         """Evaluates when ``samples`` crossed the next multiple of --eval-every; returns whether the target was
         reached at this evaluation."""
         if not force and samples < self.next:
@@ -238,7 +255,7 @@ class Evaluator:
         return False
 
 
-def data_config(a, path, model_file=None):
+def data_config(a: argparse.Namespace, path: Path, model_file: Path | None = None) -> str:
     """A minimal cluster.toml for ``tether.load_data`` (the built-in GPT kind, or the model file, with --context)."""
     from tether.cluster import toml_dumps
 
@@ -253,7 +270,7 @@ def data_config(a, path, model_file=None):
     return str(path)
 
 
-def run_single(a, work):
+def run_single(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -276,6 +293,7 @@ def run_single(a, work):
         within = step % per_epoch
         if within == 0:
             order = rng.permutation(n)
+        assert order is not None  # drawn at the first step of every epoch
         idx = order[within * a.batch:(within + 1) * a.batch]
         for g in opt.param_groups:
             g["lr"] = a.lr * lr_factor(step, total, a)
@@ -302,7 +320,7 @@ def run_single(a, work):
     }
 
 
-def run_worker(a):
+def run_worker(a: argparse.Namespace) -> None:
     """One rank of the cluster run."""
     import torch
 
@@ -314,7 +332,8 @@ def run_worker(a):
     model = build_model(a)
     with tether.Worker(a.config, a.rank) as w:
         opt = adamw(model, a) if a.diloco else None
-        sync = tt.DiLoCo(model, opt, w, local_steps=a.diloco) if a.diloco else tt.PerStep(model, w)
+        sync: tt.DiLoCo | tt.PerStep = (
+            tt.DiLoCo(model, opt, w, local_steps=a.diloco) if opt is not None else tt.PerStep(model, w))
         part = tether.Partition(len(data["y_train"]), a.rank, a.workers, 7)
         per_epoch = len(part.indices()) // a.batch
         total = max(1, int(per_epoch * a.epochs))
@@ -328,6 +347,7 @@ def run_worker(a):
             epoch, within = divmod(step, per_epoch)
             if within == 0:
                 order = part.epoch_order(epoch)
+            assert order is not None  # drawn at the first step of every epoch
             idx = order[within * a.batch:(within + 1) * a.batch]
             if opt is not None:
                 for g in opt.param_groups:
@@ -343,11 +363,12 @@ def run_worker(a):
             if ev is not None:
                 # Rank 0 counts every worker's samples: they run in lockstep within the staleness bound.
                 if ev.maybe(steps * a.batch * a.workers) and a.stop_at_target:
+                    assert stop is not None  # the launcher always passes --stop-file
                     stop.touch()
                     break
             elif stop is not None and a.stop_at_target and stop.exists():
                 break
-        if a.diloco:
+        if isinstance(sync, tt.DiLoCo):  # with --diloco
             sync.sync()
         train_s = ev.train_seconds() if ev else time.perf_counter() - t0
         result = {"rank": a.rank, "steps": steps, "train_seconds": train_s,
@@ -360,7 +381,7 @@ def run_worker(a):
     Path(a.out).write_text(json.dumps(result))
 
 
-def run_cluster(a, work):
+def run_cluster(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
 
     import tether
@@ -406,6 +427,7 @@ def run_cluster(a, work):
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log))
         results = []
         for p, out, log in procs:
+            rc: int | str
             try:
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -437,7 +459,7 @@ def run_cluster(a, work):
     }
 
 
-def pass_through(a):
+def pass_through(a: argparse.Namespace) -> list[str]:
     """The flags a worker process needs, from the launcher's."""
     out = []
     for flag in ("workers", "diloco", "epochs", "batch", "lr", "min_lr_ratio", "warmup", "weight_decay", "clip",
@@ -452,7 +474,7 @@ def pass_through(a):
     return out
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
     if a.rank is not None:
         run_worker(a)

@@ -17,16 +17,19 @@ flat buffer), reported as a fraction of the round time. Prints one JSON line.
     python examples/python/overhead.py [--steps 400] [--batch 128] [--threads 2]
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=128)

@@ -16,15 +16,17 @@ wrappers and ``copy_`` fills them); ``.cpu()`` / ``.to("cpu")`` return plain CPU
 
 What it enforces, as a real accelerator would:
 
-- its memory is its own: the held tensor is only ever created by the fake device itself, ``numpy()``,
-  ``data_ptr()``-based sharing and ``p.data = cpu_tensor`` fail, and an op that mixes a fake tensor with a CPU tensor
-  of one or more dimensions raises (as CUDA does) instead of running; so a module on ``fakedev`` changes only
-  through an explicit copy (``copy_``, ``.to``), and code that forgets the copy after a pull leaves it stale;
+- its memory is its own: held tensors come only from its own kernels (never from a CPU tensor passed in), there is
+  no storage to share (``numpy()`` and ``untyped_storage()`` fail, ``data_ptr()`` is 0), ``p.data = cpu_tensor``
+  fails, and an op that mixes a fake tensor with a CPU tensor of one or more dimensions raises (as CUDA does) instead
+  of running. So a module on ``fakedev`` changes only through an explicit copy (``copy_``, ``.to``): code that
+  skips the copy after a pull leaves it stale, and code that reads it without one fails;
 - every crossing is counted in :data:`COPIES`: ``h2d`` (host to device: ``copy_`` into a fake tensor from a CPU
   one) and ``d2h`` (device to host: ``copy_`` into a CPU tensor from a fake one, ``.cpu()``, ``.item()``).
 
 :data:`AVAILABLE` is False (and :data:`UNAVAILABLE_REASON` says why) where this torch lacks the Python backend hooks;
-the tests then skip the fake device.
+the tests then skip the fake device. Importing it turns off autograd's device threads for the importing (main)
+thread: backward runs on the caller, for every device (see :func:`_setup`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ COPIES: Dict[str, int] = collections.Counter()
 AVAILABLE = False
 UNAVAILABLE_REASON = ""
 
-_DEV = None
+_DEV = torch.device("cpu")  # fakedev:0 once _setup() succeeds
 _CPU = torch.device("cpu")
 _aten = torch.ops.aten
 
@@ -55,7 +57,7 @@ class FakeDeviceTensor(torch.Tensor):
     """A tensor on ``fakedev:0`` whose values live in a private CPU tensor (``_held``)."""
 
     _held: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, held: torch.Tensor) -> "FakeDeviceTensor":
@@ -70,7 +72,8 @@ class FakeDeviceTensor(torch.Tensor):
         return f"FakeDeviceTensor({self._held!r}, device='{DEVICE}')"
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Optional[Dict[str, Any]] = None):
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         if func is _aten.copy_.default:
             dst, src = args[0], args[1]
@@ -83,7 +86,8 @@ class FakeDeviceTensor(torch.Tensor):
                 if not isinstance(a, FakeDeviceTensor) and a.dim() > 0:
                     raise RuntimeError(f"{func}: expected all tensors to be on the same device, but found "
                                        f"{DEVICE} and {a.device} (copy explicitly with .to())")
-        to_cpu = func is _aten._to_copy.default and torch.device(kwargs.get("device") or _DEV).type == "cpu"
+        target = kwargs.get("device")
+        to_cpu = func is _aten._to_copy.default and target is not None and torch.device(target).type == "cpu"
         if to_cpu:
             COPIES["d2h"] += 1
         originals = {id(_unwrap(a)): a for a in _tensors((args, kwargs))}
@@ -126,24 +130,27 @@ def _empty_kernel(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
 
 def _setup() -> None:
     global AVAILABLE, UNAVAILABLE_REASON, _DEV, _LIB
-    try:
-        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-    except ImportError:
-        UNAVAILABLE_REASON = f"torch {torch.__version__} cannot define a device in Python (no " \
-                             "_setup_privateuseone_for_python_backend)"
-        return
     current = torch._C._get_privateuse1_backend_name()
     if current not in ("privateuseone", NAME):
         UNAVAILABLE_REASON = f"the PrivateUse1 backend is already {current!r}"
         return
-    if current != NAME:
-        _setup_privateuseone_for_python_backend(NAME)
-    _DEV = torch.device(NAME, 0)
-    # Tensors created on fakedev by CPU code (t.to("fakedev"), torch.zeros(..., device="fakedev")) come from these
-    # kernels; everything else dispatches on FakeDeviceTensor. _LIB must stay alive: dropping it unregisters them.
-    _LIB = torch.library.Library("aten", "IMPL")
-    _LIB.impl("empty.memory_format", _empty_kernel(torch.empty), "PrivateUse1")
-    _LIB.impl("empty_strided", _empty_kernel(torch.empty_strided), "PrivateUse1")
+    try:
+        if current != NAME:
+            from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+            _setup_privateuseone_for_python_backend(NAME)
+        _DEV = torch.device(NAME, 0)
+        # Tensors made on fakedev by CPU code (t.to("fakedev"), torch.zeros(..., device="fakedev")) come from these
+        # kernels; all else dispatches on FakeDeviceTensor. _LIB must stay alive: dropping it unregisters them.
+        _LIB = torch.library.Library("aten", "IMPL")
+        _LIB.impl("empty.memory_format", _empty_kernel(torch.empty), "PrivateUse1")
+        _LIB.impl("empty_strided", _empty_kernel(torch.empty_strided), "PrivateUse1")
+        # Backward through fakedev would otherwise run on autograd's device thread, which can drop the last
+        # reference to a graph task (and the Python objects it holds) while the interpreter shuts down: an abort at
+        # exit ("terminate called without an active exception"). On the calling thread it computes the same.
+        torch._C._set_multithreading_enabled(False)
+    except (ImportError, AttributeError, RuntimeError) as e:
+        UNAVAILABLE_REASON = f"torch {torch.__version__} cannot define a device in Python: {e}"
+        return
     AVAILABLE = True
 
 

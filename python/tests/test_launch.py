@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,7 +101,7 @@ def test_a_host_runs_the_nodes_its_name_is_in_and_its_block_of_ranks():
     p = plan_host(cfg, "b", 1, 2)
     assert [n.name for n in p.nodes] == ["server-1", "standby-0"]
     assert p.ranks == [2, 3]
-    p = plan_host(cfg, "c", 2, 4)  # the last block is cut at cluster.workers
+    p = plan_host(cfg, "c", 1, 4)  # the last block is cut at cluster.workers
     assert [n.name for n in p.nodes] == ["standby-1", "witness"] and p.ranks == [4, 5]
     assert plan_host(cfg, "a", 0, 0).ranks == []
 
@@ -203,9 +204,11 @@ def _cluster_files(tmp: Path, servers: List[str], workers: int) -> Path:
     cfg["model"] = {"kind": "file", "file": str(tmp / "model.safetensors")}
     path = tmp / "cluster.toml"
     path.write_text(toml_dumps(cfg))
-    # A CA and shard 0's bundle; the launchers issue the rest from the CA (--ca-dir).
+    # A CA and shard 0's bundle (keygen writes at least one worker bundle: worker-0, removed again); the launchers
+    # issue the rest from the CA (--ca-dir).
     subprocess.run([str(find_binary("tether-server")), "keygen", "--out", str(tmp / "certs"), "--ca-dir",
-                    str(tmp / "ca"), "--servers", "1", "--workers", "0"], check=True, capture_output=True)
+                    str(tmp / "ca"), "--servers", "1", "--workers", "1"], check=True, capture_output=True)
+    shutil.rmtree(tmp / "certs" / "worker-0")
     return path
 
 

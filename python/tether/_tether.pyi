@@ -8,6 +8,27 @@ import numpy as np
 from numpy.typing import NDArray
 from typing_extensions import TypeAlias
 
+__all__ = [
+    "Worker",
+    "Partition",
+    "write_model_file",
+    "read_model_file",
+    "load_data",
+    "read_config",
+    "enable_logging",
+    "TetherError",
+    "ConfigError",
+    "RefusedError",
+    "UnauthorizedError",
+    "LayoutMismatchError",
+    "ClockFromFutureError",
+    "ConfigMismatchError",
+    "SupersededError",
+    "ShardUnreachableError",
+    "ProtocolStateError",
+    "__version__",
+]
+
 _StrPath: TypeAlias = str | os.PathLike[str]
 """A path: a ``str`` or an ``os.PathLike`` of ``str`` (converted to a Rust ``PathBuf``)."""
 
@@ -57,7 +78,7 @@ class Worker:
         servers: Sequence[str] | None = None,
         reconnect_deadline_s: float = 60.0,
     ) -> Worker:
-        """Joins the cluster; ``config``/``rank``/``tls_dir`` default to ``$TETHER_CONFIG``/``$TETHER_RANK``/``$TETHER_TLS_DIR``."""
+        """Joins the cluster; config, rank and tls_dir default to $TETHER_CONFIG, $TETHER_RANK, $TETHER_TLS_DIR."""
 
     @property
     def rank(self) -> int:

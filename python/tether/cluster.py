@@ -20,9 +20,12 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 __all__ = ["LocalCluster", "ClusterStartError", "find_binary", "free_udp_port", "toml_dumps"]
+
+# A path argument: a string or a path object.
+_StrPath = Union[str, "os.PathLike[str]"]
 
 
 class ClusterStartError(RuntimeError):
@@ -106,7 +109,7 @@ def toml_dumps(config: Mapping[str, Mapping[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def find_binary(name: str = "tether-server", bin_dir: Optional[os.PathLike] = None) -> Path:
+def find_binary(name: str = "tether-server", bin_dir: Optional[_StrPath] = None) -> Path:
     """The path of binary ``name``: in ``bin_dir``, else ``$TETHER_BIN_DIR``, else ``<repo>/target/release``, else
     on ``PATH``. Raises :class:`ClusterStartError` naming the places looked at."""
     tried: List[str] = []
@@ -140,7 +143,8 @@ def free_udp_port() -> int:
     """A UDP port on 127.0.0.1 that was free a moment ago (bound, then released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -171,11 +175,11 @@ class LocalCluster:
 
     def __init__(
         self,
-        workdir: os.PathLike,
+        workdir: _StrPath,
         config: Mapping[str, Mapping[str, Any]],
         shards: int = 2,
         workers: int = 2,
-        bin_dir: Optional[os.PathLike] = None,
+        bin_dir: Optional[_StrPath] = None,
         *,
         standbys: Optional[bool] = None,
         start_timeout_s: float = 30.0,
@@ -196,7 +200,7 @@ class LocalCluster:
         self.extra_args = list(extra_args or [])
         self.log_level = log_level
         self.certs_dir = self.workdir / "certs"
-        self._procs: Dict[str, subprocess.Popen] = {}
+        self._procs: Dict[str, subprocess.Popen[bytes]] = {}
         self._logs: Dict[str, Any] = {}
         self._started = False
 

@@ -205,9 +205,9 @@ class Launcher:
         self.log_dir = log_dir.resolve() if log_dir else None
         self.bin_dir = bin_dir
         self.grace_s = grace_s
-        self._nodes: Dict[str, subprocess.Popen] = {}
+        self._nodes: Dict[str, subprocess.Popen[bytes]] = {}
         self._node_tries: Dict[str, int] = {}
-        self._ranks: Dict[int, subprocess.Popen] = {}
+        self._ranks: Dict[int, subprocess.Popen[bytes]] = {}
         self._rank_tries: Dict[int, int] = {}
         self._offsets: Dict[str, int] = {}
         self._signal: Optional[int] = None
@@ -349,7 +349,7 @@ class Launcher:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._signal = signum
 
-    def _terminate(self, procs: Mapping[Any, subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    def _terminate(self, procs: Mapping[Any, subprocess.Popen[bytes]], sig: int = signal.SIGTERM) -> None:
         for p in procs.values():
             if p.poll() is None:
                 try:
@@ -455,7 +455,7 @@ def _standalone_config(args: argparse.Namespace, work: Path) -> Path:
         try:
             import tomllib
         except ImportError:  # Python < 3.11
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib  # type: ignore[no-redef, import-not-found, unused-ignore]
         src = Path(args.config).resolve()
         with open(src, "rb") as f:
             base = {k: dict(v) for k, v in tomllib.load(f).items() if isinstance(v, dict)}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import math
 import os
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -239,11 +239,11 @@ class PerStep:
 
     def report(self) -> Dict[str, Any]:
         """The worker's report (bytes, waits, pushes)."""
-        return self.worker.report()
+        return cast(Dict[str, Any], self.worker.report())
 
     def close(self, timeout_s: float = 60.0) -> Dict[str, Any]:
         """Closes the worker (settles, says goodbye); returns its final report."""
-        return self.worker.close(timeout_s)
+        return cast(Dict[str, Any], self.worker.close(timeout_s))
 
 
 class DiLoCo:
@@ -337,11 +337,11 @@ class DiLoCo:
 
     def report(self) -> Dict[str, Any]:
         """The worker's report (bytes, waits, pushes)."""
-        return self.worker.report()
+        return cast(Dict[str, Any], self.worker.report())
 
     def close(self, timeout_s: float = 60.0) -> Dict[str, Any]:
         """Closes the worker (settles, says goodbye) without pushing a partial round; returns its final report."""
-        return self.worker.close(timeout_s)
+        return cast(Dict[str, Any], self.worker.close(timeout_s))
 
 
 def iter_batches(order: Iterable[int], batch: int) -> Iterable[np.ndarray]:
