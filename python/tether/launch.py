@@ -443,8 +443,12 @@ class Launcher:
                       f"{self.max_restarts})", file=sys.stderr)
                 self._start_rank(r)
             ranks_done = len(finished) == len(self._ranks)
-            nodes_done = all(p.poll() == 0 for p in self._nodes.values())
-            if ranks_done and (self.role == "ranks" or nodes_done):
+            # The shard nodes exit by themselves after the last goodbye; the witness serves until it is stopped, so
+            # it is stopped once this host's shard nodes are done (a host holding only the witness runs until it
+            # is signalled).
+            shard_nodes = [p for name, p in self._nodes.items() if name != "witness"]
+            nodes_done = bool(shard_nodes) and all(p.poll() == 0 for p in shard_nodes)
+            if ranks_done and (self.role == "ranks" or not self._nodes or nodes_done):
                 return 0
             time.sleep(0.1)
 

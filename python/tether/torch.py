@@ -32,7 +32,7 @@ import torch
 
 from . import _tether
 
-__all__ = ["export_model", "check_layout", "FlatParams", "PerStep", "DiLoCo", "iter_batches"]
+__all__ = ["export_model", "prepare", "check_layout", "FlatParams", "PerStep", "DiLoCo", "iter_batches"]
 
 
 def _named(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Parameter]]:
