@@ -2,14 +2,15 @@
 # The same PyTorch GPT (examples/python/nanogpt_kjv.py: bytes as tokens, 4 layers x 4 heads x 128 wide, 64-byte
 # context, KJV windows and split from tether.load_data, AdamW 2e-3 with warm-up and cosine, clip 1.0) trained three
 # ways on this machine, one after the other (never concurrently), each to a validation loss of $TARGET nats/byte:
-#   tether   nanogpt_kjv.py --workers TETHER_WORKERS --shards TETHER_SHARDS --batch TETHER_BATCH --diloco 16
+#   tether   nanogpt_kjv.py --workers TETHER_WORKERS --shards TETHER_SHARDS --batch TETHER_BATCH --diloco TETHER_H
 #   single   nanogpt_kjv.py --single (one process, batch 12, 2 threads)
-#   torchft  scripts/gpt_torchft.py: torchft 0.2.0 DiLoCo, TORCHFT_WORKERS replica groups x TORCHFT_BATCH, H = 16,
+#   torchft  scripts/gpt_torchft.py: torchft 0.2.0 DiLoCo, TORCHFT_WORKERS replica groups x TORCHFT_BATCH, H = TORCHFT_H,
 #            ProcessGroupGloo on loopback, a lighthouse with min_replicas = TORCHFT_WORKERS
 # Prints a markdown table (time to target excluding evaluation, final validation loss, bytes on the wire, ratios)
 # and appends every run's JSON line, tagged with "way", to bench/results/gpt-side-by-side-<date>.jsonl.
 #
-# Knobs (environment): TARGET (1.465), TETHER_WORKERS (2), TETHER_SHARDS (2), TETHER_BATCH (6), TETHER_FLAGS (extra
+# Knobs (environment): TARGET (1.465), TETHER_WORKERS (2), TETHER_SHARDS (2), TETHER_BATCH (6), TETHER_H (32),
+# TORCHFT_H (16, torchft's DiLoCo recipe as measured in issue 37), TETHER_FLAGS (extra
 # nanogpt_kjv.py flags, last wins), TORCHFT_WORKERS (4), TORCHFT_BATCH (3), TORCHFT_FLAGS (extra gpt_torchft.py
 # flags), BUDGET_S (600: bound on each run), WAYS ("tether single torchft"), PYTHON (/tmp/tether-venv/bin/python: a
 # python with torch, numpy and the tether package; tether-server found as tether.cluster.find_binary does, e.g.
@@ -30,7 +31,7 @@ TORCHFT_WORKERS=${TORCHFT_WORKERS:-4} TORCHFT_BATCH=${TORCHFT_BATCH:-3}
 BUDGET_S=${BUDGET_S:-600} WAYS=${WAYS:-tether single torchft}
 PYTHON=${PYTHON:-/tmp/tether-venv/bin/python} TORCHFT_VENV=${TORCHFT_VENV:-/tmp/torchft-venv}
 OUT=${OUT:-bench/results/gpt-side-by-side-$(date +%Y-%m-%d).jsonl}
-H=16
+TETHER_H=${TETHER_H:-32} TORCHFT_H=${TORCHFT_H:-16}
 work=$(mktemp -d /tmp/gpt-side-by-side.XXXXXX)
 mkdir -p "$(dirname "$OUT")"
 
@@ -80,16 +81,16 @@ for way in $WAYS; do
   case $way in
     tether)
       # shellcheck disable=SC2086  # TETHER_FLAGS is a list of flags
-      run tether "Tether DiLoCo H=$H, $TETHER_SHARDS shards" "$PYTHON" examples/python/nanogpt_kjv.py \
-        --workers "$TETHER_WORKERS" --shards "$TETHER_SHARDS" --batch "$TETHER_BATCH" --diloco "$H" \
+      run tether "Tether DiLoCo H=$TETHER_H, $TETHER_SHARDS shards" "$PYTHON" examples/python/nanogpt_kjv.py \
+        --workers "$TETHER_WORKERS" --shards "$TETHER_SHARDS" --batch "$TETHER_BATCH" --diloco "$TETHER_H" \
         --stop-at-target --target "$TARGET" --timeout-s "$BUDGET_S" --work-dir "$work/tether" $TETHER_FLAGS ;;
     single)
       run single "one PyTorch process (2 threads)" "$PYTHON" examples/python/nanogpt_kjv.py --single \
         --stop-at-target --target "$TARGET" --work-dir "$work/single" ;;
     torchft)
       # shellcheck disable=SC2086
-      run torchft "torchft 0.2.0 DiLoCo H=$H, gloo" "$TORCHFT_VENV/bin/python" scripts/gpt_torchft.py \
-        --workers "$TORCHFT_WORKERS" --batch "$TORCHFT_BATCH" --sync-every "$H" --stop-at-target \
+      run torchft "torchft 0.2.0 DiLoCo H=$TORCHFT_H, gloo" "$TORCHFT_VENV/bin/python" scripts/gpt_torchft.py \
+        --workers "$TORCHFT_WORKERS" --batch "$TORCHFT_BATCH" --sync-every "$TORCHFT_H" --stop-at-target \
         --target "$TARGET" --timeout-s "$BUDGET_S" --tether-python "$PYTHON" --work-dir "$work/torchft" \
         $TORCHFT_FLAGS ;;
     *) echo "unknown way in WAYS: $way" >&2; exit 1 ;;

@@ -391,9 +391,13 @@ impl Worker {
         let r = py.detach(|| inner.close(limit)).map_err(|e| to_py(py, e))?;
         // Under `python -m tether.launch`: the report tells the launcher that this rank finished and said goodbye.
         if let Some(path) = std::env::var_os("TETHER_REPORT") {
-            let json = serde_json::to_vec_pretty(&r).map_err(|e| TetherError::new_err(e.to_string()))?;
+            let json =
+                serde_json::to_vec_pretty(&r).map_err(|e| TetherError::new_err(e.to_string()))?;
             std::fs::write(&path, json).map_err(|e| {
-                TetherError::new_err(format!("writing the report to {}: {e}", PathBuf::from(&path).display()))
+                TetherError::new_err(format!(
+                    "writing the report to {}: {e}",
+                    PathBuf::from(&path).display()
+                ))
             })?;
         }
         report_dict(py, &r)
