@@ -256,55 +256,13 @@ print("k8s: /metrics bound to the pod IP and reachable only from the Prometheus 
 # The binary: each role started for a moment on loopback with the rendered config (its tls_dir and checkpoint.dir
 # pointed at a copy of that node's Secret and a scratch folder) must load the config, accept its bundle for its
 # role and listen. Nothing is dialled successfully (the cluster names do not resolve here); that is not checked.
-procs = {}
-for node in [f"server-{k}" for k in range(shards)] + [f"standby-{k}" for k in range(shards)] + ["witness"]:
-    bundle, scratch = os.path.join(work, "bundles", node), os.path.join(work, "state", node)
-    os.makedirs(bundle)
-    for f, v in secrets[f"tether-{node}"]["data"].items():
-        with open(os.path.join(bundle, f), "wb") as out:
-            out.write(base64.b64decode(v))
-        os.chmod(os.path.join(bundle, f), 0o600)
-    text = re.sub(r'(?m)^tls_dir\s*=.*$', f'tls_dir = "{bundle}"', config_text)
-    text = re.sub(r'(?m)^dir\s*=.*$', f'dir = "{scratch}"', text)
-    assert tomllib.loads(text)["cluster"]["tls_dir"] == bundle and tomllib.loads(text)["checkpoint"]["dir"] == scratch
-    cfg = os.path.join(work, f"{node}.toml")
-    with open(cfg, "w") as out:
-        out.write(text)
-    exe = os.path.join(bin_dir, "tether-server")
-    if node == "witness":
-        cmd = [exe, "witness", "--config", cfg, "--listen", "127.0.0.1:0"]
-        cmd += ["--state", os.path.join(scratch, "witness.json")]
-    else:
-        role, k = node.rsplit("-", 1)
-        cmd = [exe, "--config", cfg, "--shard", k, "--listen", "127.0.0.1:0", "--resume"]
-        cmd += ["--standby"] if role == "standby" else []
-    log = open(os.path.join(work, f"{node}.log"), "w")
-    env = {**os.environ, "RUST_LOG": "warn"}
-    procs[node] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log.name)
-deadline, failed = time.time() + 60, {}
-waiting = dict(procs)
-while waiting and time.time() < deadline:
-    for node, (proc, log) in list(waiting.items()):
-        if "listening on" in open(log).read():
-            del waiting[node]
-        elif proc.poll() is not None:
-            failed[node] = f"exited with {proc.returncode}"
-            del waiting[node]
-    time.sleep(0.1)
-failed.update({node: "did not listen within 60 s" for node in waiting})
-for proc, _ in procs.values():
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-for proc, _ in procs.values():
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+from listen_check import nodes_listen
+nodes = [f"server-{k}" for k in range(shards)] + [f"standby-{k}" for k in range(shards)] + ["witness"]
+failed = nodes_listen(nodes, secrets, config_text, work, bin_dir)
 for node, why in failed.items():
-    print(f"--- {node}: {why}\n{open(procs[node][1]).read()}", file=sys.stderr)
+    print(f"--- {node}: {why}", file=sys.stderr)
 assert not failed, f"the binary refused the rendered config or a bundle: {sorted(failed)}"
-print(f"k8s: tether-server accepts the rendered cluster.toml and each role's bundle ({', '.join(procs)} listened)")
+print(f"k8s: tether-server accepts the rendered cluster.toml and each role's bundle ({', '.join(nodes)} listened)")
 PY
 
 # The PyTorch overlay (deploy/k8s-torch) over the same base copy and Secrets: rendered, validated against the same
@@ -447,50 +405,13 @@ head += b" " * (-len(head) % 8)
 model_path = os.path.join(work, "torch-model.safetensors")
 with open(model_path, "wb") as f:
     f.write(struct.pack("<Q", len(head)) + head + body)
-procs = {}
-for node in [f"{r}-{k}" for r in ("server", "standby") for k in range(len(config["cluster"]["servers"]))]:
-    bundle, scratch = os.path.join(work, "torch-bundles", node), os.path.join(work, "torch-state", node)
-    os.makedirs(bundle)
-    for name, value in secrets[f"tether-{node}"]["data"].items():
-        with open(os.path.join(bundle, name), "wb") as out:
-            out.write(base64.b64decode(value))
-        os.chmod(os.path.join(bundle, name), 0o600)
-    text = re.sub(r'(?m)^tls_dir\s*=.*$', f'tls_dir = "{bundle}"', config_text)
-    text = re.sub(r'(?m)^dir\s*=.*$', f'dir = "{scratch}"', text)
-    text = re.sub(r'(?m)^file\s*=.*$', f'file = "{model_path}"', text)
-    t = tomllib.loads(text)
-    assert (t["cluster"]["tls_dir"], t["checkpoint"]["dir"], t["model"]["file"]) == (bundle, scratch, model_path)
-    cfg = os.path.join(work, f"torch-{node}.toml")
-    with open(cfg, "w") as out:
-        out.write(text)
-    role, k = node.rsplit("-", 1)
-    cmd = [os.path.join(bin_dir, "tether-server"), "--config", cfg, "--shard", k, "--listen", "127.0.0.1:0", "--resume"]
-    log = open(os.path.join(work, f"torch-{node}.log"), "w")
-    procs[node] = (subprocess.Popen(cmd + (["--standby"] if role == "standby" else []), stdout=log,
-                                    stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}), log.name)
-deadline, failed, waiting = time.time() + 60, {}, dict(procs)
-while waiting and time.time() < deadline:
-    for node, (proc, log) in list(waiting.items()):
-        if "listening on" in open(log).read():
-            del waiting[node]
-        elif proc.poll() is not None:
-            failed[node] = f"exited with {proc.returncode}"
-            del waiting[node]
-    time.sleep(0.1)
-failed.update({node: "did not listen within 60 s" for node in waiting})
-for proc, _ in procs.values():
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-for proc, _ in procs.values():
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+from listen_check import nodes_listen
+nodes = [f"{r}-{k}" for r in ("server", "standby") for k in range(len(config["cluster"]["servers"]))]
+failed = nodes_listen(nodes, secrets, config_text, work, bin_dir, prefix="torch-", replace={"file": model_path})
 for node, why in failed.items():
-    print(f"--- {node}: {why}\n{open(procs[node][1]).read()}", file=sys.stderr)
+    print(f"--- {node}: {why}", file=sys.stderr)
 assert not failed, f"the binary refused the overlay's cluster.toml, the model file or a bundle: {sorted(failed)}"
 print(f"k8s-torch: tether-server accepts the overlay's cluster.toml with a model file of train.py's layout "
-      f"({', '.join(procs)} listened)")
+      f"({', '.join(nodes)} listened)")
 PY
 echo "k8s: PASS (validated against Kubernetes $version schemas, offline)"
