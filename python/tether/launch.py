@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _tether
-from .cluster import LocalCluster, find_binary
+from .cluster import ClusterStartError, LocalCluster, find_binary
 
 __all__ = ["LaunchError", "HostPlan", "NodeSpec", "plan_host", "Launcher", "main"]
 
@@ -261,7 +261,11 @@ class Launcher:
             return
         env = self._rank_env(self.plan.ranks[0] if self.plan.ranks else 0, 0)
         env["TETHER_PREPARE"] = str(path)
-        proc = subprocess.run(self.argv, env=env, stdin=subprocess.DEVNULL, timeout=600)
+        try:
+            proc = subprocess.run(self.argv, env=env, stdin=subprocess.DEVNULL, timeout=600)
+        except subprocess.TimeoutExpired as e:
+            raise LaunchError(f"the preparing run (TETHER_PREPARE={path}) did not end within 600 s: call "
+                              f"tether.torch.prepare(model) before training starts") from e
         if proc.returncode != 0 or not path.exists():
             raise LaunchError(
                 f"the model file {path} is missing and preparing it failed: the script ran with "
@@ -379,8 +383,6 @@ class Launcher:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._run()
-        except LaunchError:
-            raise
         finally:
             self.stop_all()
             for s, h in old.items():
@@ -552,6 +554,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return e.status
     except _tether.ConfigError as e:
         print(f"tether.launch: error: {args.config}: {e}", file=sys.stderr)
+        return EXIT_SETUP
+    except ClusterStartError as e:  # --standalone: keygen or the binary's lookup failed
+        print(f"tether.launch: error: {e}", file=sys.stderr)
         return EXIT_SETUP
 
 
