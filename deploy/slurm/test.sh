@@ -181,7 +181,7 @@ if [ -z "$py" ] || ! "$py" -c 'import tether, torch' 2>/dev/null; then
 fi
 mkdir -p "$work/torch"
 job=$(cd "$work/torch" && TETHER_BIN="$bin" TETHER_WORK="$work/torch" TETHER_PYTHON="$py" TETHER_PORT=17600 \
-  TETHER_SHARDS=2 TETHER_NPROC=3 LAUNCHED_ROUNDS=300 LAUNCHED_STEP_SLEEP=0.005 RUST_LOG=info \
+  TETHER_SHARDS=2 TETHER_NPROC=3 LAUNCHED_ROUNDS=500 LAUNCHED_STEP_SLEEP=0.005 RUST_LOG=info \
   sbatch --parsable --nodes=1 --ntasks-per-node=1 "$root/deploy/slurm/tether-torch.sbatch" \
   "$root/python/tests/launched.py")
 say "job $job submitted (PyTorch: 2 shards with standbys, 3 ranks through python -m tether.launch)"
