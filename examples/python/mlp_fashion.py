@@ -2,10 +2,11 @@
 """A PyTorch MLP (784-256-128-10) trained on Fashion-MNIST by N Python worker processes through Tether shards on
 loopback (the embedded digits set, 64 inputs, when Fashion-MNIST is not installed; it says so).
 
-The launcher builds the module, writes its weights as the model file (the shards start from them, every worker
-pulls them first), starts the shards with ``tether.cluster.LocalCluster``, runs one process per rank (this script
-with ``--rank``), and prints rank 0's test accuracy, the training time and the bytes on the wire against per-step
-fp32 synchronisation of the same steps.
+Run plainly, it writes the run's config and hands it to ``python -m tether.launch --standalone``, which starts the
+shards, runs this script's preparing run (the module's weights become the model file: the shards start from them,
+every worker pulls them first) and then one process per rank (this script again, with the rank in its environment);
+it prints rank 0's test accuracy, the training time and the bytes on the wire against per-step fp32
+synchronisation of the same steps.
 
     python examples/python/mlp_fashion.py                      # 2 workers, a gradient push every step (q4)
     python examples/python/mlp_fashion.py --diloco 16          # local-step rounds of 16 Adam steps, q4 both ways
@@ -51,10 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", help="certificates, config, logs (default: a temporary directory)")
     p.add_argument("--bin-dir", help="folder holding tether-server (default: $TETHER_BIN_DIR, target/release, PATH)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the summary")
-    # Internal: a worker process.
-    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    # Internal: a rank under the launcher writes its figures here.
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.workers < 1 or a.shards < 1 or a.epochs < 1 or a.batch < 1 or a.diloco < 0:
         p.error("--workers, --shards, --epochs and --batch must be >= 1, --diloco >= 0")
@@ -69,7 +68,8 @@ def build_model(features: int, classes: int) -> torch.nn.Sequential:
 
 
 def worker(a: argparse.Namespace) -> None:
-    """One rank: join, pull the initial weights, train this rank's share, evaluate on rank 0, report."""
+    """One rank, run by ``python -m tether.launch``: join, pull the initial weights, train this rank's share,
+    evaluate on rank 0, report. The config, rank and bundle come from the launcher's environment."""
     import torch
     import torch.nn.functional as F
 
@@ -77,9 +77,13 @@ def worker(a: argparse.Namespace) -> None:
     import tether.torch as tt
 
     torch.set_num_threads(a.threads)
-    data = tether.load_data(a.config)
+    torch.manual_seed(a.seed)
+    data = tether.load_data(os.environ["TETHER_CONFIG"])
     model = build_model(int(data["features"]), int(data["classes"]))
-    with tether.Worker(a.config, a.rank) as w:
+    tt.prepare(model)  # the launcher's preparing run writes the model file (the initial weights) and ends here
+    a.rank = int(os.environ["TETHER_RANK"])
+    a.workers = int(os.environ["TETHER_WORLD_SIZE"])
+    with tether.Worker() as w:
         sync: tt.DiLoCo | tt.PerStep
         if a.diloco:
             inner = torch.optim.Adam(model.parameters(), lr=a.lr)
@@ -114,14 +118,13 @@ def worker(a: argparse.Namespace) -> None:
     out = {"rank": a.rank, "steps": steps, "train_s": train_s, "accuracy": acc, "report": report,
            "num_params": int(sum(p.numel() for p in model.parameters())), "note": data.get("note"),
            "dataset_features": int(data["features"])}
-    Path(a.out).write_text(json.dumps(out))
+    Path(a.out_dir, f"rank-{a.rank}.json").write_text(json.dumps(out))
 
 
 def launcher(a: argparse.Namespace) -> None:
-    import torch
-
-    import tether.torch as tt
-    from tether.cluster import LocalCluster
+    """Writes the run's config and runs every rank through ``python -m tether.launch --standalone`` (shards on
+    loopback, one process per rank, the model file from the script's preparing run), then sums the ranks' reports."""
+    from tether.cluster import toml_dumps
 
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="tether-mlp-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -130,11 +133,6 @@ def launcher(a: argparse.Namespace) -> None:
     if dataset == "digits":
         print("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist): training on the embedded "
               "digits set", file=sys.stderr)
-    features = 784 if dataset == "fashion-mnist" else 64
-    torch.manual_seed(a.seed)
-    model_file = work / "mlp.safetensors"
-    tt.export_model(build_model(features, 10), str(model_file))
-
     staleness = a.staleness if a.staleness is not None else (0 if a.diloco else 3)
     staleness = staleness if staleness == "inf" else int(staleness)
     train_n = 60000 if dataset == "fashion-mnist" else 1437
@@ -142,7 +140,7 @@ def launcher(a: argparse.Namespace) -> None:
     updates = steps_per_worker * a.workers
     cfg: dict[str, dict[str, Any]] = {
         "cluster": {"staleness": staleness},
-        "model": {"kind": "file", "file": str(model_file)},
+        "model": {"kind": "file", "file": str(work / "mlp.safetensors")},
         "data": {"dataset": dataset},
         "train": {"batch": a.batch, "epochs": a.epochs, "seed": 7, "local_steps": a.diloco},
         "optimizer": {
@@ -153,32 +151,19 @@ def launcher(a: argparse.Namespace) -> None:
         "compression": {"scheme": a.compression},
         "checkpoint": {"every_updates": 0},
     }
-    with LocalCluster(work / "cluster", cfg, shards=a.shards, workers=a.workers, bin_dir=a.bin_dir) as c:
-        procs = []
-        t0 = time.perf_counter()
-        for r in range(a.workers):
-            out = work / f"worker-{r}.json"
-            log = open(work / f"worker-{r}.log", "wb")
-            cmd = [sys.executable, os.path.abspath(__file__), "--config", c.config_path, "--rank", str(r),
-                   "--out", str(out), "--workers", str(a.workers), "--epochs", str(a.epochs), "--batch",
-                   str(a.batch), "--lr", str(a.lr), "--diloco", str(a.diloco), "--threads", str(a.threads)]
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log))
-        results = []
-        for p, out, log in procs:
-            rc: int | str
-            try:
-                rc = p.wait(timeout=3600)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = "timeout"
-            log.close()
-            if rc != 0:
-                for q, _, _ in procs:
-                    if q.poll() is None:
-                        q.kill()
-                sys.exit(f"a worker failed ({rc}); see {log.name}")
-            results.append(json.loads(out.read_text()))
-        wall = time.perf_counter() - t0
+    base = work / "base.toml"
+    base.write_text(toml_dumps(cfg))
+    cmd = [sys.executable, "-m", "tether.launch", "--standalone", "--nproc", str(a.workers), "--shards",
+           str(a.shards), "--config", str(base), "--work-dir", str(work / "cluster"), "--log-dir", str(work / "logs")]
+    cmd += ["--bin-dir", a.bin_dir] if a.bin_dir else []
+    cmd += [os.path.abspath(__file__), "--out-dir", str(work), "--epochs", str(a.epochs), "--batch", str(a.batch),
+            "--lr", str(a.lr), "--diloco", str(a.diloco), "--threads", str(a.threads), "--seed", str(a.seed)]
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, timeout=3600).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        sys.exit(f"the launch failed ({rc}); rank logs in {work / 'logs'}")
+    results = [json.loads((work / f"rank-{r}.json").read_text()) for r in range(a.workers)]
     n = results[0]["num_params"]
     steps = sum(r["steps"] for r in results)
     wire = sum(r["report"]["wire_bytes_pushed"] + r["report"]["wire_bytes_pulled"] for r in results)
@@ -201,7 +186,7 @@ def launcher(a: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
-    if a.rank is not None:
+    if "TETHER_RANK" in os.environ:  # started by python -m tether.launch
         worker(a)
     else:
         launcher(a)
