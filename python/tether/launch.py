@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -493,7 +494,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="start the host's nodes, its ranks, or both (default)")
     p.add_argument("--ca-dir", help="CA folder to issue missing bundles with (default: missing bundles are errors)")
     p.add_argument("--tls-dir", help="bundle folder (default: cluster.tls_dir)")
-    p.add_argument("--work-dir", help="reports and node state (default: the config's folder)")
+    p.add_argument("--work-dir", help="reports and node state (default: the config's folder; with --standalone a new "
+                                      "temporary folder)")
     p.add_argument("--log-dir", help="one log per rank here (default: ranks print to the launcher's output); node "
                                      "logs go here too (default: the work folder)")
     p.add_argument("--bin-dir", help="folder holding tether-server (default: $TETHER_BIN_DIR, target/release, PATH)")
@@ -519,7 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.standalone:
             if args.node_rank not in (None, 0) or args.role != "all":
                 raise LaunchError("--standalone runs the whole cluster on this host: drop --node-rank and --role")
-            work = Path(args.work_dir or "tether-run").resolve()
+            work = (Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tether-launch-"))).resolve()
             config = _standalone_config(args, work)
             plan = plan_host(_tether.read_config(str(config)), "127.0.0.1", 0, args.nproc)
             launcher = Launcher(config, plan, cmd, max_restarts=args.max_restarts, work_dir=work,
