@@ -1,11 +1,11 @@
-//! The study's PNG plots (plotters, bitmap backend): line charts of named series, optionally on log axes.
+//! The study's PNG plots (plotters, bitmap backend): line charts of named series, optionally on log axes. A leaf:
+//! it owns what it draws ([`Series`], [`PredictionRow`]) and imports nothing from the study, which calls it.
 
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
 use plotters::prelude::*;
-
-use crate::study::PredictionRow;
+use serde::Serialize;
 
 /// Registers DejaVu Sans as `sans-serif` once (plotters' ab_glyph backend has no font of its own).
 fn ensure_font() -> Result<()> {
@@ -129,6 +129,29 @@ pub fn lines(
     }
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
+}
+
+/// One row of the simulator's prediction grid: what the prediction plot draws and the study tabulates.
+#[derive(Debug, Clone, Serialize)]
+pub struct PredictionRow {
+    /// Workers.
+    pub workers: u32,
+    /// Shards.
+    pub shards: u32,
+    /// Link, Gbit/s.
+    pub link_gbit: f64,
+    /// Samples/s at the base's batch of 128 per round.
+    pub samples_per_s: f64,
+    /// Rounds/s, all workers.
+    pub rounds_per_s: f64,
+    /// Busiest shard CPU.
+    pub shard_cpu_util: f64,
+    /// Busiest shard link.
+    pub shard_link_util: f64,
+    /// Mean stall fraction.
+    pub stall: f64,
+    /// The bounding resource.
+    pub limit: String,
 }
 
 /// The prediction plot: cluster throughput against workers, one line per (link, shards).
