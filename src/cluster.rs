@@ -268,7 +268,9 @@ impl LocalCluster {
                 server_names: vec!["localhost".to_string(); shards_n],
                 tls: TlsFiles::for_worker(&certs, rank)?,
                 train: train.clone(),
-                test: (rank == 0 && self.eval_during_training).then(|| test.clone()),
+                share: None,
+                test: (rank == 0 && self.eval_during_training)
+                    .then(|| tether_worker::data::TestSet::Dense(test.clone())),
                 progress: self.progress.clone(),
                 faults: self
                     .faults

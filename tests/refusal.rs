@@ -73,6 +73,7 @@ async fn failed_worker(
         server_names: vec!["localhost".to_string()],
         tls,
         train: data.0.clone(),
+        share: None,
         test: None,
         progress: None,
         faults: Vec::new(),

@@ -243,6 +243,7 @@ pub fn run_workers(
                     .collect(),
                 tls: TlsFiles::for_worker(certs, rank)?,
                 train: train.clone(),
+                share: None,
                 test: None,
                 progress: None,
                 faults: Vec::new(),

@@ -4,6 +4,7 @@
 //!   applied, pull GB/s, CPU-seconds per GB per side, p50/p99 latencies; table and `--json`.
 //! - `floors`: memcpy, the optimizer kernel, the shard apply path, the codec and raw quinn, in the same process.
 //! - `simulate`: the discrete-event simulator, one configuration or the 64–1,024-worker prediction grid.
+//! - `scale`: a many-worker run of real processes on network namespaces, with a nemesis ([`tether_bench::scale`]).
 //! - `study`: the link and straggler study on network namespaces; writes `BENCHMARKS.md` and its plots.
 
 mod cluster;
@@ -66,6 +67,11 @@ enum Cmd {
         #[arg(long)]
         out: std::path::PathBuf,
     },
+    /// A many-worker run on network namespaces (root): workers, shards with standbys, shaped host links, a nemesis.
+    Scale {
+        #[command(flatten)]
+        args: ScaleArgs,
+    },
     /// The study: emulated links, stragglers, scaling, simulator validation and prediction → BENCHMARKS.md.
     Study {
         #[command(flatten)]
@@ -106,6 +112,109 @@ struct SimArgs {
     /// The prediction grid: 64–1,024 workers × 8–64 shards on 10 and 100 Gbit/s; writes a PNG here.
     #[arg(long)]
     predict: Option<std::path::PathBuf>,
+}
+
+/// A many-worker run (defaults: the quickstart's sync, standbys, a quorum of 3/4, global batch 512).
+#[derive(clap::Args, Debug)]
+struct ScaleArgs {
+    /// Namespace hosts.
+    #[arg(long, default_value_t = 8)]
+    hosts: usize,
+    /// Worker processes.
+    #[arg(long, default_value_t = 64)]
+    workers: u32,
+    /// Shards.
+    #[arg(long, default_value_t = 8)]
+    shards: u32,
+    /// No standbys (and no witness).
+    #[arg(long)]
+    no_standbys: bool,
+    /// Every host's link, Mbit/s both ways (default: unshaped).
+    #[arg(long)]
+    rate_mbit: Option<u64>,
+    /// SIGKILL a random worker or shard node every this many seconds (started again 1 s later).
+    #[arg(long)]
+    kill_every: Option<f64>,
+    /// Cut this host off from every other one (`--cut-at`, `--cut-for`).
+    #[arg(long)]
+    cut_host: Option<usize>,
+    /// When the cut starts, seconds after the workers start.
+    #[arg(long, default_value_t = 10.0)]
+    cut_at: f64,
+    /// How long the cut lasts, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    cut_for: f64,
+    /// Epochs.
+    #[arg(long, default_value_t = 5)]
+    epochs: u32,
+    /// Per-worker batch (default 512 / workers, at least 8).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// `cluster.quorum` (default 3/4 of the workers; 0: every live worker).
+    #[arg(long)]
+    quorum: Option<u32>,
+    /// `fashion-mnist` or `digits`.
+    #[arg(long, default_value = "fashion-mnist")]
+    dataset: String,
+    /// Seed of the nemesis's choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Stop after this many seconds.
+    #[arg(long, default_value_t = 600.0)]
+    limit: f64,
+    /// Where tether-server and tether-worker are (default: beside this binary).
+    #[arg(long)]
+    bin_dir: Option<std::path::PathBuf>,
+    /// Keep the run's folder (logs, reports, histories) here (default: a temporary folder, removed).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// Append the report as one JSON line here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+fn scale(a: &ScaleArgs) -> Result<()> {
+    use tether_bench::scale::{Nemesis, ScaleSpec};
+    let mut spec = ScaleSpec::quickstart(a.hosts, a.workers, a.shards);
+    spec.standbys = !a.no_standbys;
+    spec.rate_bps = a.rate_mbit.map(|m| m * 1_000_000);
+    spec.nemesis = match (a.kill_every, a.cut_host) {
+        (Some(_), Some(_)) => anyhow::bail!("--kill-every or --cut-host, not both"),
+        (Some(every_s), None) => Nemesis::Kill { every_s },
+        (None, Some(host)) => Nemesis::Cut {
+            host,
+            at_s: a.cut_at,
+            for_s: a.cut_for,
+        },
+        (None, None) => Nemesis::None,
+    };
+    spec.epochs = a.epochs;
+    if let Some(b) = a.batch {
+        spec.batch = b;
+    }
+    if let Some(q) = a.quorum {
+        spec.quorum = q;
+    }
+    spec.dataset = a.dataset.clone();
+    spec.seed = a.seed;
+    spec.limit_s = a.limit;
+    let bins = match &a.bin_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .ok_or_else(|| anyhow::anyhow!("no folder above tether-bench"))?
+            .to_path_buf(),
+    };
+    let temp = tempfile::tempdir()?;
+    let dir = a.dir.clone().unwrap_or_else(|| temp.path().to_path_buf());
+    let report = tether_bench::scale::run(&spec, &bins, &dir)?;
+    print!("{}", report.text());
+    if let Some(p) = &a.json {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p)?;
+        writeln!(f, "{}", serde_json::to_string(&report)?)?;
+    }
+    Ok(())
 }
 
 fn sim_config(a: &SimArgs) -> Result<SimConfig> {
@@ -202,6 +311,7 @@ fn run() -> Result<()> {
             }
         }
         Cmd::Study { args } => study::run(&args)?,
+        Cmd::Scale { args } => scale(&args)?,
         Cmd::Curves {
             runs,
             curve,

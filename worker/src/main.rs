@@ -18,7 +18,7 @@ use tether_common::metrics::{self, WorkerMetrics};
 use tether_common::net::TlsFiles;
 use tether_common::report::RunReport;
 use tether_worker::backend::{self, Device};
-use tether_worker::data::load_configured;
+use tether_worker::data::load_configured_share;
 use tether_worker::step::GradientFault;
 use tether_worker::{prepare_worker, Straggle, WorkerOptions};
 
@@ -117,7 +117,10 @@ fn run() -> Result<()> {
         .iter()
         .map(|s| parse_fault(s))
         .collect::<Result<Vec<_>>>()?;
-    let (train, test, note) = load_configured(&mut cfg)?;
+    let evaluate = cli.eval.unwrap_or(cli.rank == 0);
+    // Only this rank's share of an IDX training set, and the test set only where it is evaluated.
+    let data = load_configured_share(&mut cfg, cli.rank, evaluate)?;
+    let note = data.note;
     let model = match device {
         Device::Cpu => None,
         Device::Cuda(ordinal) => {
@@ -159,7 +162,6 @@ fn run() -> Result<()> {
     }
     let tls = TlsFiles::for_worker(&cfg.cluster.tls_dir, cli.rank)?
         .with_revoked(&cfg.cluster.revoked_serials());
-    let evaluate = cli.eval.unwrap_or(cli.rank == 0);
     let runtime = || {
         tokio::runtime::Builder::new_multi_thread()
             .enable_all()
@@ -183,8 +185,9 @@ fn run() -> Result<()> {
             servers,
             server_names: names,
             tls,
-            train: Arc::new(train),
-            test: evaluate.then(|| Arc::new(test)),
+            train: Arc::new(data.train),
+            share: data.share,
+            test: data.test,
             progress: None,
             faults,
             metrics: Some(worker_metrics),

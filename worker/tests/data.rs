@@ -1,5 +1,6 @@
 //! Data loading: IDX round trips and hostile IDX files, the real Fashion-MNIST directory, the embedded digits,
-//! CSV and libsvm parsing with line-numbered errors, `load` dispatch, and partitioning/shuffling/batching.
+//! CSV and libsvm parsing with line-numbered errors, `load` dispatch, partitioning/shuffling/batching, and a
+//! worker's share read by rows (the same batches as the whole set, hostile files refused).
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -9,8 +10,9 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 use tether_common::config::{DataConfig, DatasetKind};
 use tether_worker::data::{
-    digits, digits_all, load, load_csv, load_idx_dir, load_idx_pair, load_libsvm, parse_csv,
-    parse_libsvm, Batcher, DataError, DataSource, Dataset, Partition,
+    digits, digits_all, load, load_configured_share, load_csv, load_idx_dir, load_idx_dir_share,
+    load_idx_pair, load_idx_share, load_libsvm, parse_csv, parse_libsvm, Batcher, DataError,
+    DataSource, Dataset, Partition,
 };
 
 fn idx_images(n: u32, rows: u32, cols: u32, pixel: impl Fn(usize) -> u8) -> Vec<u8> {
@@ -589,4 +591,161 @@ fn subset_and_split() {
     assert_eq!((tr.len(), te.len()), (9, 1));
     let (tr2, te2) = d.split(0.1, 2);
     assert_eq!(tr.len() + te.len(), tr2.len() + te2.len());
+}
+
+/// Every batch of `epochs` epochs, `(x bits, y)`, of a batcher over `data`.
+fn batches(data: &Dataset, partition: Partition, batch: usize, epochs: u64) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let mut b = Batcher::new(partition, batch);
+    let mut x = vec![0f32; batch * data.features];
+    let mut y = vec![0u32; batch];
+    let mut out = Vec::new();
+    for epoch in 0..epochs {
+        b.start_epoch(epoch);
+        loop {
+            let rows = b.next_into(data, &mut x, &mut y);
+            if rows == 0 {
+                break;
+            }
+            out.push((
+                x[..rows * data.features].iter().map(|v| v.to_bits()).collect(),
+                y[..rows].to_vec(),
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_share_read_by_rows_gives_the_batches_of_the_whole_set() {
+    for gzip in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 103u32;
+        let enc = |b: Vec<u8>| if gzip { gz(&b) } else { b };
+        let images = write(
+            dir.path(),
+            "train-images-idx3-ubyte",
+            &enc(idx_images(n, 3, 4, |i| (i * 37 % 253) as u8)),
+        );
+        let labels: Vec<u8> = (0..n).map(|i| (i * 7 % 10) as u8).collect();
+        let labels = write(dir.path(), "train-labels-idx1-ubyte", &enc(idx_labels(&labels)));
+        let whole = load_idx_pair(&images, &labels).unwrap();
+        let mut covered = BTreeSet::new();
+        for workers in [1u32, 4, 7] {
+            // Ranks past `workers` are elastic joiners: another rank's share in an order of their own.
+            for rank in 0..workers + 2 {
+                let share = load_idx_share(&images, &labels, rank, workers, 11).unwrap();
+                let global = Partition::elastic(n as usize, rank, workers, 11).unwrap();
+                assert_eq!(share.total, n as usize);
+                assert_eq!(share.train.len(), global.len());
+                assert_eq!((share.train.features, share.train.classes), (12, 10));
+                assert_eq!(share.partition.rank(), rank);
+                if workers == 7 && rank < 7 {
+                    covered.extend(global.indices().iter().copied());
+                }
+                assert_eq!(
+                    batches(&share.train, share.partition.clone(), 5, 3),
+                    batches(&whole, global, 5, 3),
+                    "workers {workers} rank {rank} gzip {gzip}"
+                );
+            }
+        }
+        assert_eq!(covered.len(), n as usize);
+    }
+}
+
+#[test]
+fn hostile_idx_files_read_by_share_give_typed_errors_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let labels = write(dir.path(), "labels", &idx_labels(&[1, 2, 3]));
+    let good = idx_images(3, 2, 2, |i| i as u8);
+    let share = |f: &Path, l: &Path| load_idx_share(f, l, 0, 2, 1).map(|s| s.train);
+
+    let mut truncated = good.clone();
+    truncated.pop();
+    let f = write(dir.path(), "truncated", &truncated);
+    expect_format_error(share(&f, &labels), &f, "truncated");
+    let f = write(dir.path(), "truncated.gz", &gz(&truncated));
+    expect_format_error(share(&f, &labels), &f, "truncated");
+
+    let f = write(dir.path(), "trailing", &[good.clone(), vec![0]].concat());
+    expect_format_error(share(&f, &labels), &f, "trailing");
+
+    let f = write(dir.path(), "short-header", &good[..10]);
+    expect_format_error(share(&f, &labels), &f, "header");
+
+    let mut bad_magic = good.clone();
+    bad_magic[0] = 1;
+    let f = write(dir.path(), "magic", &bad_magic);
+    expect_format_error(share(&f, &labels), &f, "magic");
+
+    let mut absurd = good.clone();
+    absurd[4..8].copy_from_slice(&u32::MAX.to_be_bytes());
+    let f = write(dir.path(), "absurd", &absurd);
+    expect_format_error(share(&f, &labels), &f, "absurd");
+
+    // Images read as labels, labels as images, and a count mismatch: each names the file at fault.
+    let f = write(dir.path(), "images", &good);
+    expect_format_error(share(&f, &f), &f, "labels need 1 dimension");
+    expect_format_error(share(&labels, &labels), &labels, "images need 2 or 3");
+    let four = write(dir.path(), "four", &idx_labels(&[1, 2, 3, 4]));
+    expect_format_error(share(&f, &four), &four, "4 labels for 3 images");
+
+    // A rank outside an empty cluster is a partition error, not a panic.
+    assert!(matches!(
+        load_idx_share(&f, &labels, 0, 0, 1),
+        Err(DataError::Partition { .. })
+    ));
+}
+
+#[test]
+fn real_fashion_mnist_share_is_the_whole_sets_rows_and_only_an_evaluator_loads_the_test_set() {
+    let dir = Path::new("/usr/share/datasets/fashion-mnist");
+    if !dir.is_dir() {
+        println!(
+            "skipped: {} is absent (install dataset-fashion-mnist)",
+            dir.display()
+        );
+        return;
+    }
+    let share = load_idx_dir_share(dir, 5, 64, 42).unwrap();
+    let (whole, _) = load_idx_dir(dir).unwrap();
+    let global = Partition::new(60_000, 5, 64, 42).unwrap();
+    assert_eq!(share.train, Dataset { classes: whole.classes, ..whole.subset(global.indices()) });
+
+    let text = format!(
+        "[cluster]\nservers = [\"127.0.0.1:7000\"]\nworkers = 64\n[data]\ndataset = \"fashion-mnist\"\npath = \"{}\"\n\
+         [train]\nseed = 42\n",
+        dir.display()
+    );
+    let mut cfg = tether_common::config::Config::parse(&text, Path::new(".")).unwrap();
+    let data = load_configured_share(&mut cfg, 5, false).unwrap();
+    assert_eq!((data.train.len(), data.train.classes), (938, 10));
+    assert!(data.test.is_none() && data.note.is_none());
+    assert_eq!(data.share.as_ref().map(Partition::len), Some(938));
+    let data = load_configured_share(&mut cfg, 0, true).unwrap();
+    let test = data.test.expect("rank 0 evaluates");
+    assert_eq!((test.len(), test.features(), test.classes()), (10_000, 784, 10));
+    // Held as pixel bytes, scaled a chunk at a time into the whole-file reader's f32 values.
+    let (_, dense) = load_idx_dir(dir).unwrap();
+    let mut rows = 0;
+    test.for_each_chunk(300, |x, y| {
+        assert_eq!(x, &dense.x[rows * 784..(rows + y.len()) * 784]);
+        assert_eq!(y, &dense.y[rows..rows + y.len()]);
+        rows += y.len();
+    });
+    assert_eq!(rows, 10_000);
+}
+
+#[test]
+fn without_an_idx_set_a_worker_loads_the_whole_set_and_partitions_it_itself() {
+    let empty = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[cluster]\nservers = [\"127.0.0.1:7000\"]\nworkers = 4\n[data]\ndataset = \"fashion-mnist\"\npath = \"{}\"\n",
+        empty.path().join("none").display()
+    );
+    let mut cfg = tether_common::config::Config::parse(&text, Path::new(".")).unwrap();
+    let data = load_configured_share(&mut cfg, 1, false).unwrap();
+    assert_eq!(cfg.data.dataset, DatasetKind::Digits);
+    assert!(data.share.is_none() && data.test.is_none() && data.note.is_some());
+    assert_eq!(data.train.len(), digits().unwrap().0.len());
 }

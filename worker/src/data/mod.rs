@@ -14,6 +14,8 @@ mod digits;
 mod idx;
 mod libsvm;
 mod partition;
+mod share;
+mod test_set;
 mod text;
 
 use std::fmt;
@@ -21,12 +23,14 @@ use std::path::{Path, PathBuf};
 
 use tether_common::config::{DataConfig, DatasetKind};
 
-pub use self::configured::load_configured;
+pub use self::configured::{load_configured, load_configured_share, WorkerData};
 pub use self::csv::{load_csv, parse_csv};
 pub use self::digits::{digits, digits_all, DIGITS_SAMPLES, DIGITS_TEST};
 pub use self::idx::{load_idx_dir, load_idx_pair, parse_idx_images, parse_idx_labels, IdxFiles};
 pub use self::libsvm::{load_libsvm, parse_libsvm};
 pub use self::partition::{Batcher, Partition};
+pub use self::share::{load_idx_dir_share, load_idx_pixels, load_idx_share, Share};
+pub use self::test_set::{Pixels, TestSet};
 pub use self::text::{
     kjv_excerpt, kjv_installed, read_text, split_windows, strip_verse_refs, windows, BIBLE_DATA,
     BIBLE_PROGRAM, MAX_VAL_WINDOWS,

@@ -75,6 +75,18 @@ impl Partition {
         Ok(p)
     }
 
+    /// The same partition over its own share stored in partition order (sample `k` of the share is global sample
+    /// `indices()[k]`): indices `0..len`, same rank, workers and seed, so every epoch visits the share's samples in
+    /// the order this partition visits the whole set's (the shuffle permutes positions, whatever the values).
+    pub fn local(&self) -> Partition {
+        Partition {
+            rank: self.rank,
+            workers: self.workers,
+            seed: self.seed,
+            indices: (0..self.indices.len()).collect(),
+        }
+    }
+
     /// This worker's rank.
     pub fn rank(&self) -> u32 {
         self.rank

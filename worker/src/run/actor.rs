@@ -11,7 +11,7 @@ use tracing::warn;
 
 use tether_common::codec::CodecError;
 
-use crate::data::{Dataset, Partition};
+use crate::data::{Dataset, Partition, TestSet};
 use crate::fragments::FragmentStream;
 use crate::model;
 use crate::step::{StepEngine, StepOutcome};
@@ -158,7 +158,7 @@ impl Handler<PrecisionQuery> for WorkerActor {
 pub(super) struct WorkerActor {
     engine: StepEngine,
     train: Arc<Dataset>,
-    test: Option<Arc<Dataset>>,
+    test: Option<TestSet>,
     /// This epoch's sample order (indices into `train`), drawn at the epoch's first step.
     order: Vec<usize>,
     partition: Partition,
@@ -180,7 +180,7 @@ impl WorkerActor {
     pub(super) fn new(
         engine: StepEngine,
         train: Arc<Dataset>,
-        test: Option<Arc<Dataset>>,
+        test: Option<TestSet>,
         partition: Partition,
         batch: usize,
         steps_per_epoch: u64,
@@ -419,15 +419,26 @@ impl WorkerActor {
     /// Evaluates on the test set (on the compute pool).
     fn evaluate(&mut self, msg: Evaluate) -> Evaluated {
         let (accuracy, loss) = match &self.test {
-            Some(t) => {
-                // Chunks of 256 rows bound the activations (a GPT's are rows × context × vocabulary wide).
-                let chunk = 256;
+            Some(t) if !t.is_empty() => {
+                // Chunks of 256 rows bound the activations (a GPT's are rows × context × vocabulary wide), and
+                // turn a test set held as pixel bytes into f32 one chunk at a time. The counts and sums are
+                // those of `model::accuracy` and `model::mean_loss` over the same chunks.
                 let m = self.engine.model_mut();
+                let (mut correct, mut total_loss) = (0usize, 0.0f64);
+                let mut pred = vec![0u32; 256];
+                t.for_each_chunk(256, |xs, ys| {
+                    let out = &mut pred[..ys.len()];
+                    m.predict(&msg.params, xs, out);
+                    correct += out.iter().zip(ys).filter(|(p, l)| p == l).count();
+                    total_loss += f64::from(m.loss(&msg.params, xs, ys)) * ys.len() as f64;
+                });
+                let n = t.len();
                 (
-                    model::accuracy(m, &msg.params, &t.x, &t.y, chunk),
-                    model::mean_loss(m, &msg.params, &t.x, &t.y, chunk),
+                    correct as f32 / n as f32,
+                    (total_loss / n as f64) as f32,
                 )
             }
+            Some(_) => (0.0, 0.0),
             None => (f32::NAN, f32::NAN),
         };
         Evaluated {

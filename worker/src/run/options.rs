@@ -11,7 +11,7 @@ use tether_common::metrics::WorkerMetrics;
 use tether_common::net::TlsFiles;
 
 use super::report::Progress;
-use crate::data::Dataset;
+use crate::data::{Dataset, Partition, TestSet};
 use crate::model::ModelFactory;
 use crate::step::GradientFault;
 
@@ -29,10 +29,13 @@ pub struct WorkerOptions {
     pub server_names: Vec<String>,
     /// This worker's certificate and the cluster CA.
     pub tls: TlsFiles,
-    /// Training set (the worker uses its partition).
+    /// Training set (the worker uses its partition): the whole set, or only this worker's share when `share` is set.
     pub train: Arc<Dataset>,
+    /// The partition over `train` when `train` holds only this worker's share, in partition order
+    /// ([`crate::data::load_configured_share`]); `None`: `train` is the whole set and the worker partitions it.
+    pub share: Option<Partition>,
     /// Test set; when set, this worker evaluates every `train.eval_every` steps.
-    pub test: Option<Arc<Dataset>>,
+    pub test: Option<TestSet>,
     /// Progress events.
     pub progress: Option<mpsc::UnboundedSender<Progress>>,
     /// Injected gradient faults.

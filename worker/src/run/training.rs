@@ -69,12 +69,25 @@ pub fn prepare_worker(opts: WorkerOptions) -> Result<PreparedWorker, WorkerError
         cfg.train.clip_norm,
     )?
     .with_faults(opts.faults.clone());
-    let partition = Partition::elastic(
-        opts.train.len(),
-        opts.rank,
-        cfg.cluster.workers,
-        cfg.train.seed,
-    )?;
+    let partition = match &opts.share {
+        Some(share) if share.len() != opts.train.len() => {
+            return Err(crate::data::DataError::Partition {
+                reason: format!(
+                    "a share of {} samples over a training set of {}",
+                    share.len(),
+                    opts.train.len()
+                ),
+            }
+            .into())
+        }
+        Some(share) => share.clone(),
+        None => Partition::elastic(
+            opts.train.len(),
+            opts.rank,
+            cfg.cluster.workers,
+            cfg.train.seed,
+        )?,
+    };
     let batch = cfg.train.batch.min(partition.len().max(1));
     let steps_per_epoch = (partition.len() / batch).max(1) as u64;
     let total_steps = cfg.worker_steps(steps_per_epoch);

@@ -1,0 +1,840 @@
+//! Many-worker runs on the link harness: a real cluster of `tether-worker` and `tether-server` processes spread
+//! over a star of network namespaces ("hosts", [`Star`]), each host behind its own shaped link, with standbys, the
+//! witness and a quorum, training the quickstart's MLP with the quickstart's sync. A nemesis may SIGKILL a random
+//! worker or shard node every period (started again 1 s later with the same flags) or cut one host off from every
+//! other for a while. The run's [`ScaleReport`] gives round times and stalls (from the workers' histories and
+//! reports), each shard node's CPU seconds and peak memory, every worker's peak memory (sampled from `/proc`), the
+//! bytes each host's link carried each way, and rank 0's accuracy.
+//!
+//! The placement ([`Placement`]), the configuration text ([`config_text`]) and the summary ([`summarize`]) are pure;
+//! [`run`] does the I/O: namespaces, certificates, processes, signals, sampling. Needs root (namespaces, iptables).
+//! Every process is killed and every namespace deleted when the run ends, whatever happened.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tether_common::pki::{Authority, Node, Validity};
+use tether_common::splitmix::SplitMix64;
+
+use crate::netns::{HarnessError, Star};
+use crate::stats::quantile;
+
+/// A many-worker run failed to start or to collect its results.
+#[derive(Debug, thiserror::Error)]
+pub enum ScaleError {
+    /// The namespaces or links could not be set up or read.
+    #[error(transparent)]
+    Harness(#[from] HarnessError),
+    /// A file or process operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Certificates could not be issued.
+    #[error("certificates: {0}")]
+    Pki(String),
+    /// The request is inconsistent.
+    #[error("scale run: {0}")]
+    Invalid(String),
+}
+
+type Result<T> = std::result::Result<T, ScaleError>;
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ScaleError {
+    let what = what.into();
+    move |source| ScaleError::Io { what, source }
+}
+
+/// What the nemesis does during a run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Nemesis {
+    /// Nothing.
+    None,
+    /// Every `every_s` seconds, SIGKILL one random process among workers 1.. and the shard nodes (primaries and
+    /// standbys); it is started again 1 s later with the same flags.
+    Kill {
+        /// Period in seconds.
+        every_s: f64,
+    },
+    /// At `at_s` seconds, cut host `host` off from every other host (both ways) for `for_s` seconds.
+    Cut {
+        /// The host cut off.
+        host: usize,
+        /// When, seconds after the workers start.
+        at_s: f64,
+        /// How long.
+        for_s: f64,
+    },
+}
+
+/// One many-worker run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScaleSpec {
+    /// Namespace hosts (at least 2: standbys live on another host than their primary).
+    pub hosts: usize,
+    /// Worker processes.
+    pub workers: u32,
+    /// Shards (one primary each, and a standby each when `standbys`).
+    pub shards: u32,
+    /// Whether every shard has a standby (and the witness runs).
+    pub standbys: bool,
+    /// Every host's link rate in bits/s, both ways (`None`: unshaped).
+    pub rate_bps: Option<u64>,
+    /// The nemesis.
+    pub nemesis: Nemesis,
+    /// Epochs over the training set (each worker walks its share this many times).
+    pub epochs: u32,
+    /// Per-worker batch.
+    pub batch: usize,
+    /// Inner steps per round (the quickstart's 16).
+    pub local_steps: u32,
+    /// `cluster.quorum` (0: every live worker).
+    pub quorum: u32,
+    /// `fashion-mnist` or `digits`.
+    pub dataset: String,
+    /// Seed of the nemesis's choices.
+    pub seed: u64,
+    /// Stop the run (killing everything) after this many seconds.
+    pub limit_s: f64,
+}
+
+impl ScaleSpec {
+    /// The quickstart's sync at `workers` × `shards` on `hosts` hosts, with standbys and a quorum of 3/4 of the
+    /// workers; the global batch is the quickstart's 4 × 128 = 512, so every worker takes `512 / workers` (at least
+    /// 8) and a run walks the same samples per round as the quickstart.
+    pub fn quickstart(hosts: usize, workers: u32, shards: u32) -> ScaleSpec {
+        ScaleSpec {
+            hosts,
+            workers,
+            shards,
+            standbys: true,
+            rate_bps: None,
+            nemesis: Nemesis::None,
+            epochs: 5,
+            batch: (512 / workers.max(1) as usize).max(8),
+            local_steps: 16,
+            quorum: (workers * 3).div_ceil(4),
+            dataset: "fashion-mnist".into(),
+            seed: 1,
+            limit_s: 600.0,
+        }
+    }
+}
+
+/// Where each process runs: host indices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Host of shard `k`'s primary.
+    pub primary: Vec<usize>,
+    /// Host of shard `k`'s standby (empty without standbys).
+    pub standby: Vec<usize>,
+    /// Host of the witness (with standbys).
+    pub witness: Option<usize>,
+    /// Host of worker `r`.
+    pub worker: Vec<usize>,
+}
+
+impl Placement {
+    /// Primaries round-robin from host 0, each standby on the next host after its primary, the witness on the last
+    /// host, workers round-robin.
+    pub fn new(spec: &ScaleSpec) -> Result<Placement> {
+        if spec.hosts < 2 || spec.hosts > 200 {
+            return Err(ScaleError::Invalid(format!("{} hosts (2..=200)", spec.hosts)));
+        }
+        if spec.workers == 0 || spec.shards == 0 || spec.shards > 100 {
+            return Err(ScaleError::Invalid(format!(
+                "{} workers × {} shards",
+                spec.workers, spec.shards
+            )));
+        }
+        let h = spec.hosts;
+        let shards = spec.shards as usize;
+        Ok(Placement {
+            primary: (0..shards).map(|k| k % h).collect(),
+            standby: if spec.standbys {
+                (0..shards).map(|k| (k + 1) % h).collect()
+            } else {
+                Vec::new()
+            },
+            witness: spec.standbys.then_some(h - 1),
+            worker: (0..spec.workers as usize).map(|r| r % h).collect(),
+        })
+    }
+}
+
+/// Port of shard `k`'s primary; its standby listens at +100, the witness at 7300.
+fn primary_port(k: usize) -> usize {
+    7000 + k
+}
+
+/// The run's cluster.toml: the quickstart's MLP (256-128) with its sync (BSP rounds of `local_steps` inner Adam
+/// steps, topk2 both ways with error feedback, outer Nesterov lr 1.4 momentum 0.5), quorum rounds, one compute
+/// thread per worker (they share the box's cores).
+pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
+    let addr = |host: usize, port: usize| format!("\"{}:{port}\"", Star::addr(host));
+    let list = |v: Vec<String>| v.join(", ");
+    let servers = list(
+        place
+            .primary
+            .iter()
+            .enumerate()
+            .map(|(k, &h)| addr(h, primary_port(k)))
+            .collect(),
+    );
+    let mut cluster = format!(
+        "[cluster]\nservers = [{servers}]\nworkers = {}\nstaleness = 0\nquorum = {}\ngrace_factor = 0.5\n\
+         worker_timeout_ms = 10000\n",
+        spec.workers, spec.quorum
+    );
+    if let Some(w) = place.witness {
+        let standbys = list(
+            place
+                .standby
+                .iter()
+                .enumerate()
+                .map(|(k, &h)| addr(h, primary_port(k) + 100))
+                .collect(),
+        );
+        cluster.push_str(&format!(
+            "standbys = [{standbys}]\nwitness = {}\nfailover_ms = 1000\n",
+            addr(w, 7300)
+        ));
+    }
+    format!(
+        "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\n[data]\ndataset = \"{}\"\n\
+         [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\n\
+         [optimizer]\nkind = \"adam\"\nlr = 1e-3\n[optimizer.outer]\nlr = 1.4\nmomentum = 0.5\n\
+         [compression]\nscheme = \"topk2\"\npull_scheme = \"topk2\"\nbucket = 4096\nkeep = 16\n",
+        spec.dataset, spec.batch, spec.epochs, spec.local_steps
+    )
+}
+
+/// CPU and memory of one process name over its incarnations.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProcUsage {
+    /// CPU seconds (user + system), summed over incarnations.
+    pub cpu_s: f64,
+    /// Largest peak resident set (VmHWM) seen, bytes.
+    pub peak_rss: u64,
+    /// Times it was started.
+    pub starts: u32,
+}
+
+/// Bytes one host's link carried.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LinkBytes {
+    /// Sent by the host.
+    pub sent: u64,
+    /// Received by the host.
+    pub received: u64,
+}
+
+/// What a worker's report and history said, as the summary needs it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerOutcome {
+    /// Rounds settled on shard 0 (from its history).
+    pub rounds: u64,
+    /// Seconds the worker ran (its report's `wall_seconds`; the last incarnation's).
+    pub wall_s: f64,
+    /// Seconds it waited for pulls (`pull_wait_seconds`).
+    pub pull_wait_s: f64,
+    /// Seconds between consecutive settled rounds on shard 0, from its history.
+    pub round_gaps_s: Vec<f64>,
+    /// Whether its last incarnation exited 0 with a report.
+    pub finished: bool,
+}
+
+/// Figures of one run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScaleReport {
+    /// The run's description.
+    pub spec: ScaleSpec,
+    /// Where processes ran.
+    pub placement: Placement,
+    /// Seconds from the workers' start to the last worker's exit (or the limit).
+    pub wall_s: f64,
+    /// Whether every worker finished and every shard node exited 0 by itself.
+    pub completed: bool,
+    /// Rank 0's final test accuracy (NaN without a report).
+    pub accuracy: f64,
+    /// Rounds per worker (median).
+    pub rounds: f64,
+    /// Round time: median, 90th percentile and largest gap between consecutive settled rounds, seconds.
+    pub round_s: [f64; 3],
+    /// Stall: pull wait per round, median over workers, seconds.
+    pub stall_s: f64,
+    /// Rounds per worker whose gap exceeded 3× the median round (stalls), summed over workers.
+    pub long_rounds: u64,
+    /// Per shard node (`s{k}` primaries, `b{k}` standbys, `witness`): CPU and peak memory.
+    pub shard_nodes: BTreeMap<String, ProcUsage>,
+    /// Peak resident set of the workers: median and largest, bytes.
+    pub worker_peak_rss: [u64; 2],
+    /// Bytes per host link.
+    pub links: Vec<LinkBytes>,
+    /// The nemesis's actions: `(seconds, what)`.
+    pub events: Vec<(f64, String)>,
+    /// Processes that did not end as they should, with the tail of their log.
+    pub failures: Vec<String>,
+}
+
+/// What a run collected, before it is summarized.
+#[derive(Debug, Clone, Default)]
+pub struct Collected {
+    /// Seconds from the workers' start to the last worker's exit (or the limit).
+    pub wall_s: f64,
+    /// Each worker's outcome, by rank.
+    pub workers: Vec<WorkerOutcome>,
+    /// CPU and memory per process name (`w{r}`, `s{k}`, `b{k}`, `witness`).
+    pub usage: BTreeMap<String, ProcUsage>,
+    /// Bytes per host link.
+    pub links: Vec<LinkBytes>,
+    /// The nemesis's actions.
+    pub events: Vec<(f64, String)>,
+    /// Processes that did not end as they should.
+    pub failures: Vec<String>,
+    /// Rank 0's final test accuracy.
+    pub accuracy: f64,
+}
+
+/// Builds the report's figures from what the run collected.
+pub fn summarize(spec: &ScaleSpec, placement: Placement, c: Collected) -> ScaleReport {
+    let Collected {
+        wall_s,
+        workers,
+        usage,
+        links,
+        events,
+        failures,
+        accuracy,
+    } = c;
+    let mut gaps: Vec<f64> = workers
+        .iter()
+        .flat_map(|w| w.round_gaps_s.iter().copied())
+        .collect();
+    gaps.sort_by(f64::total_cmp);
+    let median_gap = quantile(&gaps, 0.5);
+    let long_rounds = gaps.iter().filter(|&&g| g > 3.0 * median_gap).count() as u64;
+    let mut stalls: Vec<f64> = workers
+        .iter()
+        .filter(|w| w.rounds > 0)
+        .map(|w| w.pull_wait_s / w.rounds as f64)
+        .collect();
+    stalls.sort_by(f64::total_cmp);
+    let mut rounds: Vec<f64> = workers.iter().map(|w| w.rounds as f64).collect();
+    rounds.sort_by(f64::total_cmp);
+    let mut rss: Vec<u64> = usage
+        .iter()
+        .filter(|(name, _)| name.starts_with('w'))
+        .map(|(_, u)| u.peak_rss)
+        .collect();
+    rss.sort_unstable();
+    let shard_nodes = usage
+        .into_iter()
+        .filter(|(name, _)| !name.starts_with('w'))
+        .collect();
+    ScaleReport {
+        spec: spec.clone(),
+        placement,
+        wall_s,
+        completed: failures.is_empty() && workers.iter().all(|w| w.finished),
+        accuracy,
+        rounds: quantile(&rounds, 0.5),
+        round_s: [
+            median_gap,
+            quantile(&gaps, 0.9),
+            gaps.last().copied().unwrap_or(f64::NAN),
+        ],
+        stall_s: quantile(&stalls, 0.5),
+        long_rounds,
+        shard_nodes,
+        worker_peak_rss: [
+            rss.get(rss.len() / 2).copied().unwrap_or(0),
+            rss.last().copied().unwrap_or(0),
+        ],
+        links,
+        events,
+        failures,
+    }
+}
+
+impl ScaleReport {
+    /// A few lines for a terminal or a results file.
+    pub fn text(&self) -> String {
+        let s = &self.spec;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let mut out = format!(
+            "{} workers × {} shards{} on {} hosts, links {}, nemesis {:?}: {} in {:.1} s, rank 0 accuracy {:.4}\n",
+            s.workers,
+            s.shards,
+            if s.standbys { " with standbys" } else { "" },
+            s.hosts,
+            s.rate_bps
+                .map_or("unshaped".to_string(), |r| format!("{} Mbit/s", r / 1_000_000)),
+            s.nemesis,
+            if self.completed {
+                "completed"
+            } else {
+                "NOT completed"
+            },
+            self.wall_s,
+            self.accuracy
+        );
+        out.push_str(&format!(
+            "  rounds per worker {:.0}; round time p50 {:.3} s, p90 {:.3} s, max {:.3} s; stall (pull wait per round) \
+             {:.3} s; {} rounds over 3× the median\n",
+            self.rounds, self.round_s[0], self.round_s[1], self.round_s[2], self.stall_s, self.long_rounds
+        ));
+        out.push_str(&format!(
+            "  worker peak RSS median {:.1} MiB, largest {:.1} MiB\n",
+            mib(self.worker_peak_rss[0]),
+            mib(self.worker_peak_rss[1])
+        ));
+        for (name, u) in &self.shard_nodes {
+            out.push_str(&format!(
+                "  {name}: {:.1} CPU s, peak RSS {:.1} MiB, started {}×\n",
+                u.cpu_s,
+                mib(u.peak_rss),
+                u.starts
+            ));
+        }
+        for (h, l) in self.links.iter().enumerate() {
+            out.push_str(&format!(
+                "  host {h}: sent {:.1} MiB, received {:.1} MiB\n",
+                mib(l.sent),
+                mib(l.received)
+            ));
+        }
+        for (t, e) in &self.events {
+            out.push_str(&format!("  {t:.1} s: {e}\n"));
+        }
+        for f in &self.failures {
+            out.push_str(&format!("  FAILURE {f}\n"));
+        }
+        out
+    }
+}
+
+/// One started process (an incarnation of a named role).
+struct Proc {
+    name: String,
+    host: usize,
+    args: Vec<String>,
+    program: PathBuf,
+    child: Child,
+    log: PathBuf,
+    /// CPU seconds of earlier incarnations.
+    cpu_before: f64,
+    /// Last sampled CPU seconds of this incarnation.
+    cpu_now: f64,
+    peak_rss: u64,
+    starts: u32,
+    status: Option<std::process::ExitStatus>,
+}
+
+impl Proc {
+    fn tail(&self) -> String {
+        let t = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let mut cut = t.len().saturating_sub(1500);
+        while !t.is_char_boundary(cut) {
+            cut += 1;
+        }
+        t[cut..].to_string()
+    }
+
+    /// Reads this incarnation's CPU seconds and peak RSS from `/proc` (nothing once it has exited).
+    fn sample(&mut self, ticks: f64) {
+        let pid = self.child.id();
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // Fields after the command name, which is in parentheses and may hold spaces.
+            if let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) {
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name and state.
+                if let (Some(u), Some(s)) = (f.get(11), f.get(12)) {
+                    let t = u.parse::<f64>().unwrap_or(0.0) + s.parse::<f64>().unwrap_or(0.0);
+                    self.cpu_now = self.cpu_now.max(t / ticks);
+                }
+            }
+        }
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            if let Some(kb) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            {
+                self.peak_rss = self.peak_rss.max(kb * 1024);
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The binaries directory, the working folder and the star of a run in progress.
+struct Bed<'a> {
+    star: Star,
+    dir: &'a Path,
+    bins: &'a Path,
+}
+
+impl Bed<'_> {
+    fn spawn(&self, name: &str, host: usize, program: &str, args: Vec<String>) -> Result<Proc> {
+        let log = self.dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(io(format!("open {}", log.display())))?;
+        let program = self.bins.join(program);
+        let child = self
+            .star
+            .command(host, &program)
+            .current_dir(self.dir)
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().map_err(io("log"))?)
+            .stderr(file)
+            .spawn()
+            .map_err(io(format!("start {name}")))?;
+        Ok(Proc {
+            name: name.into(),
+            host,
+            args,
+            program,
+            child,
+            log,
+            cpu_before: 0.0,
+            cpu_now: 0.0,
+            peak_rss: 0,
+            starts: 1,
+            status: None,
+        })
+    }
+
+    /// Starts `p` again with the same flags (after a kill), keeping its CPU and memory figures.
+    fn restart(&self, p: &mut Proc) -> Result<()> {
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p.log)
+            .map_err(io("log"))?;
+        p.child = self
+            .star
+            .command(p.host, &p.program)
+            .current_dir(self.dir)
+            .args(&p.args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().map_err(io("log"))?)
+            .stderr(file)
+            .spawn()
+            .map_err(io(format!("restart {}", p.name)))?;
+        p.cpu_before += p.cpu_now;
+        p.cpu_now = 0.0;
+        p.starts += 1;
+        p.status = None;
+        Ok(())
+    }
+
+    /// Cuts `host` off from every other host, both ways.
+    fn isolate(&self, host: usize, hosts: usize) -> Result<()> {
+        for other in (0..hosts).filter(|&o| o != host) {
+            self.star.cut(host, other)?;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes host `i`'s end of its link sent and received (`ip -j -s link show e0` inside its namespace).
+fn link_bytes(star: &Star, i: usize) -> Result<LinkBytes> {
+    let ns = star.namespaces()[i + 1].clone();
+    let out = Command::new("ip")
+        .args(["-n", &ns, "-j", "-s", "link", "show", "e0"])
+        .output()
+        .map_err(io("ip -s link"))?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| ScaleError::Invalid(format!("ip -j -s link: {e}")))?;
+    let stats = &v[0]["stats64"];
+    Ok(LinkBytes {
+        sent: stats["tx"]["bytes"].as_u64().unwrap_or(0),
+        received: stats["rx"]["bytes"].as_u64().unwrap_or(0),
+    })
+}
+
+/// Issues one bundle per node and worker into `dir/certs`.
+fn issue(dir: &Path, place: &Placement) -> Result<()> {
+    let validity = Validity::days(1);
+    let pki = |e: &dyn std::fmt::Display| ScaleError::Pki(e.to_string());
+    let ca = Authority::new(&validity).map_err(|e| pki(&e))?;
+    let certs = dir.join("certs");
+    let host = |h: usize| vec![Star::addr(h)];
+    let mut nodes: Vec<Node> = Vec::new();
+    for (k, &h) in place.primary.iter().enumerate() {
+        nodes.push(Node::Server {
+            shard: k as u32,
+            hosts: host(h),
+        });
+    }
+    for (k, &h) in place.standby.iter().enumerate() {
+        nodes.push(Node::Standby {
+            shard: k as u32,
+            hosts: host(h),
+        });
+    }
+    if let Some(h) = place.witness {
+        nodes.push(Node::Witness { hosts: host(h) });
+    }
+    for r in 0..place.worker.len() {
+        nodes.push(Node::Worker { rank: r as u32 });
+    }
+    for n in &nodes {
+        ca.issue(n, &validity)
+            .map_err(|e| pki(&e))?
+            .write_bundle(&certs, ca.ca_pem())
+            .map_err(|e| pki(&e))?;
+    }
+    Ok(())
+}
+
+/// Rounds settled on shard 0 in a worker's history file (every incarnation's lines), and the seconds between
+/// consecutive ones.
+fn round_gaps(history: &Path) -> (u64, Vec<f64>) {
+    let text = std::fs::read_to_string(history).unwrap_or_default();
+    let mut settled: BTreeMap<u64, u64> = BTreeMap::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let applied = matches!(v["outcome"].as_str(), Some("applied" | "duplicate"));
+        if v["kind"] == "push" && v["shard"] == 0 && applied {
+            if let (Some(c), Some(t)) = (v["clock"].as_u64(), v["t_us"].as_u64()) {
+                settled.entry(c).or_insert(t);
+            }
+        }
+    }
+    let times: Vec<u64> = settled.into_values().collect();
+    let gaps = times
+        .windows(2)
+        .map(|w| w[1].saturating_sub(w[0]) as f64 / 1e6)
+        .collect();
+    (times.len() as u64, gaps)
+}
+
+/// Runs `spec` with the binaries in `bins`, working in `dir` (logs, reports, histories stay there).
+pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
+    let place = Placement::new(spec)?;
+    if let Nemesis::Cut { host, .. } = spec.nemesis {
+        if host >= spec.hosts {
+            return Err(ScaleError::Invalid(format!("cut host {host} of {}", spec.hosts)));
+        }
+    }
+    let star = Star::up(spec.hosts, spec.rate_bps)?;
+    std::fs::create_dir_all(dir).map_err(io("work folder"))?;
+    issue(dir, &place)?;
+    std::fs::write(dir.join("cluster.toml"), config_text(spec, &place)).map_err(io("config"))?;
+    let bed = Bed { star, dir, bins };
+    // SAFETY: sysconf only reads a constant of the system.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let w = spec.workers.to_string();
+    let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let mut shards: Vec<Proc> = Vec::new();
+    if let Some(h) = place.witness {
+        shards.push(bed.spawn("witness", h, "tether-server", s(&["witness", "--config", "cluster.toml"]))?);
+    }
+    for (k, &h) in place.primary.iter().enumerate() {
+        let (ks, report) = (k.to_string(), format!("s{k}.json"));
+        let args = s(&["--config", "cluster.toml", "--shard", &ks, "--exit-after-workers", &w, "--report", &report]);
+        shards.push(bed.spawn(&format!("s{k}"), h, "tether-server", args)?);
+    }
+    for (k, &h) in place.standby.iter().enumerate() {
+        let (ks, report) = (k.to_string(), format!("b{k}.json"));
+        let mut args =
+            s(&["--config", "cluster.toml", "--shard", &ks, "--exit-after-workers", &w, "--report", &report]);
+        args.push("--standby".into());
+        shards.push(bed.spawn(&format!("b{k}"), h, "tether-server", args)?);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let mut workers: Vec<Proc> = Vec::new();
+    for (r, &h) in place.worker.iter().enumerate() {
+        let rs = r.to_string();
+        let args = s(&[
+            "--config",
+            "cluster.toml",
+            "--rank",
+            &rs,
+            "--report",
+            &format!("w{r}.json"),
+            "--history",
+            &format!("w{r}.history"),
+        ]);
+        workers.push(bed.spawn(&format!("w{r}"), h, "tether-worker", args)?);
+    }
+    let t0 = Instant::now();
+    let mut rng = SplitMix64::new(spec.seed);
+    let mut events = Vec::new();
+    let mut next_kill = match spec.nemesis {
+        Nemesis::Kill { every_s } => Some(every_s),
+        _ => None,
+    };
+    let mut pending_restart: Option<(f64, bool, usize)> = None;
+    let mut cut_state = 0; // 0: not yet, 1: cut, 2: healed
+    let limit = Duration::from_secs_f64(spec.limit_s);
+    let mut last_sample = Instant::now() - Duration::from_secs(1);
+    loop {
+        let t = t0.elapsed().as_secs_f64();
+        for p in workers.iter_mut().chain(shards.iter_mut()) {
+            if p.status.is_none() {
+                if let Ok(Some(st)) = p.child.try_wait() {
+                    p.status = Some(st);
+                }
+            }
+        }
+        if last_sample.elapsed() >= Duration::from_millis(250) {
+            for p in workers.iter_mut().chain(shards.iter_mut()) {
+                if p.status.is_none() {
+                    p.sample(ticks);
+                }
+            }
+            last_sample = Instant::now();
+        }
+        let workers_done = workers.iter().all(|p| p.status.is_some()) && pending_restart.is_none();
+        if workers_done || t0.elapsed() > limit {
+            break;
+        }
+        if let Some((at, is_worker, i)) = pending_restart {
+            if t >= at {
+                let p = if is_worker { &mut workers[i] } else { &mut shards[i] };
+                bed.restart(p)?;
+                events.push((t, format!("started {} again", p.name)));
+                pending_restart = None;
+            }
+        }
+        if let (Some(at), None) = (next_kill, pending_restart) {
+            if t >= at {
+                // Victims: live workers 1.. and live shard nodes (not the witness).
+                let mut victims: Vec<(bool, usize)> = (1..workers.len())
+                    .filter(|&i| workers[i].status.is_none())
+                    .map(|i| (true, i))
+                    .collect();
+                victims.extend(
+                    (0..shards.len())
+                        .filter(|&i| shards[i].name != "witness" && shards[i].status.is_none())
+                        .map(|i| (false, i)),
+                );
+                if !victims.is_empty() {
+                    let (is_worker, i) = victims[rng.below(victims.len() as u64) as usize];
+                    let p = if is_worker { &mut workers[i] } else { &mut shards[i] };
+                    p.sample(ticks);
+                    let _ = p.child.kill();
+                    events.push((t, format!("SIGKILL {}", p.name)));
+                    pending_restart = Some((t + 1.0, is_worker, i));
+                }
+                if let Nemesis::Kill { every_s } = spec.nemesis {
+                    next_kill = Some(at + every_s);
+                }
+            }
+        }
+        if let Nemesis::Cut { host, at_s, for_s } = spec.nemesis {
+            if cut_state == 0 && t >= at_s {
+                bed.isolate(host, spec.hosts)?;
+                events.push((t, format!("cut host {host} off")));
+                cut_state = 1;
+            } else if cut_state == 1 && t >= at_s + for_s {
+                bed.star.heal()?;
+                events.push((t, format!("healed host {host}")));
+                cut_state = 2;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let wall_s = t0.elapsed().as_secs_f64();
+    if cut_state == 1 {
+        bed.star.heal()?;
+    }
+    // The shard nodes exit by themselves once every worker said goodbye; give them a bounded while.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline
+        && shards
+            .iter_mut()
+            .filter(|p| p.name != "witness")
+            .any(|p| p.status.is_none() && !matches!(p.child.try_wait(), Ok(Some(_))))
+    {
+        for p in shards.iter_mut().filter(|p| p.status.is_none()) {
+            p.sample(ticks);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let links = (0..spec.hosts)
+        .map(|i| link_bytes(&bed.star, i))
+        .collect::<Result<Vec<_>>>()?;
+    let mut failures = Vec::new();
+    let mut usage = BTreeMap::new();
+    for p in shards.iter_mut().chain(workers.iter_mut()) {
+        if p.status.is_none() {
+            p.status = p.child.try_wait().ok().flatten();
+        }
+        let ok = p.status.is_some_and(|s| s.success());
+        if !ok && p.name != "witness" {
+            failures.push(format!("{} ended with {:?}:\n{}", p.name, p.status, p.tail()));
+        }
+        usage.insert(
+            p.name.clone(),
+            ProcUsage {
+                cpu_s: p.cpu_before + p.cpu_now,
+                peak_rss: p.peak_rss,
+                starts: p.starts,
+            },
+        );
+    }
+    let outcomes: Vec<WorkerOutcome> = workers
+        .iter()
+        .enumerate()
+        .map(|(r, p)| {
+            let report: Option<serde_json::Value> = std::fs::read_to_string(dir.join(format!("w{r}.json")))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok());
+            let f = |k: &str| report.as_ref().and_then(|v| v[k].as_f64()).unwrap_or(0.0);
+            let (rounds, round_gaps_s) = round_gaps(&dir.join(format!("w{r}.history")));
+            WorkerOutcome {
+                rounds,
+                wall_s: f("wall_seconds"),
+                pull_wait_s: f("pull_wait_seconds"),
+                round_gaps_s,
+                finished: report.is_some() && p.status.is_some_and(|s| s.success()),
+            }
+        })
+        .collect();
+    let accuracy = std::fs::read_to_string(dir.join("w0.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["final_test_accuracy"].as_f64())
+        .unwrap_or(f64::NAN);
+    drop(workers);
+    drop(shards);
+    Ok(summarize(
+        spec,
+        place,
+        Collected {
+            wall_s,
+            workers: outcomes,
+            usage,
+            links,
+            events,
+            failures,
+            accuracy,
+        },
+    ))
+}
