@@ -4,6 +4,7 @@
 //! adds the rest of the I/O: real shards over QUIC, the floors and the study that writes `BENCHMARKS.md`.
 
 pub mod netns;
+pub mod predict;
 pub mod scale;
 pub mod sim;
 pub mod stats;

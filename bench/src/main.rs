@@ -112,6 +112,26 @@ struct SimArgs {
     /// The prediction grid: 64–1,024 workers × 8–64 shards on 10 and 100 Gbit/s; writes a PNG here.
     #[arg(long)]
     predict: Option<std::path::PathBuf>,
+    /// Simulate the default sync (`tether_bench::predict::default_sync`: local-step rounds, topk2 both ways, quorum
+    /// 3/4, standbys, threaded shards; defaults 1,024 workers × 64 shards at 10 Gbit/s) and name what limits it.
+    #[arg(long)]
+    default_sync: bool,
+    /// The default sync's prediction (64–1,024 workers × 8–64 shards × 1, 10, 100 Gbit/s per host): Markdown on
+    /// stdout; writes the rows here as JSON (`.json`) or a PNG plot (anything else).
+    #[arg(long)]
+    predict_default: Option<std::path::PathBuf>,
+    /// With --default-sync: `cluster.quorum` (0: every live worker).
+    #[arg(long)]
+    quorum: Option<u32>,
+    /// With --default-sync: threads per shard.
+    #[arg(long)]
+    shard_threads: Option<u32>,
+    /// With --default-sync: no standbys.
+    #[arg(long)]
+    no_standbys: bool,
+    /// With --default-sync: hosts the nodes share, placed as `tether-bench scale` places them (default: one each).
+    #[arg(long)]
+    hosts: Option<u32>,
 }
 
 /// A many-worker run (defaults: the quickstart's sync, standbys, a quorum of 3/4, global batch 512).
@@ -156,6 +176,9 @@ struct ScaleArgs {
     /// `fashion-mnist` or `digits`.
     #[arg(long, default_value = "fashion-mnist")]
     dataset: String,
+    /// `cluster.failover_ms` (lease and silent-link timeout).
+    #[arg(long, default_value_t = 1000)]
+    failover_ms: u64,
     /// Seed of the nemesis's choices.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -196,6 +219,7 @@ fn scale(a: &ScaleArgs) -> Result<()> {
         spec.quorum = q;
     }
     spec.dataset = a.dataset.clone();
+    spec.failover_ms = a.failover_ms;
     spec.seed = a.seed;
     spec.limit_s = a.limit;
     let bins = match &a.bin_dir {
@@ -297,6 +321,78 @@ fn run() -> Result<()> {
             }
         }
         Cmd::Simulate { args } => {
+            use tether_bench::predict;
+            if let Some(out) = &args.predict_default {
+                let t = std::time::Instant::now();
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let rows = predict::predict_default(threads)?;
+                print!("{}", predict::matrix(&rows));
+                println!();
+                print!(
+                    "{}",
+                    predict::flattening_markdown(&predict::flattening(&rows))
+                );
+                println!();
+                print!("{}", predict::markdown(&rows));
+                eprintln!(
+                    "{} points simulated in {:.1} s",
+                    rows.len(),
+                    t.elapsed().as_secs_f64()
+                );
+                if out.extension().is_some_and(|e| e == "json") {
+                    std::fs::write(out, serde_json::to_string_pretty(&rows)?)?;
+                } else {
+                    let plotted: Vec<plot::PredictionRow> = rows
+                        .iter()
+                        .map(|r| plot::PredictionRow {
+                            workers: r.workers,
+                            shards: r.shards,
+                            link_gbit: r.link_gbit,
+                            samples_per_s: r.samples_per_s,
+                            rounds_per_s: r.samples_per_s
+                                / (f64::from(predict::INNER_STEPS) * predict::BATCH as f64),
+                            shard_cpu_util: r.shard_cpu_util,
+                            shard_link_util: r.shard_link_util,
+                            stall: 1.0 - r.efficiency,
+                            limit: r.limit.clone(),
+                        })
+                        .collect();
+                    plot::prediction(out, &plotted)?;
+                }
+                println!("wrote {}", out.display());
+                return Ok(());
+            }
+            if args.default_sync {
+                let (mut c, mut s) = predict::default_sync(
+                    args.workers.unwrap_or(1024),
+                    args.shards.unwrap_or(64),
+                    args.link_gbit.unwrap_or(10.0),
+                );
+                if let Some(v) = args.params {
+                    c.params = v;
+                }
+                if let Some(v) = args.rounds {
+                    c.rounds = v;
+                }
+                if let Some(v) = args.compute_s {
+                    c.compute_s = v;
+                }
+                if let Some(v) = args.quorum {
+                    s.quorum = v;
+                }
+                if let Some(v) = args.shard_threads {
+                    s.shard_threads = v;
+                }
+                if let Some(v) = args.hosts {
+                    s.hosts = Some(v);
+                }
+                s.standbys = !args.no_standbys;
+                let t = std::time::Instant::now();
+                let row = predict::predict_point(&c, &s)?;
+                println!("{}", serde_json::to_string_pretty(&row)?);
+                eprintln!("simulated in {:.2} s", t.elapsed().as_secs_f64());
+                return Ok(());
+            }
             let c = sim_config(&args)?;
             if let Some(png) = &args.predict {
                 let rows = study::predict(&c)?;

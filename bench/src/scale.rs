@@ -98,6 +98,8 @@ pub struct ScaleSpec {
     pub quorum: u32,
     /// `fashion-mnist` or `digits`.
     pub dataset: String,
+    /// `cluster.failover_ms`: how long a silent link or an unrenewed lease lasts (the default is 1000).
+    pub failover_ms: u64,
     /// Seed of the nemesis's choices.
     pub seed: u64,
     /// Stop the run (killing everything) after this many seconds.
@@ -121,6 +123,7 @@ impl ScaleSpec {
             local_steps: 16,
             quorum: (workers * 3).div_ceil(4),
             dataset: "fashion-mnist".into(),
+            failover_ms: 1000,
             seed: 1,
             limit_s: 600.0,
         }
@@ -202,8 +205,9 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
                 .collect(),
         );
         cluster.push_str(&format!(
-            "standbys = [{standbys}]\nwitness = {}\nfailover_ms = 1000\n",
-            addr(w, 7300)
+            "standbys = [{standbys}]\nwitness = {}\nfailover_ms = {}\n",
+            addr(w, 7300),
+            spec.failover_ms
         ));
     }
     format!(
