@@ -132,6 +132,10 @@ struct SimArgs {
     /// With --default-sync: hosts the nodes share, placed as `tether-bench scale` places them (default: one each).
     #[arg(long)]
     hosts: Option<u32>,
+    /// Calibrate on the first completed undisturbed run of this `tether-bench scale --json` file and validate on
+    /// the other completed undisturbed ones: measured against simulated round time and stall.
+    #[arg(long)]
+    calibrate: Option<std::path::PathBuf>,
 }
 
 /// A many-worker run (defaults: the quickstart's sync, standbys, a quorum of 3/4, global batch 512).
@@ -235,8 +239,61 @@ fn scale(a: &ScaleArgs) -> Result<()> {
     print!("{}", report.text());
     if let Some(p) = &a.json {
         use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p)?;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)?;
         writeln!(f, "{}", serde_json::to_string(&report)?)?;
+    }
+    Ok(())
+}
+
+/// `simulate --calibrate`: the simulator against the undisturbed runs of a scale results file.
+fn calibrate(path: &std::path::Path) -> Result<()> {
+    use tether_bench::predict::{calibrate_runs, ScaleMeasurement};
+    use tether_bench::scale::{Nemesis, ScaleReport};
+    let mut runs = Vec::new();
+    for line in std::fs::read_to_string(path)?
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+    {
+        let r: ScaleReport = serde_json::from_str(line)?;
+        if !r.completed || r.spec.nemesis != Nemesis::None || r.compute_per_round_s <= 0.0 {
+            continue;
+        }
+        let mut m = ScaleMeasurement::new(
+            r.spec.workers,
+            r.spec.shards,
+            r.spec.hosts as u32,
+            r.spec.rate_bps.map(|b| b as f64 / 1e9),
+            r.round_s[0],
+            r.stall_s,
+            r.compute_per_round_s,
+        );
+        m.standbys = r.spec.standbys;
+        m.quorum = r.spec.quorum;
+        runs.push(m);
+    }
+    let (cv, checked) = calibrate_runs(&runs)?;
+    println!("compute spread fitted on the first run: cv {cv:.2}");
+    println!("| run | workers × shards | link | round p50 measured / simulated | error | stall measured / simulated | error |");
+    println!("|---|---|---|---|---|---|---|");
+    for (i, c) in checked.iter().enumerate() {
+        let m = &c.measured;
+        println!(
+            "| {} | {} × {} | {} | {:.3} / {:.3} s | {:.0} % | {:.3} / {:.3} s | {:.0} % |",
+            if i == 0 { "calibration" } else { "validation" },
+            m.workers,
+            m.shards,
+            m.link_gbit
+                .map_or("unshaped".into(), |g| format!("{g} Gbit/s")),
+            c.check.measured_round_s,
+            c.check.sim_round_s,
+            c.check.round_error * 100.0,
+            c.check.measured_stall_s,
+            c.check.sim_stall_s,
+            c.check.stall_error * 100.0
+        );
     }
     Ok(())
 }
@@ -322,6 +379,9 @@ fn run() -> Result<()> {
         }
         Cmd::Simulate { args } => {
             use tether_bench::predict;
+            if let Some(path) = &args.calibrate {
+                return calibrate(path);
+            }
             if let Some(out) = &args.predict_default {
                 let t = std::time::Instant::now();
                 let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

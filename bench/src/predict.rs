@@ -549,6 +549,50 @@ pub fn calibrate_with(
     ))
 }
 
+/// A scale run as the calibration reads it, with the simulator's verdict under a fitted compute spread.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CalibratedRun {
+    /// What was measured.
+    pub measured: ScaleMeasurement,
+    /// The simulator against it.
+    pub check: CalibrationCheck,
+}
+
+/// Calibrates on `runs[0]` and validates on the rest: the one free parameter, the spread of a worker's compute per
+/// round (`compute_cv`: on a box where every process shares two cores, time slicing dominates it), is fitted on the
+/// first run (the value in 0.02..=1.0, step 0.02, with the smallest largest error on round time and stall); the
+/// other runs are simulated with it unchanged. Returns the fitted spread and every run's check.
+pub fn calibrate_runs(runs: &[ScaleMeasurement]) -> Result<(f64, Vec<CalibratedRun>), SimError> {
+    let Some(first) = runs.first() else {
+        return Ok((0.1, Vec::new()));
+    };
+    let with_cv = |m: &ScaleMeasurement, cv: f64| {
+        let (mut cfg, sync) = scale_config(m);
+        cfg.compute_cv = cv;
+        calibrate_with(m, &cfg, &sync)
+    };
+    let mut best = (f64::INFINITY, 0.1);
+    for step in 1..=50 {
+        let cv = f64::from(step) * 0.02;
+        let c = with_cv(first, cv)?;
+        let worst = c.round_error.max(c.stall_error);
+        if worst < best.0 {
+            best = (worst, cv);
+        }
+    }
+    let cv = best.1;
+    let checked = runs
+        .iter()
+        .map(|m| {
+            Ok(CalibratedRun {
+                measured: m.clone(),
+                check: with_cv(m, cv)?,
+            })
+        })
+        .collect::<Result<Vec<_>, SimError>>()?;
+    Ok((cv, checked))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -148,7 +148,10 @@ impl Placement {
     /// host, workers round-robin.
     pub fn new(spec: &ScaleSpec) -> Result<Placement> {
         if spec.hosts < 2 || spec.hosts > 200 {
-            return Err(ScaleError::Invalid(format!("{} hosts (2..=200)", spec.hosts)));
+            return Err(ScaleError::Invalid(format!(
+                "{} hosts (2..=200)",
+                spec.hosts
+            )));
         }
         if spec.workers == 0 || spec.shards == 0 || spec.shards > 100 {
             return Err(ScaleError::Invalid(format!(
@@ -248,6 +251,9 @@ pub struct WorkerOutcome {
     pub wall_s: f64,
     /// Seconds it waited for pulls (`pull_wait_seconds`).
     pub pull_wait_s: f64,
+    /// Seconds it computed rounds (`compute_seconds`).
+    #[serde(default)]
+    pub compute_s: f64,
     /// Seconds between consecutive settled rounds on shard 0, from its history.
     pub round_gaps_s: Vec<f64>,
     /// Whether its last incarnation exited 0 with a report.
@@ -273,6 +279,9 @@ pub struct ScaleReport {
     pub round_s: [f64; 3],
     /// Stall: pull wait per round, median over workers, seconds.
     pub stall_s: f64,
+    /// Compute per round (the workers' `compute_seconds` over their rounds), median over workers, seconds.
+    #[serde(default)]
+    pub compute_per_round_s: f64,
     /// Rounds per worker whose gap exceeded 3× the median round (stalls), summed over workers.
     pub long_rounds: u64,
     /// Per shard node (`s{k}` primaries, `b{k}` standbys, `witness`): CPU and peak memory.
@@ -330,6 +339,12 @@ pub fn summarize(spec: &ScaleSpec, placement: Placement, c: Collected) -> ScaleR
         .map(|w| w.pull_wait_s / w.rounds as f64)
         .collect();
     stalls.sort_by(f64::total_cmp);
+    let mut computes: Vec<f64> = workers
+        .iter()
+        .filter(|w| w.rounds > 0)
+        .map(|w| w.compute_s / w.rounds as f64)
+        .collect();
+    computes.sort_by(f64::total_cmp);
     let mut rounds: Vec<f64> = workers.iter().map(|w| w.rounds as f64).collect();
     rounds.sort_by(f64::total_cmp);
     let mut rss: Vec<u64> = usage
@@ -355,6 +370,7 @@ pub fn summarize(spec: &ScaleSpec, placement: Placement, c: Collected) -> ScaleR
             gaps.last().copied().unwrap_or(f64::NAN),
         ],
         stall_s: quantile(&stalls, 0.5),
+        compute_per_round_s: quantile(&computes, 0.5),
         long_rounds,
         shard_nodes,
         worker_peak_rss: [
@@ -391,8 +407,14 @@ impl ScaleReport {
         );
         out.push_str(&format!(
             "  rounds per worker {:.0}; round time p50 {:.3} s, p90 {:.3} s, max {:.3} s; stall (pull wait per round) \
-             {:.3} s; {} rounds over 3× the median\n",
-            self.rounds, self.round_s[0], self.round_s[1], self.round_s[2], self.stall_s, self.long_rounds
+             {:.3} s; compute per round {:.3} s; {} rounds over 3× the median\n",
+            self.rounds,
+            self.round_s[0],
+            self.round_s[1],
+            self.round_s[2],
+            self.stall_s,
+            self.compute_per_round_s,
+            self.long_rounds
         ));
         out.push_str(&format!(
             "  worker peak RSS median {:.1} MiB, largest {:.1} MiB\n",
@@ -642,7 +664,10 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
     let place = Placement::new(spec)?;
     if let Nemesis::Cut { host, .. } = spec.nemesis {
         if host >= spec.hosts {
-            return Err(ScaleError::Invalid(format!("cut host {host} of {}", spec.hosts)));
+            return Err(ScaleError::Invalid(format!(
+                "cut host {host} of {}",
+                spec.hosts
+            )));
         }
     }
     let star = Star::up(spec.hosts, spec.rate_bps)?;
@@ -656,17 +681,39 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
     let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
     let mut shards: Vec<Proc> = Vec::new();
     if let Some(h) = place.witness {
-        shards.push(bed.spawn("witness", h, "tether-server", s(&["witness", "--config", "cluster.toml"]))?);
+        shards.push(bed.spawn(
+            "witness",
+            h,
+            "tether-server",
+            s(&["witness", "--config", "cluster.toml"]),
+        )?);
     }
     for (k, &h) in place.primary.iter().enumerate() {
         let (ks, report) = (k.to_string(), format!("s{k}.json"));
-        let args = s(&["--config", "cluster.toml", "--shard", &ks, "--exit-after-workers", &w, "--report", &report]);
+        let args = s(&[
+            "--config",
+            "cluster.toml",
+            "--shard",
+            &ks,
+            "--exit-after-workers",
+            &w,
+            "--report",
+            &report,
+        ]);
         shards.push(bed.spawn(&format!("s{k}"), h, "tether-server", args)?);
     }
     for (k, &h) in place.standby.iter().enumerate() {
         let (ks, report) = (k.to_string(), format!("b{k}.json"));
-        let mut args =
-            s(&["--config", "cluster.toml", "--shard", &ks, "--exit-after-workers", &w, "--report", &report]);
+        let mut args = s(&[
+            "--config",
+            "cluster.toml",
+            "--shard",
+            &ks,
+            "--exit-after-workers",
+            &w,
+            "--report",
+            &report,
+        ]);
         args.push("--standby".into());
         shards.push(bed.spawn(&format!("b{k}"), h, "tether-server", args)?);
     }
@@ -720,7 +767,11 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
         }
         if let Some((at, is_worker, i)) = pending_restart {
             if t >= at {
-                let p = if is_worker { &mut workers[i] } else { &mut shards[i] };
+                let p = if is_worker {
+                    &mut workers[i]
+                } else {
+                    &mut shards[i]
+                };
                 bed.restart(p)?;
                 events.push((t, format!("started {} again", p.name)));
                 pending_restart = None;
@@ -740,7 +791,11 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
                 );
                 if !victims.is_empty() {
                     let (is_worker, i) = victims[rng.below(victims.len() as u64) as usize];
-                    let p = if is_worker { &mut workers[i] } else { &mut shards[i] };
+                    let p = if is_worker {
+                        &mut workers[i]
+                    } else {
+                        &mut shards[i]
+                    };
                     p.sample(ticks);
                     let _ = p.child.kill();
                     events.push((t, format!("SIGKILL {}", p.name)));
@@ -792,7 +847,12 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
         }
         let ok = p.status.is_some_and(|s| s.success());
         if !ok && p.name != "witness" {
-            failures.push(format!("{} ended with {:?}:\n{}", p.name, p.status, p.tail()));
+            failures.push(format!(
+                "{} ended with {:?}:\n{}",
+                p.name,
+                p.status,
+                p.tail()
+            ));
         }
         usage.insert(
             p.name.clone(),
@@ -807,15 +867,17 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
         .iter()
         .enumerate()
         .map(|(r, p)| {
-            let report: Option<serde_json::Value> = std::fs::read_to_string(dir.join(format!("w{r}.json")))
-                .ok()
-                .and_then(|t| serde_json::from_str(&t).ok());
+            let report: Option<serde_json::Value> =
+                std::fs::read_to_string(dir.join(format!("w{r}.json")))
+                    .ok()
+                    .and_then(|t| serde_json::from_str(&t).ok());
             let f = |k: &str| report.as_ref().and_then(|v| v[k].as_f64()).unwrap_or(0.0);
             let (rounds, round_gaps_s) = round_gaps(&dir.join(format!("w{r}.history")));
             WorkerOutcome {
                 rounds,
                 wall_s: f("wall_seconds"),
                 pull_wait_s: f("pull_wait_seconds"),
+                compute_s: f("compute_seconds"),
                 round_gaps_s,
                 finished: report.is_some() && p.status.is_some_and(|s| s.success()),
             }

@@ -19,7 +19,11 @@ fn bins() -> PathBuf {
         .expect("target/<profile>/deps")
         .to_path_buf();
     for b in ["tether-server", "tether-worker"] {
-        assert!(dir.join(b).exists(), "{} is missing: build the workspace's binaries", dir.join(b).display());
+        assert!(
+            dir.join(b).exists(),
+            "{} is missing: build the workspace's binaries",
+            dir.join(b).display()
+        );
     }
     dir
 }
@@ -48,14 +52,23 @@ fn thirty_two_workers_and_four_shards_with_standbys_on_eight_hosts_complete_unde
     };
     let report = run(&spec, &bins(), &dir).expect("the run");
     println!("{}", report.text());
-    assert!(report.completed, "the run did not complete:\n{}", report.text());
+    assert!(
+        report.completed,
+        "the run did not complete:\n{}",
+        report.text()
+    );
     assert!(
         report.events.iter().any(|(_, e)| e.starts_with("SIGKILL")),
         "no process was killed:\n{}",
         report.text()
     );
     let floor = if fashion { 0.70 } else { 0.85 };
-    assert!(report.accuracy >= floor, "rank 0 at {} < {floor}:\n{}", report.accuracy, report.text());
+    assert!(
+        report.accuracy >= floor,
+        "rank 0 at {} < {floor}:\n{}",
+        report.accuracy,
+        report.text()
+    );
     // A worker holds its share of the training set (and rank 0 the test set): tens of MiB, not the ~200 MB of
     // a whole Fashion-MNIST in f32.
     let limit = 50 * 1024 * 1024;
@@ -70,7 +83,11 @@ fn thirty_two_workers_and_four_shards_with_standbys_on_eight_hosts_complete_unde
         "a host link carried nothing:\n{}",
         report.text()
     );
-    assert!(report.rounds >= 2.0 && report.round_s[0] > 0.0, "{}", report.text());
+    assert!(
+        report.rounds >= 2.0 && report.round_s[0] > 0.0,
+        "{}",
+        report.text()
+    );
     for k in 0..4 {
         for node in [format!("s{k}"), format!("b{k}")] {
             let u = &report.shard_nodes[&node];

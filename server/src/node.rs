@@ -417,7 +417,10 @@ pub const FOLLOW_DEADLINE: Duration = Duration::from_secs(60);
 ///   primary (`cluster.servers[K]`), or a node that holds the shard's state, asks for the lease; a standby without
 ///   state asks again (and for the lease too, once the peer has held nothing for three failover periods);
 /// - the peer follows, holding the shard's state (`NotPrimary`: its primary has just died and it has not taken
-///   over yet), or has a standby already: ask again.
+///   over yet): ask again; while that lasts past a stagger (one failover period for the designated primary, two for
+///   the other node), a node that holds the shard's state asks for the lease, so that two followers (a primary that
+///   lost its lease and a standby whose campaign found no majority) do not wait for each other forever;
+/// - the peer has a standby already: ask again.
 ///
 /// A node leads only while the fence ([`crate::fence_link`]) grants it the lease: with the lease it takes over,
 /// and when it loses the lease it steps down and asks to be seeded again. Without a majority within two leases it
@@ -471,10 +474,127 @@ enum Session {
     NotStarted(String),
     /// It holds no state either.
     Unseeded(String),
-    /// It follows holding the shard's state, or has a standby already: ask again.
+    /// It has a standby already, or is busy: ask again.
     Wait(String),
+    /// It follows too (`NotPrimary`): nobody leads the shard.
+    PeerFollows(String),
     /// This node was seeded and followed, and the link is gone: take over.
     Lost(String),
+}
+
+impl Session {
+    /// The outcome's kind, and what the peer said.
+    fn split(self) -> (SessionKind, String) {
+        match self {
+            Session::NotStarted(w) => (SessionKind::NotStarted, w),
+            Session::Unseeded(w) => (SessionKind::Unseeded, w),
+            Session::Wait(w) => (SessionKind::Wait, w),
+            Session::PeerFollows(w) => (SessionKind::PeerFollows, w),
+            Session::Lost(w) => (SessionKind::Lost, w),
+        }
+    }
+}
+
+/// How a session with the shard's other node ended, without the peer's words: the input of [`follow_step`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SessionKind {
+    /// It did not answer.
+    NotStarted,
+    /// It holds no state either.
+    Unseeded,
+    /// It has a standby already, or is busy.
+    Wait,
+    /// It follows too: nobody leads the shard.
+    PeerFollows,
+    /// This node followed it and the link is gone.
+    Lost,
+}
+
+/// When the conditions [`follow_step`] waits on began.
+#[derive(Debug, Clone, Copy)]
+struct FollowTimers {
+    /// Since this node last asked for the lease (or started): the [`FOLLOW_DEADLINE`] of a node without state.
+    started: std::time::Instant,
+    /// Since the peer first said it holds nothing, in a row.
+    unseeded_since: Option<std::time::Instant>,
+    /// Since the peer first said it follows too, in a row.
+    both_follow_since: Option<std::time::Instant>,
+}
+
+impl FollowTimers {
+    fn new(now: std::time::Instant) -> FollowTimers {
+        FollowTimers {
+            started: now,
+            unseeded_since: None,
+            both_follow_since: None,
+        }
+    }
+}
+
+/// What a following node does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FollowStep {
+    /// Ask the voters for the lease (the reason, for the log).
+    Campaign(&'static str),
+    /// Ask the peer to seed this node again.
+    AskAgain,
+    /// Stop: a node without state was not seeded within [`FOLLOW_DEADLINE`].
+    GiveUp,
+}
+
+/// The follower's rule, pure (the session's outcome, this node's standing, when each condition began, `now`, one
+/// failover period `failover`):
+/// - the followed primary is lost: campaign;
+/// - the peer does not answer or holds nothing, and this node is the designated primary or holds the shard's
+///   state: campaign;
+/// - the peer has held nothing for three failover periods: campaign (both nodes restarted);
+/// - the peer follows too and this node is the designated primary or holds the shard's state, for one failover
+///   period (designated) or two (the other node): campaign, so that two followers do not wait for each other
+///   forever (a primary that lost its lease, a standby whose campaign found no majority);
+/// - otherwise ask again, and give up once a node without state has asked for [`FOLLOW_DEADLINE`].
+///
+/// The caller resets `timers.started` after a campaign. The fence decides who serves; campaigning is always safe.
+fn follow_step(
+    kind: SessionKind,
+    designated: bool,
+    seeded: bool,
+    timers: &mut FollowTimers,
+    now: std::time::Instant,
+    failover: Duration,
+) -> FollowStep {
+    let holds = designated || seeded;
+    let since =
+        |t: &mut Option<std::time::Instant>| now.saturating_duration_since(*t.get_or_insert(now));
+    match kind {
+        SessionKind::Lost => return FollowStep::Campaign("primary lost"),
+        SessionKind::NotStarted | SessionKind::Unseeded if holds => {
+            return FollowStep::Campaign("no primary to follow")
+        }
+        SessionKind::Unseeded => {
+            timers.both_follow_since = None;
+            if since(&mut timers.unseeded_since) > 3 * failover {
+                timers.unseeded_since = None;
+                return FollowStep::Campaign("nobody holds the shard's state");
+            }
+        }
+        SessionKind::PeerFollows => {
+            timers.unseeded_since = None;
+            let stagger = failover * if designated { 1 } else { 2 };
+            if holds && since(&mut timers.both_follow_since) > stagger {
+                timers.both_follow_since = None;
+                return FollowStep::Campaign("both nodes follow");
+            }
+        }
+        SessionKind::NotStarted | SessionKind::Wait => {
+            timers.unseeded_since = None;
+            timers.both_follow_since = None;
+        }
+    }
+    if !seeded && now.saturating_duration_since(timers.started) > FOLLOW_DEADLINE {
+        FollowStep::GiveUp
+    } else {
+        FollowStep::AskAgain
+    }
 }
 
 impl FollowLink {
@@ -487,52 +607,34 @@ impl FollowLink {
                 waited: Duration::ZERO,
                 last: e.to_string(),
             })?;
-        let mut started = std::time::Instant::now();
+        let mut timers = FollowTimers::new(std::time::Instant::now());
         let mut seeded = false;
-        let mut unseeded_since: Option<std::time::Instant> = None;
         loop {
-            let last = match self.session(&endpoint, &mut seeded).await? {
-                Session::Lost(why) => {
-                    warn!(shard = self.shard, peer = %self.peer, reason = %why, "primary lost: asking for the lease");
+            let session = self.session(&endpoint, &mut seeded).await?;
+            let (kind, last) = session.split();
+            match follow_step(
+                kind,
+                self.designated_primary,
+                seeded,
+                &mut timers,
+                std::time::Instant::now(),
+                self.tuning.idle_timeout,
+            ) {
+                FollowStep::Campaign(why) => {
+                    warn!(shard = self.shard, peer = %self.peer, reason = %last, "{why}: asking for the lease");
                     self.campaign().await?;
-                    started = std::time::Instant::now();
+                    timers.started = std::time::Instant::now();
                     continue;
                 }
-                Session::NotStarted(why) | Session::Unseeded(why)
-                    if self.designated_primary || seeded =>
-                {
-                    info!(shard = self.shard, peer = %self.peer, reason = %why, "no primary to follow: asking for the lease");
-                    self.campaign().await?;
-                    started = std::time::Instant::now();
-                    continue;
+                FollowStep::GiveUp => {
+                    return Err(FollowError::Unreachable {
+                        shard: self.shard,
+                        peer: self.peer.clone(),
+                        waited: FOLLOW_DEADLINE,
+                        last,
+                    });
                 }
-                // Both nodes hold nothing (both restarted) and the designated primary has not led for a while:
-                // this node asks too (the voters pick one that leads without losing what a live process holds).
-                Session::Unseeded(why)
-                    if unseeded_since
-                        .get_or_insert_with(std::time::Instant::now)
-                        .elapsed()
-                        > 3 * self.tuning.idle_timeout =>
-                {
-                    info!(shard = self.shard, peer = %self.peer, reason = %why, "nobody holds the shard's state: asking for the lease");
-                    unseeded_since = None;
-                    self.campaign().await?;
-                    started = std::time::Instant::now();
-                    continue;
-                }
-                Session::Unseeded(why) => why,
-                Session::NotStarted(why) | Session::Wait(why) => {
-                    unseeded_since = None;
-                    why
-                }
-            };
-            if !seeded && started.elapsed() > FOLLOW_DEADLINE {
-                return Err(FollowError::Unreachable {
-                    shard: self.shard,
-                    peer: self.peer.clone(),
-                    waited: FOLLOW_DEADLINE,
-                    last,
-                });
+                FollowStep::AskAgain => {}
             }
             debug!(shard = self.shard, peer = %self.peer, reason = %last, "not seeded yet; asking again");
             tokio::time::sleep(Duration::from_millis(250)).await;
@@ -633,7 +735,7 @@ impl FollowLink {
         let (control, answer) = match start.await {
             Ok(x) => x,
             Err(e) if e.is_unseeded() => return Ok(Session::Unseeded(e.to_string())),
-            Err(e) if e.is_not_primary() => return Ok(Session::Wait(e.to_string())),
+            Err(e) if e.is_not_primary() => return Ok(Session::PeerFollows(e.to_string())),
             Err(e) if e.is_permanent() => return Err(refused(e.to_string())),
             Err(e) if e.remote_close_code().is_some() => return Ok(Session::Wait(e.to_string())),
             Err(e) => return Ok(Session::NotStarted(e.to_string())),
@@ -644,7 +746,8 @@ impl FollowLink {
                 let why = format!("{code}: {message}");
                 return match code {
                     ErrorCode::Unseeded => Ok(Session::Unseeded(why)),
-                    ErrorCode::NotPrimary | ErrorCode::Overloaded => Ok(Session::Wait(why)),
+                    ErrorCode::NotPrimary => Ok(Session::PeerFollows(why)),
+                    ErrorCode::Overloaded => Ok(Session::Wait(why)),
                     _ => Err(refused(why)),
                 };
             }
@@ -855,4 +958,112 @@ pub fn shard_report(cfg: &Config, stats: &ShardStats) -> RunReport {
     report.add_traffic(&stats.traffic());
     report.set_staleness(stats.staleness.max(), stats.staleness.report_buckets());
     report
+}
+
+#[cfg(test)]
+mod follow_step_tests {
+    use super::*;
+    use std::time::Instant;
+
+    const FAILOVER: Duration = Duration::from_millis(1000);
+
+    /// Feeds `kind` every 250 ms from `t0` until the rule campaigns or gives up; returns the step and when.
+    fn run_until_decided(
+        kind: SessionKind,
+        designated: bool,
+        seeded: bool,
+    ) -> (FollowStep, Duration) {
+        let t0 = Instant::now();
+        let mut timers = FollowTimers::new(t0);
+        let mut t = t0;
+        for _ in 0..1_000 {
+            let step = follow_step(kind, designated, seeded, &mut timers, t, FAILOVER);
+            if step != FollowStep::AskAgain {
+                return (step, t - t0);
+            }
+            t += Duration::from_millis(250);
+        }
+        (FollowStep::AskAgain, t - t0)
+    }
+
+    #[test]
+    fn two_followers_that_hold_state_ask_for_the_lease_after_a_stagger_the_designated_primary_first(
+    ) {
+        // Found at 64 workers × 8 shards: a primary that lost its lease and a standby whose campaign found no
+        // majority answered each other `NotPrimary` until the primary gave up 60 s later.
+        let (step, at) = run_until_decided(SessionKind::PeerFollows, true, false);
+        assert_eq!(step, FollowStep::Campaign("both nodes follow"));
+        assert!(
+            at > FAILOVER && at <= FAILOVER + Duration::from_millis(250),
+            "{at:?}"
+        );
+        let (step, at) = run_until_decided(SessionKind::PeerFollows, false, true);
+        assert_eq!(step, FollowStep::Campaign("both nodes follow"));
+        assert!(
+            at > 2 * FAILOVER && at <= 2 * FAILOVER + Duration::from_millis(250),
+            "{at:?}"
+        );
+    }
+
+    #[test]
+    fn a_follower_without_state_waits_for_the_peer_and_gives_up_at_the_deadline() {
+        let (step, at) = run_until_decided(SessionKind::PeerFollows, false, false);
+        assert_eq!(step, FollowStep::GiveUp);
+        assert!(at > FOLLOW_DEADLINE, "{at:?}");
+        // A peer with a standby already never makes this node campaign.
+        let (step, _) = run_until_decided(SessionKind::Wait, false, true);
+        assert_eq!(step, FollowStep::AskAgain);
+    }
+
+    #[test]
+    fn a_lost_primary_or_an_absent_peer_makes_a_node_with_state_campaign_at_once() {
+        let now = Instant::now();
+        let mut timers = FollowTimers::new(now);
+        for (kind, designated, seeded) in [
+            (SessionKind::Lost, false, true),
+            (SessionKind::NotStarted, true, false),
+            (SessionKind::Unseeded, false, true),
+        ] {
+            assert!(matches!(
+                follow_step(kind, designated, seeded, &mut timers, now, FAILOVER),
+                FollowStep::Campaign(_)
+            ));
+        }
+        // Both restarted with nothing: the other node asks after three failover periods.
+        let (step, at) = run_until_decided(SessionKind::Unseeded, false, false);
+        assert_eq!(step, FollowStep::Campaign("nobody holds the shard's state"));
+        assert!(at > 3 * FAILOVER, "{at:?}");
+    }
+
+    #[test]
+    fn another_answer_between_two_follows_restarts_the_stagger() {
+        let t0 = Instant::now();
+        let mut timers = FollowTimers::new(t0);
+        let step = |timers: &mut FollowTimers, kind, ms| {
+            follow_step(
+                kind,
+                false,
+                true,
+                timers,
+                t0 + Duration::from_millis(ms),
+                FAILOVER,
+            )
+        };
+        assert_eq!(
+            step(&mut timers, SessionKind::PeerFollows, 0),
+            FollowStep::AskAgain
+        );
+        assert_eq!(
+            step(&mut timers, SessionKind::Wait, 1500),
+            FollowStep::AskAgain
+        );
+        assert_eq!(
+            step(&mut timers, SessionKind::PeerFollows, 2500),
+            FollowStep::AskAgain
+        );
+        assert_eq!(
+            step(&mut timers, SessionKind::PeerFollows, 4600),
+            FollowStep::Campaign("both nodes follow")
+        );
+    }
 }

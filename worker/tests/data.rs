@@ -594,7 +594,12 @@ fn subset_and_split() {
 }
 
 /// Every batch of `epochs` epochs, `(x bits, y)`, of a batcher over `data`.
-fn batches(data: &Dataset, partition: Partition, batch: usize, epochs: u64) -> Vec<(Vec<u32>, Vec<u32>)> {
+fn batches(
+    data: &Dataset,
+    partition: Partition,
+    batch: usize,
+    epochs: u64,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
     let mut b = Batcher::new(partition, batch);
     let mut x = vec![0f32; batch * data.features];
     let mut y = vec![0u32; batch];
@@ -607,7 +612,10 @@ fn batches(data: &Dataset, partition: Partition, batch: usize, epochs: u64) -> V
                 break;
             }
             out.push((
-                x[..rows * data.features].iter().map(|v| v.to_bits()).collect(),
+                x[..rows * data.features]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect(),
                 y[..rows].to_vec(),
             ));
         }
@@ -627,7 +635,11 @@ fn a_share_read_by_rows_gives_the_batches_of_the_whole_set() {
             &enc(idx_images(n, 3, 4, |i| (i * 37 % 253) as u8)),
         );
         let labels: Vec<u8> = (0..n).map(|i| (i * 7 % 10) as u8).collect();
-        let labels = write(dir.path(), "train-labels-idx1-ubyte", &enc(idx_labels(&labels)));
+        let labels = write(
+            dir.path(),
+            "train-labels-idx1-ubyte",
+            &enc(idx_labels(&labels)),
+        );
         let whole = load_idx_pair(&images, &labels).unwrap();
         let mut covered = BTreeSet::new();
         for workers in [1u32, 4, 7] {
@@ -710,7 +722,13 @@ fn real_fashion_mnist_share_is_the_whole_sets_rows_and_only_an_evaluator_loads_t
     let share = load_idx_dir_share(dir, 5, 64, 42).unwrap();
     let (whole, _) = load_idx_dir(dir).unwrap();
     let global = Partition::new(60_000, 5, 64, 42).unwrap();
-    assert_eq!(share.train, Dataset { classes: whole.classes, ..whole.subset(global.indices()) });
+    assert_eq!(
+        share.train,
+        Dataset {
+            classes: whole.classes,
+            ..whole.subset(global.indices())
+        }
+    );
 
     let text = format!(
         "[cluster]\nservers = [\"127.0.0.1:7000\"]\nworkers = 64\n[data]\ndataset = \"fashion-mnist\"\npath = \"{}\"\n\
@@ -724,7 +742,10 @@ fn real_fashion_mnist_share_is_the_whole_sets_rows_and_only_an_evaluator_loads_t
     assert_eq!(data.share.as_ref().map(Partition::len), Some(938));
     let data = load_configured_share(&mut cfg, 0, true).unwrap();
     let test = data.test.expect("rank 0 evaluates");
-    assert_eq!((test.len(), test.features(), test.classes()), (10_000, 784, 10));
+    assert_eq!(
+        (test.len(), test.features(), test.classes()),
+        (10_000, 784, 10)
+    );
     // Held as pixel bytes, scaled a chunk at a time into the whole-file reader's f32 values.
     let (_, dense) = load_idx_dir(dir).unwrap();
     let mut rows = 0;

@@ -3,7 +3,6 @@
 //! plus the counterfactuals the prediction uses to name what limits a run ([`Free`]). Plain data with its own checks;
 //! [`SyncModel::per_step`] is the model the simulator had before these existed, bit for bit.
 
-
 use super::SimError;
 
 /// Values per chunk of a shard's parallel kernels (the shard's own constant, 256 KiB of f32): a range of fewer

@@ -8,8 +8,8 @@ use tether_common::config::{Config, DatasetKind};
 
 use super::idx::{parse_idx_labels, read_bounded};
 use super::{
-    digits, load, load_idx_pixels, load_idx_share, load_text, DataError, Dataset, IdxFiles, Partition,
-    TestSet,
+    digits, load, load_idx_pixels, load_idx_share, load_text, DataError, Dataset, IdxFiles,
+    Partition, TestSet,
 };
 
 /// Loads the configured training and test sets. When the configured Fashion-MNIST directory is missing, falls back

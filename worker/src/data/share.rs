@@ -108,7 +108,11 @@ pub fn load_idx_share(
             n * features
         )));
     }
-    let classes = all_labels.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
+    let classes = all_labels
+        .iter()
+        .map(|&l| l as usize + 1)
+        .max()
+        .unwrap_or(0);
     Ok(Share {
         train: Dataset {
             features,
@@ -154,7 +158,10 @@ pub fn load_idx_pixels(images: &Path, labels: &Path) -> Result<Pixels, DataError
     let mut bytes = vec![0u8; n * features];
     stream.read_exact(&mut bytes).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            bad(format!("dimensions {dims:?} need {} data bytes (truncated)", n * features))
+            bad(format!(
+                "dimensions {dims:?} need {} data bytes (truncated)",
+                n * features
+            ))
         } else {
             DataError::Io {
                 path: images.to_path_buf(),
@@ -190,7 +197,13 @@ pub fn load_idx_dir_share(
     seed: u64,
 ) -> Result<Share, DataError> {
     let files = IdxFiles::find(dir)?;
-    load_idx_share(&files.train_images, &files.train_labels, rank, workers, seed)
+    load_idx_share(
+        &files.train_images,
+        &files.train_labels,
+        rank,
+        workers,
+        seed,
+    )
 }
 
 /// The file's bytes, gunzipped on the fly when it starts with the gzip magic, capped at [`MAX_IDX_BYTES`].

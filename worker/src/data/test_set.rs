@@ -88,7 +88,11 @@ impl TestSet {
             }
             TestSet::Pixels(p) => {
                 let mut buf = Vec::with_capacity(chunk * p.features);
-                for (bs, ys) in p.bytes.chunks(chunk * p.features.max(1)).zip(p.y.chunks(chunk)) {
+                for (bs, ys) in p
+                    .bytes
+                    .chunks(chunk * p.features.max(1))
+                    .zip(p.y.chunks(chunk))
+                {
                     buf.clear();
                     buf.extend(bs.iter().map(|&b| f32::from(b) / 255.0));
                     f(&buf, ys);

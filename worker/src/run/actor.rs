@@ -433,10 +433,7 @@ impl WorkerActor {
                     total_loss += f64::from(m.loss(&msg.params, xs, ys)) * ys.len() as f64;
                 });
                 let n = t.len();
-                (
-                    correct as f32 / n as f32,
-                    (total_loss / n as f64) as f32,
-                )
+                (correct as f32 / n as f32, (total_loss / n as f64) as f32)
             }
             Some(_) => (0.0, 0.0),
             None => (f32::NAN, f32::NAN),
