@@ -674,6 +674,10 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
     std::fs::create_dir_all(dir).map_err(io("work folder"))?;
     issue(dir, &place)?;
     std::fs::write(dir.join("cluster.toml"), config_text(spec, &place)).map_err(io("config"))?;
+    // Processes start in `dir`: a relative binaries folder would name another place there.
+    let bins = &bins
+        .canonicalize()
+        .map_err(io(format!("binaries folder {}", bins.display())))?;
     let bed = Bed { star, dir, bins };
     // SAFETY: sysconf only reads a constant of the system.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
