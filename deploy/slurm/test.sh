@@ -181,7 +181,7 @@ if [ -z "$py" ] || ! "$py" -c 'import tether, torch' 2>/dev/null; then
 fi
 mkdir -p "$work/torch"
 job=$(cd "$work/torch" && TETHER_BIN="$bin" TETHER_WORK="$work/torch" TETHER_PYTHON="$py" TETHER_PORT=17600 \
-  TETHER_SHARDS=2 TETHER_NPROC=3 LAUNCHED_ROUNDS=500 LAUNCHED_STEP_SLEEP=0.005 RUST_LOG=info \
+  TETHER_SHARDS=2 TETHER_NPROC=3 LAUNCHED_ROUNDS=500 LAUNCHED_STEP_SLEEP=0.005 LAUNCHED_MARK="$work/torch/rank-0.clock" RUST_LOG=info \
   sbatch --parsable --nodes=1 --ntasks-per-node=1 "$root/deploy/slurm/tether-torch.sbatch" \
   "$root/python/tests/launched.py")
 say "job $job submitted (PyTorch: 2 shards with standbys, 3 ranks through python -m tether.launch)"
@@ -192,7 +192,14 @@ for i in $(seq 240); do
   sleep 0.5
 done
 [ -n "$step" ] || fail "no running ranks' step to cancel"
-sleep 6 # the ranks import torch, join and train
+# Cancel once rank 0 has trained a few rounds (a fixed sleep cancelled a step still importing torch on a loaded
+# machine: it restarted at clock 0 and nothing rejoined mid-run).
+mark="$work/torch/rank-0.clock"
+for i in $(seq 480); do
+  [ "$(cat "$mark" 2>/dev/null || echo 0)" -ge 5 ] 2>/dev/null && break
+  sleep 0.5
+done
+[ "$(cat "$mark" 2>/dev/null || echo 0)" -ge 5 ] 2>/dev/null || fail "rank 0 trained no 5 rounds in 240 s"
 [ ! -s "$work/torch/worker-0.json" ] || fail "the ranks finished before their step could be cancelled"
 scancel "$step"
 say "cancelled the ranks' step $step mid-run"

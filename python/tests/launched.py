@@ -8,6 +8,8 @@ Knobs (environment) for the tests' faults:
                                             (``TETHER_RESTARTS`` = 0); LAUNCHED_CRASH_ALWAYS=1: on every run
   LAUNCHED_EARLY=1                         every rank exits 0 right after joining, without closing its worker
   LAUNCHED_STEP_SLEEP                      seconds to sleep after each inner step (slow runs for signal tests)
+  LAUNCHED_MARK                            a file rank 0 rewrites with its clock after each round (tests wait on it
+                                            to cancel a run that is surely under way)
 """
 
 import json
@@ -36,6 +38,7 @@ def main() -> None:
     crash_always = os.environ.get("LAUNCHED_CRASH_ALWAYS") == "1"
     sleep_s = float(os.environ.get("LAUNCHED_STEP_SLEEP", "0"))
     restarts = int(os.environ.get("TETHER_RESTARTS", "0"))
+    mark = os.environ.get("LAUNCHED_MARK", "")
     w = tether.Worker()
     if os.environ.get("LAUNCHED_EARLY") == "1":
         sys.exit(0)
@@ -48,6 +51,7 @@ def main() -> None:
         yt = torch.from_numpy(data["y_train"]).long()
         batch = 32
         epoch, i = 0, 0
+        marked = -1
         order = torch.from_numpy(part.epoch_order(epoch))
         while w.clock < rounds:
             if (i + 1) * batch > len(order):
@@ -61,6 +65,10 @@ def main() -> None:
             sync.step(loss=loss.detach())
             if sleep_s:
                 time.sleep(sleep_s)
+            if mark and w.rank == 0 and w.clock != marked:
+                marked = w.clock
+                with open(mark, "w") as f:
+                    f.write(f"{marked}\n")
             if w.rank == crash_rank and w.clock >= crash_at and (restarts == 0 or crash_always):
                 os._exit(3)
         if w.rank == 0:
