@@ -7,7 +7,9 @@ Same model, data and recipe as examples/python/nanogpt_kjv.py, imported from it 
 lr 2e-3, betas (0.9, 0.99), weight decay 0.1 on matrices, 100 warm-up steps then cosine to lr/10, clip 1.0 (the
 inner optimizer); evaluation on the same validation windows every --eval-every samples (all workers' samples).
 
-torchft setup: W replica groups of one rank each, one process per group, on loopback. The driver starts a
+torchft setup: W replica groups of one rank each, one process per group, on loopback (with --on-hosts: worker r
+on namespace host --first-worker-host + r of `tether-bench hosts`, gloo on its link, the driver and lighthouse on
+host 0; scripts/peers-hosts.sh). The driver starts a
 ``torchft.coordination.LighthouseServer`` (min_replicas = W). Each worker starts its own ``TCPStore`` (its replica
 group's store) and a ``torchft.Manager`` (ProcessGroupGloo, min_replica_size = W, use_async_quorum = False as
 DiLoCo requires, init_sync = False: every worker seeds the same initial weights with --seed, as the Tether run's
@@ -95,6 +97,12 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=7200, help="bound on the whole run")
     p.add_argument("--collective-timeout-s", type=float, default=300, help="torchft/gloo operation timeout")
     # Internal.
+    p.add_argument("--on-hosts", action="store_true",
+                   help="place worker r on namespace host --first-worker-host + r of `tether-bench hosts` "
+                        "(TETHER_HOSTS_NETNS, TETHER_HOSTS_ADDRS); run the driver inside host 0's namespace, where "
+                        "the lighthouse then listens")
+    p.add_argument("--first-worker-host", type=int, default=2, help="with --on-hosts (default 2)")
+    p.add_argument("--host-addr", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--prepare-data", metavar="NPZ", help=argparse.SUPPRESS)
     p.add_argument("--worker-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--lighthouse", help=argparse.SUPPRESS)
@@ -217,7 +225,7 @@ def run_worker(a):
         inner.load_state_dict(sd["inner"])
 
     timeout = timedelta(seconds=a.collective_timeout_s)
-    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore(host_name=a.host_addr, port=0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=load_state_dict,
@@ -229,11 +237,11 @@ def run_worker(a):
         connect_timeout=timedelta(seconds=60),
         rank=0,
         world_size=1,
-        store_addr="127.0.0.1",
+        store_addr=a.host_addr,
         store_port=store.port,
         lighthouse_addr=a.lighthouse,
         replica_id=f"tft_{r}",
-        hostname="127.0.0.1",
+        hostname=a.host_addr,
         init_sync=False,
     )
     counter = ByteCounter(manager)
@@ -318,16 +326,22 @@ def run_driver(a, work):
             sys.exit(f"could not write the data cache {data} with {a.tether_python} (a python with tether and numpy)")
     a.data = str(data)
 
+    # With --on-hosts: worker r runs inside its host's namespace and binds that host's address; the driver (and
+    # the lighthouse) run inside host 0's.
+    netns = os.environ.get("TETHER_HOSTS_NETNS", "").split(",") if a.on_hosts else []
+    addrs = os.environ.get("TETHER_HOSTS_ADDRS", "").split(",") if a.on_hosts else []
+    if a.on_hosts and (not netns[0] or len(addrs) < a.first_worker_host + a.workers):
+        sys.exit(f"--on-hosts: run inside `tether-bench hosts` with at least {a.first_worker_host + a.workers} hosts")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=a.workers)
     port = lighthouse.address().rsplit(":", 1)[1]
-    lighthouse_addr = f"http://127.0.0.1:{port}"
+    lighthouse_addr = f"http://{addrs[0] if a.on_hosts else '127.0.0.1'}:{port}"
     stop_file = work / "stop"
     if stop_file.exists():
         stop_file.unlink()
     # Rank 0's soft deadline leaves time for the rest of a round and its final evaluation before the hard one.
     margin = max(0.1 * a.timeout_s, min(30.0, 0.5 * a.timeout_s))
     deadline = time.time() + a.timeout_s - margin - (time.monotonic() - start)
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "e0" if a.on_hosts else "lo"),
                TORCHFT_LIGHTHOUSE=lighthouse_addr)
     procs = []
     try:
@@ -339,6 +353,9 @@ def run_driver(a, work):
             cmd = [sys.executable, os.path.abspath(__file__), "--worker-rank", str(r), "--lighthouse",
                    lighthouse_addr, "--data", a.data, "--out", str(out), "--stop-file", str(stop_file),
                    "--deadline", repr(deadline)] + pass_through(a)
+            if a.on_hosts:
+                h = a.first_worker_host + r
+                cmd = ["ip", "netns", "exec", netns[h]] + cmd + ["--host-addr", addrs[h]]
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), out, log))
         hard = start + a.timeout_s
         failed = None
@@ -384,6 +401,8 @@ def run_driver(a, work):
         "bytes_counted": "sum over workers of 2(n-1)/n x fp32 allreduce buffer bytes (gloo ring, n participants); "
                          "payload only, no TCP/gloo headers or lighthouse/manager RPCs; every byte counted once",
         "fp32_per_step_bytes": fp32, "reduction_vs_fp32": round(fp32 / max(1, sent), 1), "work_dir": str(work),
+        **({"placement": {"lighthouse": lighthouse_addr, "worker_hosts": addrs[a.first_worker_host:][:a.workers]}}
+           if a.on_hosts else {}),
     }
 
 

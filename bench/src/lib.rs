@@ -1,8 +1,9 @@
 //! Tether's bench library: the pure parts of `tether-bench` (the discrete-event cluster simulator, [`sim`], and the
 //! summary statistics the study reports, [`stats`]) the network-namespace link harness ([`netns`])
-//! and the many-worker runs on it ([`scale`]). The binary
+//! the many-worker runs on it ([`scale`]) and a star held up while peers run on it ([`hosts`]). The binary
 //! adds the rest of the I/O: real shards over QUIC, the floors and the study that writes `BENCHMARKS.md`.
 
+pub mod hosts;
 pub mod netns;
 pub mod predict;
 pub mod scale;

@@ -72,6 +72,28 @@ enum Cmd {
         #[command(flatten)]
         args: ScaleArgs,
     },
+    /// Holds a star of shaped namespace hosts (root) while a command places its own processes on them with
+    /// `ip netns exec` (hosts in `TETHER_HOSTS_NETNS` / `TETHER_HOSTS_ADDRS`); reports bytes and bursts per link.
+    Hosts {
+        /// Namespace hosts.
+        #[arg(long)]
+        hosts: usize,
+        /// Every host's link, Mbit/s both ways (default: unshaped).
+        #[arg(long)]
+        rate_mbit: Option<u64>,
+        /// Milliseconds between reads of the link counters.
+        #[arg(long, default_value_t = 100)]
+        sample_ms: u64,
+        /// Kill the command after this many seconds.
+        #[arg(long, default_value_t = 3600.0)]
+        limit: f64,
+        /// Append the report as one JSON line here.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+        /// The command and its arguments (after `--`).
+        #[arg(required = true, last = true)]
+        command: Vec<String>,
+    },
     /// The study: emulated links, stragglers, scaling, simulator validation and prediction → BENCHMARKS.md.
     Study {
         #[command(flatten)]
@@ -468,6 +490,30 @@ fn run() -> Result<()> {
         }
         Cmd::Study { args } => study::run(&args)?,
         Cmd::Scale { args } => scale(&args)?,
+        Cmd::Hosts {
+            hosts,
+            rate_mbit,
+            sample_ms,
+            limit,
+            json,
+            command,
+        } => {
+            let spec = tether_bench::hosts::HostsSpec {
+                hosts,
+                rate_bps: rate_mbit.map(|m| m * 1_000_000),
+                sample: std::time::Duration::from_millis(sample_ms.max(10)),
+                command,
+                limit: std::time::Duration::from_secs_f64(limit.max(1.0)),
+            };
+            let report = tether_bench::hosts::run(&spec)?;
+            eprint!("{}", report.text());
+            if let Some(p) = &json {
+                tether_bench::hosts::append_json(p, &report)?;
+            }
+            if report.exit != Some(0) {
+                anyhow::bail!("the command did not exit 0");
+            }
+        }
         Cmd::Curves {
             runs,
             curve,

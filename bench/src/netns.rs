@@ -206,6 +206,30 @@ impl Star {
         }
     }
 
+    /// Bytes node `i`'s end of its link sent and received so far (`ip -j -s link show e0` inside its namespace).
+    pub fn link_bytes(&self, i: usize) -> Result<(u64, u64)> {
+        self.check(i)?;
+        let ns = self.node(i);
+        let command = || format!("ip -n {ns} -j -s link show e0");
+        let out = Command::new("ip")
+            .args(["-n", &ns, "-j", "-s", "link", "show", "e0"])
+            .output()
+            .map_err(|e| HarnessError::Command {
+                command: command(),
+                reason: e.to_string(),
+            })?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| HarnessError::Command {
+                command: command(),
+                reason: e.to_string(),
+            })?;
+        let stats = &v[0]["stats64"];
+        Ok((
+            stats["tx"]["bytes"].as_u64().unwrap_or(0),
+            stats["rx"]["bytes"].as_u64().unwrap_or(0),
+        ))
+    }
+
     /// The namespaces this star holds (hub first).
     pub fn namespaces(&self) -> Vec<String> {
         std::iter::once(self.hub())

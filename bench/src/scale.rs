@@ -22,7 +22,8 @@ use tether_common::splitmix::SplitMix64;
 use crate::netns::{HarnessError, Star};
 use crate::stats::quantile;
 
-/// A many-worker run failed to start or to collect its results.
+/// A run on the namespace bed (a many-worker run, or a command held on the star) failed to start or to collect
+/// its results.
 #[derive(Debug, thiserror::Error)]
 pub enum ScaleError {
     /// The namespaces or links could not be set up or read.
@@ -587,20 +588,10 @@ impl Bed<'_> {
     }
 }
 
-/// Bytes host `i`'s end of its link sent and received (`ip -j -s link show e0` inside its namespace).
+/// Bytes host `i`'s end of its link sent and received.
 fn link_bytes(star: &Star, i: usize) -> Result<LinkBytes> {
-    let ns = star.namespaces()[i + 1].clone();
-    let out = Command::new("ip")
-        .args(["-n", &ns, "-j", "-s", "link", "show", "e0"])
-        .output()
-        .map_err(io("ip -s link"))?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| ScaleError::Invalid(format!("ip -j -s link: {e}")))?;
-    let stats = &v[0]["stats64"];
-    Ok(LinkBytes {
-        sent: stats["tx"]["bytes"].as_u64().unwrap_or(0),
-        received: stats["rx"]["bytes"].as_u64().unwrap_or(0),
-    })
+    let (sent, received) = star.link_bytes(i)?;
+    Ok(LinkBytes { sent, received })
 }
 
 /// Issues one bundle per node and worker into `dir/certs`.

@@ -17,6 +17,9 @@ Modes:
                        run AdamW (weight decay on every tensor: the shards do not group parameters).
   --diloco H           local-step rounds: each worker runs H AdamW steps, pushes theta_start - theta_end; the shards
                        apply Nesterov (--outer-lr, --outer-momentum) to the mean delta.
+  --on-hosts           the same cluster on the shaped namespace hosts of ``tether-bench hosts`` (root): shards with
+                       standbys on --shard-hosts hosts, one worker per host, every host started by
+                       ``python -m tether.launch`` (scripts/peers-hosts.sh).
 
 Timing: ``train_seconds`` is training wall time with evaluation excluded (rank 0 evaluates in cluster mode and
 subtracts its evaluation time; ``eval_seconds`` reports it). ``seconds_to_target`` is the training time at the first
@@ -81,6 +84,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bin-dir", help="folder holding tether-server")
     p.add_argument("--timeout-s", type=float, default=7200, help="bound on the whole run")
     # Internal: a worker process.
+    p.add_argument("--on-hosts", action="store_true",
+                   help="place the cluster on the namespace hosts of `tether-bench hosts` (run as root inside it): "
+                        "shards on the first --shard-hosts hosts, one worker per host after them, each host started "
+                        "by python -m tether.launch")
+    p.add_argument("--shard-hosts", type=int, default=2, help="with --on-hosts: hosts holding the shards (default 2)")
+    p.add_argument("--no-standbys", action="store_true", help="with --on-hosts: no standbys and no witness")
+    p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--init", help=argparse.SUPPRESS)
@@ -328,6 +338,10 @@ def run_worker(a: argparse.Namespace) -> None:
     import tether.torch as tt
 
     torch.set_num_threads(a.threads or 1)
+    if a.launched:  # a rank under python -m tether.launch: who and where from its environment
+        a.config, a.rank = os.environ["TETHER_CONFIG"], int(os.environ["TETHER_RANK"])
+        a.workers = int(os.environ["TETHER_WORLD_SIZE"])
+        a.out = a.out.replace("{rank}", str(a.rank))
     data = tether.load_data(a.config)
     model = build_model(a)
     with tether.Worker(a.config, a.rank) as w:
@@ -382,36 +396,9 @@ def run_worker(a: argparse.Namespace) -> None:
 
 
 def run_cluster(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    import torch
-
-    import tether
-    import tether.torch as tt
     from tether.cluster import LocalCluster
 
-    torch.manual_seed(a.seed)
-    model_file = work / "gpt.safetensors"
-    tt.export_model(build_model(a), str(model_file))
-    data = tether.load_data(data_config(a, work / "data.toml", model_file))
-    n = len(data["y_train"])
-    per_worker = [int(len(tether.Partition(n, r, a.workers, 7).indices()) // a.batch * a.epochs)
-                  for r in range(a.workers)]
-    updates = sum(per_worker)
-    staleness = a.staleness if a.staleness == "inf" else int(a.staleness)
-    cfg = {
-        "cluster": {"staleness": staleness},
-        "model": {"kind": "file", "file": str(model_file), "context": a.context},
-        "data": {"dataset": a.dataset},
-        "train": {"batch": a.batch, "epochs": max(1, math.ceil(a.epochs)), "seed": 7, "local_steps": a.diloco,
-                  "clip_norm": a.clip},
-        "optimizer": {
-            "kind": "adamw", "lr": a.lr, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": a.weight_decay,
-            "schedule": {"kind": "warmup_cosine", "warmup": a.warmup, "total": max(updates, a.warmup + 1),
-                         "min_ratio": a.min_lr_ratio},
-            "outer": {"kind": "nesterov", "lr": a.outer_lr, "momentum": a.outer_momentum},
-        },
-        "compression": {"scheme": a.compression},
-        "checkpoint": {"every_updates": 0},
-    }
+    cfg = cluster_sections(a, work)
     stop_file = work / "stop"
     if stop_file.exists():
         stop_file.unlink()
@@ -439,6 +426,148 @@ def run_cluster(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                         q.kill()
                 sys.exit(f"worker failed ({rc}); see {log.name}")
             results.append(json.loads(out.read_text()))
+    return summarize(a, results, work)
+
+
+def host_placement(a: argparse.Namespace, addrs: Sequence[str]) -> dict[str, Any]:
+    """Where each node listens with --on-hosts: shard k's primary on shard host k mod S, its standby on the next
+    shard host, the witness on host 0 (ports 17400 + k, 17500 + k, 17600); worker i on host S + i."""
+    hosts = a.shard_hosts
+    if hosts < 1 or len(addrs) < hosts + a.workers:
+        sys.exit(f"--on-hosts: {len(addrs)} hosts for {hosts} shard host(s) and {a.workers} worker host(s)")
+    standbys = not a.no_standbys
+    if standbys and hosts < 2:
+        sys.exit("--on-hosts: standbys need --shard-hosts >= 2 (a standby never shares its primary's host)")
+    place: dict[str, Any] = {
+        "servers": [f"{addrs[k % hosts]}:{17400 + k}" for k in range(a.shards)],
+        "workers": a.workers,
+    }
+    if standbys:
+        place["standbys"] = [f"{addrs[(k + 1) % hosts]}:{17500 + k}" for k in range(a.shards)]
+        place["witness"] = f"{addrs[0]}:17600"
+    return place
+
+
+def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The cluster on the namespace hosts `tether-bench hosts` holds (TETHER_HOSTS_NETNS, TETHER_HOSTS_ADDRS): one
+    ``python -m tether.launch --role nodes`` per shard host, one ``--role ranks`` per worker host, each inside its
+    host's namespace; certificates name each node's address."""
+    from tether.cluster import find_binary, toml_dumps
+
+    netns = os.environ.get("TETHER_HOSTS_NETNS", "").split(",")
+    addrs = os.environ.get("TETHER_HOSTS_ADDRS", "").split(",")
+    if not netns[0] or len(netns) != len(addrs):
+        sys.exit("--on-hosts runs inside `tether-bench hosts` (TETHER_HOSTS_NETNS and TETHER_HOSTS_ADDRS unset)")
+    place = host_placement(a, addrs)
+    cfg = cluster_sections(a, work)
+    certs = work / "certs"
+    cfg["cluster"].update(place, tls_dir=str(certs))
+    config = work / "cluster.toml"
+    config.write_text(toml_dumps(cfg))
+    server = str(find_binary("tether-server", a.bin_dir))
+    hosts = a.shard_hosts
+
+    def keygen(*args: str) -> None:
+        subprocess.run([server, "keygen", *args], check=True, stdout=subprocess.DEVNULL)
+
+    if not (certs / "ca").exists():
+        keygen("--out", str(certs), "--hosts", ",".join(addrs[k % hosts] for k in range(a.shards)),
+               "--servers", str(a.shards), "--workers", str(a.workers), *(["--standbys"] if "standbys" in place else []))
+        # A standby runs on the next shard host: its certificate names that host.
+        for k in range(a.shards if "standbys" in place else 0):
+            keygen("issue", "--ca", str(certs / "ca"), "--out", str(certs), "--standby", str(k),
+                   "--host", addrs[(k + 1) % hosts], "--force")
+    stop_file = work / "stop"
+    if stop_file.exists():
+        stop_file.unlink()
+    launch = [sys.executable, "-m", "tether.launch", "--config", str(config), "--work-dir", str(work / "run"),
+              "--log-dir", str(work / "logs"), "--max-restarts", "0"] + (["--bin-dir", a.bin_dir] if a.bin_dir else [])
+    script = os.path.abspath(__file__)
+    logs: list[Any] = []
+
+    def start(h: int, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(work / f"launch-{h}.log", "wb")
+        logs.append(log)
+        return subprocess.Popen(["ip", "netns", "exec", netns[h], *launch, "--host", addrs[h], *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    deadline = time.monotonic() + a.timeout_s
+    nodes = [start(h, ["--role", "nodes", script]) for h in range(hosts)]
+    ranks = [start(hosts + i, ["--node-rank", str(i), "--role", "ranks", script, "--launched",
+                               "--out", str(work / "worker-{rank}.json"), "--stop-file", str(stop_file)]
+                   + pass_through(a)) for i in range(a.workers)]
+    failed = None
+    try:
+        for i, p in enumerate(ranks):
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = -1
+            if rc != 0 and failed is None:
+                failed = f"worker host {hosts + i} ended with {rc}; see {work}/launch-{hosts + i}.log"
+                break
+        for h, p in enumerate(nodes):
+            try:
+                p.wait(timeout=60 if failed is None else 5)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in nodes + ranks:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        for log in logs:
+            log.close()
+    if failed:
+        sys.exit(failed)
+    results = [json.loads((work / f"worker-{r}.json").read_text()) for r in range(a.workers)]
+    out = summarize(a, results, work)
+    out.update(placement={"shard_hosts": hosts, "worker_hosts": a.workers, **place})
+    return out
+
+
+def cluster_sections(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Exports the model file into ``work`` and returns the cluster's config sections (``[cluster]`` without
+    addresses): the model file, the data, the recipe (AdamW with warm-up and cosine over every worker's steps),
+    the outer Nesterov step of --diloco, the push codec."""
+    import torch
+
+    import tether
+    import tether.torch as tt
+
+    torch.manual_seed(a.seed)
+    model_file = work / "gpt.safetensors"
+    tt.export_model(build_model(a), str(model_file))
+    data = tether.load_data(data_config(a, work / "data.toml", model_file))
+    n = len(data["y_train"])
+    per_worker = [int(len(tether.Partition(n, r, a.workers, 7).indices()) // a.batch * a.epochs)
+                  for r in range(a.workers)]
+    updates = sum(per_worker)
+    staleness = a.staleness if a.staleness == "inf" else int(a.staleness)
+    return {
+        "cluster": {"staleness": staleness},
+        "model": {"kind": "file", "file": str(model_file), "context": a.context},
+        "data": {"dataset": a.dataset},
+        "train": {"batch": a.batch, "epochs": max(1, math.ceil(a.epochs)), "seed": 7, "local_steps": a.diloco,
+                  "clip_norm": a.clip},
+        "optimizer": {
+            "kind": "adamw", "lr": a.lr, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": a.weight_decay,
+            "schedule": {"kind": "warmup_cosine", "warmup": a.warmup, "total": max(updates, a.warmup + 1),
+                         "min_ratio": a.min_lr_ratio},
+            "outer": {"kind": "nesterov", "lr": a.outer_lr, "momentum": a.outer_momentum},
+        },
+        "compression": {"scheme": a.compression},
+        "checkpoint": {"every_updates": 0},
+    }
+
+
+def summarize(a: argparse.Namespace, results: list[dict[str, Any]], work: Path) -> dict[str, Any]:
+    """The run's JSON line from every rank's result (rank 0's first)."""
+    staleness = a.staleness if a.staleness == "inf" else int(a.staleness)
     r0 = results[0]
     nparams = r0["params"]
     steps = sum(r["steps"] for r in results)
@@ -476,12 +605,12 @@ def pass_through(a: argparse.Namespace) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
-    if a.rank is not None:
+    if a.rank is not None or a.launched:
         run_worker(a)
         return
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="tether-gpt-"))
     work.mkdir(parents=True, exist_ok=True)
-    result = run_single(a, work) if a.single else run_cluster(a, work)
+    result = run_single(a, work) if a.single else run_on_hosts(a, work) if a.on_hosts else run_cluster(a, work)
     print(json.dumps(result), flush=True)
 
 

@@ -122,6 +122,12 @@ pub struct Pull {
 #[rtype(result = "(u64, ShardStats, usize)")]
 pub struct GetStats;
 
+/// What this node's standby must acknowledge to hold every input the node took: the acknowledgement watch and the
+/// newest log position (`None`: this node does not serve, or no standby follows it).
+#[derive(Message)]
+#[rtype(result = "Option<(watch::Receiver<u64>, u64)>")]
+pub struct StandbyHolds;
+
 /// Snapshot now and write a checkpoint; resolves when the write finished.
 #[derive(Message)]
 #[rtype(result = "Result<Option<u64>, String>")]
@@ -935,6 +941,16 @@ fn not_primary() -> ProtocolError {
     ProtocolError::Rejected {
         code: ErrorCode::NotPrimary,
         message: "not the shard's primary (it does not hold the lease)".into(),
+    }
+}
+
+impl Handler<StandbyHolds> for ShardActor {
+    type Result = Option<(watch::Receiver<u64>, u64)>;
+    fn handle(&mut self, _: StandbyHolds, _: &mut Context<Self>) -> Self::Result {
+        match &self.role {
+            Role::Primary(p) if p.standby().is_some() => Some((self.acked.subscribe(), p.seq())),
+            _ => None,
+        }
     }
 }
 

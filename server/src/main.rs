@@ -382,9 +382,23 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
         if cli.standby { " (standby)" } else { "" },
         running.local_addr
     );
-    tokio::select! {
-        _ = wait_for_end(&running, cli.exit_after_workers) => {}
+    let end = tokio::select! {
+        end = wait_for_end(&running, cli.exit_after_workers) => end,
         why = running.standby_failed() => anyhow::bail!("standby of shard {shard}: {why}"),
+    };
+    // The last goodbye must reach the standby before this primary goes: a standby that loses its primary first
+    // takes over and waits for workers that already left.
+    if end == End::WorkersFinished
+        && !running.is_following()
+        && !running
+            .standby_caught_up(STANDBY_CATCH_UP_LIMIT)
+            .await
+    {
+        tracing::warn!(
+            shard,
+            "the standby did not acknowledge the last inputs within {} s; exiting anyway",
+            STANDBY_CATCH_UP_LIMIT.as_secs()
+        );
     }
     // A standby that never took over writes no checkpoint: its primary's are the shard's.
     let final_checkpoint = !running.is_following();
@@ -398,7 +412,19 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
     Ok(())
 }
 
-async fn wait_for_end(running: &tether_server::node::RunningShard, exit_after_workers: u32) {
+/// How long a primary that saw its last worker leave waits for its standby to acknowledge that before it exits.
+const STANDBY_CATCH_UP_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Why a shard process ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// SIGTERM or Ctrl-C.
+    Signal,
+    /// `--exit-after-workers` distinct ranks finished (or the actor is gone).
+    WorkersFinished,
+}
+
+async fn wait_for_end(running: &tether_server::node::RunningShard, exit_after_workers: u32) -> End {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let sigterm = async {
         match term.as_mut() {
@@ -423,8 +449,17 @@ async fn wait_for_end(running: &tether_server::node::RunningShard, exit_after_wo
         }
     };
     tokio::select! {
-        _ = sigterm => info!("SIGTERM: shutting down"),
-        _ = tokio::signal::ctrl_c() => info!("interrupted: shutting down"),
-        _ = done => info!("all workers finished: shutting down"),
+        _ = sigterm => {
+            info!("SIGTERM: shutting down");
+            End::Signal
+        }
+        _ = tokio::signal::ctrl_c() => {
+            info!("interrupted: shutting down");
+            End::Signal
+        }
+        _ = done => {
+            info!("all workers finished: shutting down");
+            End::WorkersFinished
+        }
     }
 }

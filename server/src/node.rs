@@ -22,7 +22,7 @@ use tether_common::protocol::{ErrorCode, FrameKind, FrameLimits};
 use tether_common::report::RunReport;
 
 use crate::actor::{
-    CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, SoloRecorded, StepDown,
+    CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, SoloRecorded, StandbyHolds, StepDown,
     TakeOver,
 };
 use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
@@ -878,6 +878,21 @@ impl RunningShard {
             .send(GetStats)
             .await
             .map_err(|_| Error::ActorGone)
+    }
+
+    /// Waits, at most `limit`, until the standby that follows this node acknowledged every input the node took so
+    /// far; true once it has, or when none follows (or this node does not serve). A primary about to exit after
+    /// its last worker's goodbye calls it, so that its standby holds that goodbye and exits as well instead of
+    /// taking over and waiting for a worker that already left.
+    pub async fn standby_caught_up(&self, limit: Duration) -> bool {
+        let Ok(Some((mut acked, seq))) = self.actor.send(StandbyHolds).await else {
+            return true;
+        };
+        // A standby that is dropped meanwhile reports u64::MAX (nothing to wait for) or its watch closes.
+        matches!(
+            tokio::time::timeout(limit, acked.wait_for(|a| *a >= seq)).await,
+            Ok(Ok(_))
+        )
     }
 
     /// Whether this process is a standby that still follows its primary (it has not taken over).
