@@ -34,15 +34,23 @@ pub struct IngestArgs {
     /// Model parameters (an MLP [64, H, 10] layout of about this size).
     #[arg(long, default_value_t = 4_000_000)]
     pub params: u64,
-    /// Push scheme: none | fp16 | bf16 | q8 | q4 | q2.
+    /// Push scheme: none | fp16 | bf16 | q8 | q4 | q2 | topk2.
     #[arg(long, default_value = "q4")]
     pub scheme: String,
     /// Codec bucket (values per scale): the frame granularity of the quantized schemes.
     #[arg(long, default_value_t = 512)]
     pub bucket: u32,
-    /// Shard optimizer: sgd | momentum | nesterov | adam | adamw | adagrad.
+    /// Shard optimizer: sgd | momentum | nesterov | adam | adamw | adagrad (with --local-steps: the workers' inner
+    /// optimizer).
     #[arg(long, default_value = "adam")]
     pub optimizer: String,
+    /// Local-step rounds: each push is a pseudo-gradient after H inner steps, and the shards apply the outer
+    /// Nesterov step (`[optimizer.outer]`; 0: a gradient push every step, `--optimizer` on the shards).
+    #[arg(long, default_value_t = 0)]
+    pub local_steps: u32,
+    /// Threads of each shard (`tether-server --threads`; 0: every core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: u32,
     /// Pull mode: delta | bf16 | f32.
     #[arg(long, default_value = "delta")]
     pub pull: String,
@@ -108,7 +116,9 @@ pub fn run(a: &IngestArgs) -> Result<IngestReport> {
     let dir = tempfile::tempdir()?;
     let hidden = hidden_for(a.params);
     let partition = 1437 / a.workers.max(1) as u64;
-    let batch = (partition / a.rounds.max(1)).max(1);
+    // `rounds` counts pushes: with local steps a push takes H steps.
+    let steps = a.rounds.max(1) * u64::from(a.local_steps.max(1));
+    let batch = (partition / steps).max(1);
     let servers: Vec<String> = (0..a.shards)
         .map(|_| free_port("127.0.0.1").map(|p| format!("127.0.0.1:{p}")))
         .collect::<Result<_>>()?;
@@ -118,7 +128,10 @@ pub fn run(a: &IngestArgs) -> Result<IngestReport> {
         staleness: a.staleness.clone(),
         model: format!("kind = \"mlp\"\nhidden = [{hidden}]\nseed = 1"),
         data: "dataset = \"digits\"".into(),
-        train: format!("epochs = 1\nbatch = {batch}\neval_every = 0"),
+        train: format!(
+            "epochs = 1\nbatch = {batch}\neval_every = 0\nlocal_steps = {}",
+            a.local_steps
+        ),
         optimizer: format!("kind = \"{}\"\nlr = 0.001", a.optimizer),
         compression: compression_lines(a),
     };
@@ -150,6 +163,8 @@ pub fn run(a: &IngestArgs) -> Result<IngestReport> {
             &k.to_string(),
             "--exit-after-workers",
             &a.workers.to_string(),
+            "--threads",
+            &a.threads.to_string(),
             "--report",
             &format!("server-{k}.json"),
         ]);
@@ -270,14 +285,19 @@ pub fn run_workers(
 pub fn print(r: &IngestReport) {
     let a = &r.args;
     println!(
-        "ingest: {} workers × {} shards, {:.2}M params, push {}{}, pull {}, {} , s = {}, {} rounds",
+        "ingest: {} workers × {} shards ({} threads each), {:.2}M params, push {}{}, pull {}, {}, s = {}, {} rounds",
         a.workers,
         a.shards,
+        a.threads,
         r.params as f64 / 1e6,
         a.scheme,
         if a.zstd { "+zstd" } else { "" },
         a.pull,
-        a.optimizer,
+        if a.local_steps > 0 {
+            format!("outer nesterov (H = {})", a.local_steps)
+        } else {
+            a.optimizer.clone()
+        },
         a.staleness,
         a.rounds
     );

@@ -1,6 +1,7 @@
 //! Tether shared core: the gradient codec, the wire protocol and transport, the parameter layout, the cluster
 //! configuration and the run report. Pure logic lives here; the server and worker crates are shells around it.
 
+pub mod chunk_pool;
 pub mod codec;
 pub mod config;
 pub mod cpu;

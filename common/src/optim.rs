@@ -30,11 +30,16 @@
 //! # Finite state
 //! [`Optimizer::try_step`] applies an update only if every new weight and slot value is finite, and otherwise
 //! changes nothing (check, then commit); the shards step with it, so one push cannot leave NaN or ∞ in the state.
+//!
+//! # Chunks
+//! [`Optimizer::try_step_part_on`] runs both passes in chunks on a [`ChunkPool`] (a shard's threads). Every rule is
+//! per element and the check is an AND, so no result depends on the chunks or on which thread ran them.
 
 use std::f64::consts::PI;
 
 use std::ops::Range;
 
+use crate::chunk_pool::ChunkPool;
 use crate::config::{OptimizerConfig, OptimizerKind, Schedule};
 
 /// Errors restoring optimizer state.
@@ -225,6 +230,38 @@ impl Optimizer {
         Ok(())
     }
 
+    /// [`Optimizer::try_step_part`] with `part` cut into chunks of `chunk` values that run as jobs on `pool`. Every
+    /// element's arithmetic is the one `try_step_part` does, and the check is an AND over the chunks, so the result
+    /// is bit for bit `try_step_part`'s whatever the pool's threads and the chunk size. Allocates one small list of
+    /// chunks per pass.
+    ///
+    /// # Panics
+    /// As [`Optimizer::try_step_part`].
+    pub fn try_step_part_on(
+        &mut self,
+        pool: &ChunkPool,
+        chunk: usize,
+        part: Range<usize>,
+        weights: &mut [f32],
+        grad: &[f32],
+        lr_scale: f32,
+    ) -> Result<(), OptimError> {
+        if !self.run_chunked(
+            pool,
+            chunk,
+            part.clone(),
+            weights,
+            grad,
+            lr_scale,
+            Pass::Check,
+        ) {
+            return Err(OptimError::NonFiniteState);
+        }
+        self.run_chunked(pool, chunk, part, weights, grad, lr_scale, Pass::Apply);
+        self.steps = self.steps.saturating_add(1);
+        Ok(())
+    }
+
     /// One pass of update `steps() + 1` over `part` of the range (`grad` holds `part`'s values): [`Pass::Apply`]
     /// writes it (and returns true), [`Pass::Check`] writes nothing and returns whether every new weight and slot
     /// value would be finite.
@@ -240,91 +277,62 @@ impl Optimizer {
         assert!(part.end <= self.len, "part outside the optimizer range");
         assert_eq!(grad.len(), part.len(), "gradient length != part");
         let t = self.steps.saturating_add(1);
-        let lr = self.lr_at(t) * lr_scale;
-        let wd = self.cfg.weight_decay;
-        let base = part.start;
-        if self.exempt.is_empty() || wd == 0.0 {
-            return self.run_segment(part, base, weights, grad, lr, t, wd, pass);
-        }
-        // Alternate decayed and exempt segments of `part`, in order; each is one pass of the same kernels.
-        let mut ok = true;
-        let mut at = part.start;
-        for i in 0..self.exempt.len() {
-            let e = self.exempt[i].start.max(part.start)..self.exempt[i].end.min(part.end);
-            if e.start >= e.end {
-                continue;
-            }
-            if at < e.start {
-                ok &= self.run_segment(at..e.start, base, weights, grad, lr, t, wd, pass);
-            }
-            ok &= self.run_segment(e.clone(), base, weights, grad, lr, t, 0.0, pass);
-            at = e.end;
-        }
-        if at < part.end {
-            ok &= self.run_segment(at..part.end, base, weights, grad, lr, t, wd, pass);
-        }
-        ok
+        let rule = Rule {
+            cfg: &self.cfg,
+            simd: self.simd,
+            exempt: &self.exempt,
+            lr: self.lr_at(t) * lr_scale,
+            t,
+        };
+        let slots = slot_parts(&mut self.slots, part.clone());
+        rule.run_range(part.clone(), &mut weights[part], grad, slots, pass)
     }
 
-    /// [`Optimizer::run`] over `seg` of the range with weight decay `wd`; `grad[0]` is the gradient of index `base`.
+    /// [`Optimizer::run`] over `part` in chunks of `chunk` values, one job each on `pool`.
     #[allow(clippy::too_many_arguments)]
-    fn run_segment(
+    fn run_chunked(
         &mut self,
-        seg: Range<usize>,
-        base: usize,
+        pool: &ChunkPool,
+        chunk: usize,
+        part: Range<usize>,
         weights: &mut [f32],
         grad: &[f32],
-        lr: f32,
-        t: u64,
-        wd: f32,
+        lr_scale: f32,
         pass: Pass,
     ) -> bool {
-        let (weights, grad) = (
-            &mut weights[seg.clone()],
-            &grad[seg.start - base..seg.end - base],
-        );
-        let c = &self.cfg;
-        let simd = self.simd;
-        let check = pass == Pass::Check;
-        match c.kind {
-            OptimizerKind::Sgd if check => dispatch(simd, || sgd_finite(weights, grad, lr, wd)),
-            OptimizerKind::Sgd => {
-                dispatch(simd, || sgd(weights, grad, lr, wd));
-                true
-            }
-            OptimizerKind::Momentum | OptimizerKind::Nesterov => {
-                let nesterov = c.kind == OptimizerKind::Nesterov;
-                let (mu, buf) = (c.momentum, &mut self.slots[0][seg]);
-                if check {
-                    dispatch(simd, || {
-                        momentum_finite(weights, grad, buf, lr, mu, wd, nesterov)
-                    })
-                } else {
-                    dispatch(simd, || momentum(weights, grad, buf, lr, mu, wd, nesterov));
-                    true
-                }
-            }
-            OptimizerKind::Adam | OptimizerKind::Adamw => {
-                let k = AdamConsts::new(c, lr, t, wd);
-                let (m, v) = self.slots.split_at_mut(1);
-                let (m, v) = (&mut m[0][seg.clone()], &mut v[0][seg]);
-                if check {
-                    dispatch(simd, || adam_finite(weights, grad, m, v, &k))
-                } else {
-                    dispatch(simd, || adam(weights, grad, m, v, &k));
-                    true
-                }
-            }
-            OptimizerKind::Adagrad => {
-                let (eps, s) = (c.eps, &mut self.slots[0][seg]);
-                if check {
-                    dispatch(simd, || adagrad_finite(weights, grad, s, lr, wd, eps))
-                } else {
-                    dispatch(simd, || adagrad(weights, grad, s, lr, wd, eps));
-                    true
-                }
-            }
-        }
+        assert_eq!(weights.len(), self.len, "weights length != optimizer range");
+        assert!(part.end <= self.len, "part outside the optimizer range");
+        assert_eq!(grad.len(), part.len(), "gradient length != part");
+        let chunk = chunk.max(1);
+        let t = self.steps.saturating_add(1);
+        let rule = Rule {
+            cfg: &self.cfg,
+            simd: self.simd,
+            exempt: &self.exempt,
+            lr: self.lr_at(t) * lr_scale,
+            t,
+        };
+        let [s0, s1] = slot_parts(&mut self.slots, part.clone());
+        let mut s0 = s0.chunks_mut(chunk);
+        let mut s1 = s1.chunks_mut(chunk);
+        let jobs: Vec<StepChunk<'_>> = weights[part.clone()]
+            .chunks_mut(chunk)
+            .zip(grad.chunks(chunk))
+            .enumerate()
+            .map(|(i, (w, g))| StepChunk {
+                start: part.start + i * chunk,
+                w,
+                g,
+                // An empty slot yields no chunk: it stays empty for every chunk.
+                slots: [s0.next().unwrap_or_default(), s1.next().unwrap_or_default()],
+            })
+            .collect();
+        pool.map(jobs, |c| {
+            let range = c.start..c.start + c.w.len();
+            rule.run_range(range, c.w, c.g, c.slots, pass)
+        })
+        .into_iter()
+        .all(|ok| ok)
     }
 
     /// Updates applied so far.
@@ -388,6 +396,137 @@ impl Optimizer {
     /// State footprint in bytes per parameter (0 for SGD, 4 for momentum/Nesterov/Adagrad, 8 for Adam/AdamW).
     pub fn bytes_per_param(&self) -> usize {
         slot_count(self.cfg.kind) * std::mem::size_of::<f32>()
+    }
+}
+
+/// The state slots' values over `part` as two slices (an absent slot is empty).
+fn slot_parts(slots: &mut [Vec<f32>], part: Range<usize>) -> [&mut [f32]; 2] {
+    match slots {
+        [] => [&mut [], &mut []],
+        [a] => [&mut a[part], &mut []],
+        [a, b, ..] => [&mut a[part.clone()], &mut b[part]],
+    }
+}
+
+/// One chunk of a chunked pass: its first index in the range, its weights, gradient and slot values.
+struct StepChunk<'a> {
+    start: usize,
+    w: &'a mut [f32],
+    g: &'a [f32],
+    slots: [&'a mut [f32]; 2],
+}
+
+/// Update `t` of an optimizer: its settings, kernels, decay exemptions and learning rate, applied to any sub-range.
+#[derive(Clone, Copy)]
+struct Rule<'a> {
+    cfg: &'a OptimizerConfig,
+    simd: bool,
+    exempt: &'a [Range<usize>],
+    lr: f32,
+    t: u64,
+}
+
+impl Rule<'_> {
+    /// One pass over `range` of the optimizer's range: `w`, `g` and the slots hold exactly `range`'s values. Decayed
+    /// and exempt segments alternate in order; each is one pass of the same kernels.
+    fn run_range(
+        &self,
+        range: Range<usize>,
+        w: &mut [f32],
+        g: &[f32],
+        slots: [&mut [f32]; 2],
+        pass: Pass,
+    ) -> bool {
+        let wd = self.cfg.weight_decay;
+        let [s0, s1] = slots;
+        if self.exempt.is_empty() || wd == 0.0 {
+            return self.run_segment(w, g, s0, s1, wd, pass);
+        }
+        let base = range.start;
+        let mut ok = true;
+        let mut at = range.start;
+        let mut seg = |from: usize, to: usize, wd: f32, s0: &mut [f32], s1: &mut [f32]| {
+            let r = from - base..to - base;
+            let (s0, s1) = (sub(s0, r.clone()), sub(s1, r.clone()));
+            self.run_segment(&mut w[r.clone()], &g[r], s0, s1, wd, pass)
+        };
+        for e in self.exempt {
+            let e = e.start.max(range.start)..e.end.min(range.end);
+            if e.start >= e.end {
+                continue;
+            }
+            if at < e.start {
+                ok &= seg(at, e.start, wd, s0, s1);
+            }
+            ok &= seg(e.start, e.end, 0.0, s0, s1);
+            at = e.end;
+        }
+        if at < range.end {
+            ok &= seg(at, range.end, wd, s0, s1);
+        }
+        ok
+    }
+
+    /// One pass of the kernels over equal-length slices with weight decay `wd`.
+    fn run_segment(
+        &self,
+        weights: &mut [f32],
+        grad: &[f32],
+        s0: &mut [f32],
+        s1: &mut [f32],
+        wd: f32,
+        pass: Pass,
+    ) -> bool {
+        let c = self.cfg;
+        let (simd, lr) = (self.simd, self.lr);
+        let check = pass == Pass::Check;
+        match c.kind {
+            OptimizerKind::Sgd if check => dispatch(simd, || sgd_finite(weights, grad, lr, wd)),
+            OptimizerKind::Sgd => {
+                dispatch(simd, || sgd(weights, grad, lr, wd));
+                true
+            }
+            OptimizerKind::Momentum | OptimizerKind::Nesterov => {
+                let nesterov = c.kind == OptimizerKind::Nesterov;
+                let (mu, buf) = (c.momentum, s0);
+                if check {
+                    dispatch(simd, || {
+                        momentum_finite(weights, grad, buf, lr, mu, wd, nesterov)
+                    })
+                } else {
+                    dispatch(simd, || momentum(weights, grad, buf, lr, mu, wd, nesterov));
+                    true
+                }
+            }
+            OptimizerKind::Adam | OptimizerKind::Adamw => {
+                let k = AdamConsts::new(c, lr, self.t, wd);
+                let (m, v) = (s0, s1);
+                if check {
+                    dispatch(simd, || adam_finite(weights, grad, m, v, &k))
+                } else {
+                    dispatch(simd, || adam(weights, grad, m, v, &k));
+                    true
+                }
+            }
+            OptimizerKind::Adagrad => {
+                let (eps, s) = (c.eps, s0);
+                if check {
+                    dispatch(simd, || adagrad_finite(weights, grad, s, lr, wd, eps))
+                } else {
+                    dispatch(simd, || adagrad(weights, grad, s, lr, wd, eps));
+                    true
+                }
+            }
+        }
+    }
+}
+
+/// `s[r]`, or `s` itself when it is an absent (empty) slot.
+fn sub(s: &mut [f32], r: Range<usize>) -> &mut [f32] {
+    if s.is_empty() {
+        s
+    } else {
+        &mut s[r]
     }
 }
 
@@ -691,5 +830,92 @@ mod state_tests {
         opt.restore(0, vec![vec![f32::NAN, 0.0, 0.0], vec![0.0; 3]])
             .unwrap();
         assert!(opt.check_state().unwrap_err().contains("slot 0[0]"));
+    }
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+    use crate::testing::noise;
+
+    #[test]
+    fn chunked_steps_are_the_whole_steps_bits_at_any_chunk_size_and_thread_count() {
+        let n = 1000;
+        let part = 100..900;
+        let kinds = [
+            OptimizerKind::Sgd,
+            OptimizerKind::Momentum,
+            OptimizerKind::Nesterov,
+            OptimizerKind::Adam,
+            OptimizerKind::Adamw,
+            OptimizerKind::Adagrad,
+        ];
+        let pools = [
+            ChunkPool::serial(),
+            ChunkPool::new(2, "tether-test").unwrap(),
+            ChunkPool::new(3, "tether-test").unwrap(),
+        ];
+        for kind in kinds {
+            let cfg = OptimizerConfig {
+                kind,
+                weight_decay: 0.01,
+                ..OptimizerConfig::default()
+            };
+            // Decay-exempt ranges across chunk boundaries and the part's ends.
+            let fresh =
+                || Optimizer::new(&cfg, n).with_decay_exempt(vec![50..130, 400..433, 880..990]);
+            let mut want = fresh();
+            let mut w0 = noise(n, 1, 0.1);
+            for k in 0..3 {
+                want.try_step_part(part.clone(), &mut w0, &noise(800, 10 + k, 1e-2), 0.5)
+                    .unwrap();
+            }
+            for pool in &pools {
+                for chunk in [1, 7, 64, 800, 5000] {
+                    let mut got = fresh();
+                    let mut w = noise(n, 1, 0.1);
+                    for k in 0..3 {
+                        got.try_step_part_on(
+                            pool,
+                            chunk,
+                            part.clone(),
+                            &mut w,
+                            &noise(800, 10 + k, 1e-2),
+                            0.5,
+                        )
+                        .unwrap();
+                    }
+                    let same = |a: &[f32], b: &[f32]| {
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                    };
+                    assert!(same(&w, &w0), "{kind:?}, chunk {chunk}: weights");
+                    assert!(
+                        got.slots()
+                            .iter()
+                            .zip(want.slots())
+                            .all(|(a, b)| same(a, b)),
+                        "{kind:?}, chunk {chunk}: state"
+                    );
+                    assert_eq!(got.steps(), 3);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunked_step_that_would_go_non_finite_changes_nothing() {
+        let cfg = OptimizerConfig::default();
+        let mut opt = Optimizer::new(&cfg, 300);
+        let mut w = vec![0.5f32; 300];
+        let mut g = vec![1e-3f32; 300];
+        g[250] = f32::MAX;
+        let pool = ChunkPool::new(2, "tether-test").unwrap();
+        assert_eq!(
+            opt.try_step_part_on(&pool, 64, 0..300, &mut w, &g, 1.0),
+            Err(OptimError::NonFiniteState)
+        );
+        assert!(w.iter().all(|x| *x == 0.5));
+        assert!(opt.slots().iter().all(|s| s.iter().all(|x| *x == 0.0)));
+        assert_eq!(opt.steps(), 0);
     }
 }

@@ -54,6 +54,14 @@ pub enum Error {
     /// The shard actor stopped.
     #[error("shard actor is gone")]
     ActorGone,
+    /// The shard's threads (`shard.threads`) could not be started.
+    #[error("cannot start the shard's {threads} threads: {reason}")]
+    Threads {
+        /// Threads asked for.
+        threads: usize,
+        /// Why the pool could not be built.
+        reason: String,
+    },
 }
 
 impl Error {
@@ -82,6 +90,7 @@ impl Error {
             | Error::CheckpointKey(_)
             | Error::Remote(_)
             | Error::Config(_)
+            | Error::Threads { .. }
             | Error::Address(_) => None,
         }
     }

@@ -51,6 +51,10 @@ struct Cli {
     /// guard.factor of the config).
     #[arg(long)]
     spike_factor: Option<f32>,
+    /// Threads this shard decodes and applies pushes and cuts pull deltas on, in chunks (default: shard.threads of
+    /// the config; 0 = every core). The results are the same bits at any count.
+    #[arg(long)]
+    threads: Option<u32>,
     /// Exit (with a final checkpoint) once this many distinct configured ranks have finished and left (0 = run until
     /// SIGTERM).
     #[arg(long, default_value_t = 0)]
@@ -313,7 +317,12 @@ fn run() -> Result<()> {
         .clone()
         .context("--config is required (or use `keygen`)")?;
     let shard = cli.shard.context("--shard is required")?;
-    let cfg = Config::load(&config_path)?;
+    let mut cfg = Config::load(&config_path)?;
+    if let Some(threads) = cli.threads {
+        cfg.shard.threads = threads;
+        // The flag overrides the key; the key's range applies to it.
+        cfg.validate()?;
+    }
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use actix::{Addr, Arbiter};
 use tracing::{debug, info, warn};
 
+use tether_common::chunk_pool::ChunkPool;
 use tether_common::config::Config;
 use tether_common::layout::{model_layout, Layout};
 use tether_common::metrics::ServerMetrics;
@@ -153,6 +154,15 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
         spike_factor: 0.0,
     };
     let mut core = ShardCore::new(&layout, &spec);
+    let threads = tether_common::chunk_pool::resolve_threads(cfg.shard.threads);
+    let pool = ChunkPool::new(threads, &format!("tether-shard-{}", opts.shard)).map_err(|e| {
+        Error::Threads {
+            threads,
+            reason: e.to_string(),
+        }
+    })?;
+    info!(shard = opts.shard, threads, "shard threads");
+    core.set_pool(Arc::new(pool));
     let tls = match opts.tls {
         Some(t) => t,
         None if opts.standby => TlsFiles::for_standby(&cfg.cluster.tls_dir, opts.shard)?,

@@ -12,13 +12,17 @@
 //! per worker. A cut taken when the minimum clock is `m` holds every update from clocks below `m`, so answering
 //! pulls from the newest cut keeps the SSP read guarantee. Each cut is encoded once; its bytes are shared by every
 //! reply that needs it (`Bytes`, no copy per worker).
+//!
+//! A cut runs its chunks as jobs on the shard's [`ChunkPool`]: every chunk is its own frame with its own seed (its
+//! index), so the bytes and the public values are the same whatever the thread count.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
-use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder};
+use tether_common::chunk_pool::ChunkPool;
+use tether_common::codec::{seed_for, CodecConfig, CodecError, Decoder, Encoder, Scheme};
 use tether_common::protocol::PublicRef;
 
 use crate::serde_adapters::{bytes as bytes_serde, shared_values};
@@ -71,17 +75,34 @@ pub struct PublicCopy {
     log: VecDeque<Cut>,
     log_bytes: usize,
     log_budget: usize,
-    // Scratch, rebuilt locally after a state image (see `PublicCopy::rebuild_scratch`).
-    #[serde(skip, default = "placeholder_encoder")]
+    // Local settings and scratch, rebuilt after a state image (see `PublicCopy::adopt_local`).
+    /// The codec of the deltas.
+    #[serde(skip, default = "placeholder_codec")]
+    codec: CodecConfig,
+    /// The threads a cut's chunks run on.
+    #[serde(skip)]
+    pool: Arc<ChunkPool>,
+    /// One encoder and delta buffer per thread (made at first use: making an encoder can fail).
+    #[serde(skip)]
+    encoders: Vec<Mutex<Option<CutEncoder>>>,
+    /// One decoder and output buffer per thread.
+    #[serde(skip)]
+    decoders: Vec<Mutex<CutDecoder>>,
+    /// The frames of the cut being taken, one per chunk.
+    #[serde(skip)]
+    frames: Vec<Vec<u8>>,
+}
+
+/// A thread's scratch for encoding a cut's chunks.
+struct CutEncoder {
     encoder: Encoder,
-    #[serde(skip)]
-    decoder: Decoder,
-    #[serde(skip)]
     delta: Vec<f32>,
-    #[serde(skip)]
+}
+
+/// A thread's scratch for decoding a cut's chunks back.
+struct CutDecoder {
+    decoder: Decoder,
     decoded: Vec<f32>,
-    #[serde(skip)]
-    frame: Vec<u8>,
 }
 
 impl std::fmt::Debug for PublicCopy {
@@ -106,7 +127,8 @@ impl PublicCopy {
         codec: CodecConfig,
         log_budget: usize,
     ) -> Result<PublicCopy, CodecError> {
-        let chunk = DELTA_CHUNK.min(weights.len().max(1));
+        // The codec is checked here, so that making the cuts' encoders later cannot fail on it.
+        Encoder::new(codec)?;
         Ok(PublicCopy {
             values: Arc::new(weights.to_vec()),
             lineage,
@@ -116,12 +138,28 @@ impl PublicCopy {
             log: VecDeque::new(),
             log_bytes: 0,
             log_budget,
-            encoder: Encoder::new(codec)?,
-            decoder: Decoder::new(chunk),
-            delta: vec![0.0; chunk],
-            decoded: vec![0.0; chunk],
-            frame: Vec::new(),
+            codec,
+            pool: Arc::default(),
+            encoders: Vec::new(),
+            decoders: Vec::new(),
+            frames: Vec::new(),
         })
+    }
+
+    /// Runs the cuts' chunks on `pool` (by default inline on the caller); the bytes and values do not depend on it.
+    pub fn with_pool(mut self, pool: Arc<ChunkPool>) -> Self {
+        self.set_pool(pool);
+        self
+    }
+
+    /// Runs the cuts' chunks on `pool` from now on.
+    pub fn set_pool(&mut self, pool: Arc<ChunkPool>) {
+        self.pool = pool;
+    }
+
+    /// Values per delta frame for a copy of `len` values.
+    fn chunk_len(len: usize) -> usize {
+        DELTA_CHUNK.min(len.max(1))
     }
 
     /// Checks a decoded copy (a peer's state image) against a range of `len` parameters and rebuilds its scratch
@@ -147,11 +185,11 @@ impl PublicCopy {
         if total != self.log_bytes {
             return Err("the delta log's byte count does not match its cuts".into());
         }
-        let chunk = DELTA_CHUNK.min(len.max(1));
-        self.encoder = Encoder::new(codec).map_err(|e| e.to_string())?;
-        self.decoder = Decoder::new(chunk);
-        self.delta = vec![0.0; chunk];
-        self.decoded = vec![0.0; chunk];
+        Encoder::new(codec).map_err(|e| e.to_string())?;
+        self.codec = codec;
+        self.encoders.clear();
+        self.decoders.clear();
+        self.frames.clear();
         Ok(())
     }
 
@@ -203,51 +241,85 @@ impl PublicCopy {
         min_clock: u64,
     ) -> Result<(), CodecError> {
         debug_assert_eq!(weights.len(), self.values.len());
-        let chunk = self.delta.len();
+        let chunk = Self::chunk_len(weights.len());
         let seq = self.seq + 1;
-        let mut bytes = Vec::with_capacity(self.log.back().map_or(0, |c| c.bytes.len()));
-        let mut lens = Vec::with_capacity(weights.len().div_ceil(chunk));
+        let codec = self.codec;
+        self.frames
+            .resize_with(weights.len().div_ceil(chunk), Vec::new);
         // Encode every chunk first: a failure leaves the public copy untouched.
-        for (i, w) in weights.chunks(chunk).enumerate() {
-            let start = i * chunk;
-            let d = &mut self.delta[..w.len()];
-            for (j, ((d, w), p)) in d
-                .iter_mut()
-                .zip(w)
-                .zip(&self.values[start..start + w.len()])
-                .enumerate()
-            {
-                *d = if dirty.contains(&(start + j)) {
-                    w - p
-                } else {
-                    0.0
+        let public = &self.values;
+        let jobs: Vec<(usize, &[f32], &mut Vec<u8>)> = weights
+            .chunks(chunk)
+            .zip(self.frames.iter_mut())
+            .enumerate()
+            .map(|(i, (w, f))| (i, w, f))
+            .collect();
+        let encoded = self.pool.map_with(
+            &mut self.encoders,
+            || None,
+            jobs,
+            |scratch, (i, w, frame)| {
+                let s = match scratch {
+                    Some(s) => s,
+                    None => scratch.insert(CutEncoder {
+                        encoder: Encoder::new(codec)?,
+                        delta: Vec::new(),
+                    }),
                 };
-            }
-            self.encoder
-                .encode(d, seed_for(u32::MAX, seq, i as u32), &mut self.frame)?;
-            bytes.extend_from_slice(&self.frame);
-            lens.push(self.frame.len() as u32);
+                let start = i * chunk;
+                s.delta.resize(w.len(), 0.0);
+                for (j, ((d, w), p)) in s
+                    .delta
+                    .iter_mut()
+                    .zip(w)
+                    .zip(&public[start..start + w.len()])
+                    .enumerate()
+                {
+                    *d = if dirty.contains(&(start + j)) {
+                        w - p
+                    } else {
+                        0.0
+                    };
+                }
+                s.encoder
+                    .encode(&s.delta, seed_for(u32::MAX, seq, i as u32), frame)
+            },
+        );
+        encoded.into_iter().collect::<Result<(), CodecError>>()?;
+        let frames = &self.frames;
+        let mut bytes = Vec::with_capacity(frames.iter().map(Vec::len).sum());
+        let mut lens = Vec::with_capacity(frames.len());
+        for f in frames {
+            bytes.extend_from_slice(f);
+            lens.push(f.len() as u32);
         }
         // Then apply exactly what a worker will decode, with the decoder workers use.
         let values = Arc::make_mut(&mut self.values);
-        let mut at = 0usize;
-        for (i, len) in lens.iter().enumerate() {
-            let start = i * chunk;
-            let end = (start + chunk).min(values.len());
-            let frame = &bytes[at..at + *len as usize];
-            at += *len as usize;
-            let out = &mut self.decoded[..end - start];
-            if let Err(e) = self.decoder.decode(frame, out) {
-                // Our own frame did not decode (a codec bug): the copy is now partly updated, so start a new
-                // lineage; every worker then fetches the whole copy, and everyone agrees again.
-                self.lineage = self.lineage.wrapping_add(1);
-                self.log.clear();
-                self.log_bytes = 0;
-                return Err(e);
-            }
-            for (p, d) in values[start..end].iter_mut().zip(out.iter()) {
-                *p += d;
-            }
+        let jobs: Vec<(&mut [f32], &[u8])> = values
+            .chunks_mut(chunk)
+            .zip(frames.iter().map(Vec::as_slice))
+            .collect();
+        let make = || CutDecoder {
+            decoder: Decoder::new(chunk),
+            decoded: vec![0.0; chunk],
+        };
+        let applied = self
+            .pool
+            .map_with(&mut self.decoders, make, jobs, |s, (p, frame)| {
+                let out = &mut s.decoded[..p.len()];
+                s.decoder.decode(frame, out)?;
+                for (p, d) in p.iter_mut().zip(out.iter()) {
+                    *p += d;
+                }
+                Ok(())
+            });
+        if let Err(e) = applied.into_iter().collect::<Result<(), CodecError>>() {
+            // Our own frame did not decode (a codec bug): the copy is now partly updated, so start a new
+            // lineage; every worker then fetches the whole copy, and everyone agrees again.
+            self.lineage = self.lineage.wrapping_add(1);
+            self.log.clear();
+            self.log_bytes = 0;
+            return Err(e);
         }
         self.seq = seq;
         self.cut_version = version;
@@ -329,15 +401,14 @@ fn full_bytes(values: &Arc<Vec<f32>>) -> Bytes {
     Bytes::from(out)
 }
 
-/// A raw-f32 encoder standing in for the public copy's until [`crate::replication::image::restore`] builds the configured one.
-fn placeholder_encoder() -> tether_common::codec::Encoder {
-    let raw = tether_common::codec::CodecConfig {
-        scheme: tether_common::codec::Scheme::None,
+/// A raw-f32 codec standing in for the public copy's until [`crate::replication::image::restore`] sets the configured
+/// one.
+fn placeholder_codec() -> CodecConfig {
+    CodecConfig {
+        scheme: Scheme::None,
         zstd: false,
         ..Default::default()
-    };
-    // The raw scheme without zstd has no setting that can be out of range.
-    tether_common::codec::Encoder::new(raw).expect("the raw f32 codec is always valid")
+    }
 }
 
 #[cfg(test)]

@@ -3,21 +3,27 @@
 //! clocks: time comes in as `now_ms`. A rejected push leaves every bit of state untouched (validation and decoding
 //! happen into scratch space before the optimizer runs). The `ShardActor` is a thin shell around this.
 //!
+//! Decoding, the norm, the optimizer step and the public copy's cuts run in chunks on the shard's threads
+//! ([`ShardCore::set_pool`]): chunk boundaries come from the frame and the range, never from the thread count, and
+//! reductions add chunk results in chunk order, so the state is the same bits at any count.
+//!
 //! With loss-spike rollback on ([`ShardCore::set_rollback`]), every clock move settles the rounds the minimum clock
 //! passed: their reported losses go to the spike detector, a snapshot is kept at each boundary, and an alarm restores
 //! weights and optimizer state from the snapshot of the same round on every shard (see [`crate::rollback`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
+use std::sync::Arc;
 
+use tether_common::chunk_pool::{ChunkPool, CHUNK_VALUES};
 use tether_common::codec::{CodecConfig, CodecError, Decoder, Rounding, Scheme};
 use tether_common::config::{OptimizerConfig, RollbackConfig, Staleness};
 use tether_common::layout::{fragment_part, Layout};
-use tether_common::numeric::sum_of_squares;
 use tether_common::protocol::{ErrorCode, InitialCut, PublicRef};
 
 use crate::checkpoint::ShardSnapshot;
 use crate::clock::{ClockError, ClockTable, StalenessHistogram};
+use crate::decode::decode_and_square;
 use crate::norm_guard::{GuardRefusal, GuardSettings, NormGuard};
 use crate::optim::{OptimError, Optimizer};
 use crate::public::{Answer, PublicCopy};
@@ -404,6 +410,9 @@ pub struct ShardCore {
     decoder: Decoder,
     #[serde(skip)]
     scratch: Vec<f32>,
+    /// The threads that decode and apply pushes and cut the public copy, in chunks (local: never in an image).
+    #[serde(skip)]
+    pool: Arc<ChunkPool>,
     /// The gradient-norm guard, one per streamed fragment (each part's norms have their own scale).
     guards: Vec<NormGuard>,
     /// Streamed fragments (`train.fragments`): push `c` carries part `c mod fragments` of the range.
@@ -490,6 +499,7 @@ impl ShardCore {
             clocks: ClockTable::new(spec.staleness, spec.worker_timeout_ms),
             decoder: Decoder::new(r.len()),
             scratch: vec![0.0; r.len()],
+            pool: Arc::default(),
             guards: vec![NormGuard::new(GuardSettings::relative(spec.spike_factor))],
             fragments: 1,
             dirty: 0..r.len(),
@@ -524,6 +534,20 @@ impl ShardCore {
     /// Sets who may join and the progress deadline (the node sets them from `[cluster]`).
     pub fn set_membership(&mut self, membership: Membership) {
         self.membership = membership;
+    }
+
+    /// Runs the chunked kernels (decode and optimizer step of a push, the public copy's cuts) on `pool` (the node
+    /// sets it from `shard.threads`; a bare core runs them inline). The results do not depend on it.
+    pub fn set_pool(&mut self, pool: Arc<ChunkPool>) {
+        if let Some(p) = self.public.as_mut() {
+            p.set_pool(pool.clone());
+        }
+        self.pool = pool;
+    }
+
+    /// The threads the chunked kernels run on.
+    pub fn pool(&self) -> &Arc<ChunkPool> {
+        &self.pool
     }
 
     /// Who may join and the progress deadline.
@@ -756,14 +780,17 @@ impl ShardCore {
         }
         let public = match &mut self.public {
             Some(p) => p,
-            None => self.public.insert(PublicCopy::new(
-                &self.weights,
-                self.lineage,
-                self.version,
-                min_clock,
-                self.pull_codec,
-                DELTA_LOG_BYTES_PER_PARAM * self.weights.len(),
-            )?),
+            None => self.public.insert(
+                PublicCopy::new(
+                    &self.weights,
+                    self.lineage,
+                    self.version,
+                    min_clock,
+                    self.pull_codec,
+                    DELTA_LOG_BYTES_PER_PARAM * self.weights.len(),
+                )?
+                .with_pool(self.pool.clone()),
+            ),
         };
         if public.wants_cut(self.version, min_clock, live) {
             public.cut_dirty(&self.weights, self.dirty.clone(), self.version, min_clock)?;
@@ -994,13 +1021,12 @@ impl ShardCore {
         }
         let part = self.part(push.clock);
         let scratch = &mut self.scratch[..part.len()];
-        self.decoder
-            .decode(push.payload, scratch)
-            .map_err(|e| match e {
-                CodecError::NonFinite { index } => ShardError::NonFinite(index),
-                other => ShardError::Codec(other.to_string()),
-            })?;
-        let sq = sum_of_squares(scratch);
+        let codec = |e: CodecError| match e {
+            CodecError::NonFinite { index } => ShardError::NonFinite(index),
+            other => ShardError::Codec(other.to_string()),
+        };
+        let raw = self.decoder.open(push.payload, part.len()).map_err(codec)?;
+        let sq = decode_and_square(&self.pool, &raw, scratch).map_err(codec)?;
         // f32² summed in f64 cannot overflow for any realistic length, so a non-finite sum means a non-finite value.
         if !sq.is_finite() {
             let i = scratch.iter().position(|g| !g.is_finite()).unwrap_or(0);
@@ -1040,7 +1066,14 @@ impl ShardCore {
             self.dirty.start.min(part.start)..self.dirty.end.max(part.end)
         };
         self.optimizer
-            .try_step_part(part, &mut self.weights, grad, scale)
+            .try_step_part_on(
+                &self.pool,
+                CHUNK_VALUES,
+                part,
+                &mut self.weights,
+                grad,
+                scale,
+            )
             // `try_step` refuses for nothing else (lengths are fixed at construction and checked at restore).
             .map_err(|_: OptimError| ShardError::NonFiniteState)?;
         self.version += 1;
@@ -1098,6 +1131,7 @@ impl ShardCore {
         }
         if let Some(p) = &mut self.public {
             p.adopt_local(n, local.pull_codec)?;
+            p.set_pool(local.pool.clone());
         }
         self.optimizer.adopt_settings(&local.optimizer)?;
         // Values as well as shapes: an image is refused like a forged checkpoint (non-finite weights, a negative
@@ -1107,6 +1141,7 @@ impl ShardCore {
         self.pull_codec = local.pull_codec;
         self.decoder = Decoder::new(n);
         self.scratch = vec![0.0; n];
+        self.pool = local.pool.clone();
         Ok(())
     }
 

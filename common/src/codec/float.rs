@@ -68,6 +68,20 @@ pub(crate) fn decode_float(
     kernel: Kernel,
     out: &mut [f32],
 ) -> Result<(), CodecError> {
+    decode_float_at(scheme, body, kernel, 0, out)
+}
+
+/// Decodes values `start..start + out.len()` of a raw none/fp16/bf16 body (lengths already checked); rejects
+/// non-finite values, naming the first one's index in the frame.
+pub(crate) fn decode_float_at(
+    scheme: Scheme,
+    body: &[u8],
+    kernel: Kernel,
+    start: usize,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
+    let width = if scheme == Scheme::None { 4 } else { 2 };
+    let body = &body[start * width..(start + out.len()) * width];
     match scheme {
         Scheme::None => {
             for (o, b) in out.iter_mut().zip(body.chunks_exact(4)) {
@@ -91,7 +105,7 @@ pub(crate) fn decode_float(
         _ => unreachable!("decode_float is only called for none/fp16/bf16"),
     }
     if absmax_bits(out, kernel) >= 0x7F80_0000 {
-        return Err(first_non_finite(out, 0));
+        return Err(first_non_finite(out, start));
     }
     Ok(())
 }

@@ -283,6 +283,14 @@ pub enum CodecError {
     /// The requested kernel is not supported by this CPU.
     #[error("kernel {0:?} not available on this CPU")]
     KernelUnavailable(Kernel),
+    /// A chunk asked of [`RawFrame::decode_chunk`] does not start and end on bucket boundaries inside the frame.
+    #[error("chunk {start}..{end} does not lie on the frame's bucket boundaries")]
+    Misaligned {
+        /// First value of the chunk.
+        start: usize,
+        /// End of the chunk.
+        end: usize,
+    },
 }
 
 /// Which implementation of the quantization loops runs; all produce identical bytes.
@@ -574,14 +582,25 @@ impl Decoder {
     /// (for none/fp16/bf16) non-finite values are detected while writing, so on such an error `out` may be partially
     /// written: callers that must not observe partial data decode into a scratch slice first.
     pub fn decode(&mut self, frame: &[u8], out: &mut [f32]) -> Result<FrameHeader, CodecError> {
+        let raw = self.open(frame, out.len())?;
+        raw.decode_chunk(0, out)?;
+        Ok(raw.header)
+    }
+
+    /// Validates `frame` for `len` values and makes its raw body available (decompressed into this decoder's
+    /// scratch when the body is zstd), for [`RawFrame::decode_chunk`] to decode chunk by chunk, each chunk on its own
+    /// (on as many threads as the caller likes). Header, lengths, bucket size, all scales and the padding of sparse
+    /// codes are checked here, before any value is decoded; what is left to find while decoding is what
+    /// [`Decoder::decode`] finds while writing. Never panics.
+    pub fn open<'a>(&'a mut self, frame: &'a [u8], len: usize) -> Result<RawFrame<'a>, CodecError> {
         let h = FrameHeader::parse(frame)?;
-        if h.len != out.len() as u64 {
+        if h.len != len as u64 {
             return Err(CodecError::LengthMismatch {
-                expected: out.len() as u64,
+                expected: len as u64,
                 found: h.len,
             });
         }
-        if out.len() > self.max_len {
+        if len > self.max_len {
             return Err(CodecError::BodyTooLarge);
         }
         let raw_len = h.raw_body_len();
@@ -593,7 +612,7 @@ impl Decoder {
                     zstd::bulk::Decompressor::new().map_err(|e| CodecError::Zstd(e.to_string()))?,
                 ),
             };
-            // Bounded: raw_len derives from out.len() ≤ max_len, never from a size the frame declares.
+            // Bounded: raw_len derives from len ≤ max_len, never from a size the frame declares.
             if self.scratch.len() < raw_len {
                 self.scratch.resize(raw_len, 0);
             }
@@ -611,8 +630,95 @@ impl Decoder {
         } else {
             wire
         };
-        decode_body(&h, body, self.kernel, out)?;
-        Ok(h)
+        check_body(&h, body, len)?;
+        Ok(RawFrame {
+            header: h,
+            body,
+            kernel: self.kernel,
+        })
+    }
+}
+
+/// A validated frame with its raw body at hand ([`Decoder::open`]): decodes any chunk of whole buckets on its own,
+/// so the chunks of one frame may be decoded in parallel. A chunk's values are bit for bit what
+/// [`Decoder::decode`] writes there.
+#[derive(Debug, Clone, Copy)]
+pub struct RawFrame<'a> {
+    header: FrameHeader,
+    body: &'a [u8],
+    kernel: Kernel,
+}
+
+impl RawFrame<'_> {
+    /// The frame's header.
+    pub fn header(&self) -> &FrameHeader {
+        &self.header
+    }
+
+    /// The number of values the frame carries.
+    pub fn len(&self) -> usize {
+        self.header.len as usize
+    }
+
+    /// Whether the frame carries no value.
+    pub fn is_empty(&self) -> bool {
+        self.header.len == 0
+    }
+
+    /// Values per chunk that decode on their own: the largest whole number of buckets (blocks for topk2) up to
+    /// `target`, at least one bucket; `target` itself for the unbucketed schemes. A function of the frame and
+    /// `target` alone.
+    pub fn chunk_len(&self, target: usize) -> usize {
+        match self.header.bucket as usize {
+            0 => target.max(1),
+            b => b * (target / b).max(1),
+        }
+    }
+
+    /// Decodes values `start..start + out.len()` into `out`. `start` must be a whole number of buckets and the
+    /// chunk must end on one or at the frame's end ([`CodecError::Misaligned`] otherwise). A bad code, position or
+    /// (for none/fp16/bf16) non-finite value is found while writing, and its error names its place in the whole
+    /// frame, so the first failing chunk in frame order reports what [`Decoder::decode`] reports.
+    pub fn decode_chunk(&self, start: usize, out: &mut [f32]) -> Result<(), CodecError> {
+        let len = self.len();
+        let end = start.saturating_add(out.len());
+        let unit = (self.header.bucket as usize).max(1);
+        if end > len || !start.is_multiple_of(unit) || (end != len && !end.is_multiple_of(unit)) {
+            return Err(CodecError::Misaligned { start, end });
+        }
+        let h = &self.header;
+        if h.scheme.is_sparse() {
+            sparse::decode_at(self.body, unit, h.keep_shift, len, start, out)
+        } else if h.scheme.is_quantized() {
+            quant::decode_quant_at(
+                self.body,
+                h.scheme.bits(),
+                unit,
+                len,
+                self.kernel,
+                start,
+                out,
+            )
+        } else {
+            float::decode_float_at(h.scheme, self.body, self.kernel, start, out)
+        }
+    }
+}
+
+/// Checks what a raw body of `len` values holds as a whole (scales, the sparse codes' padding) before any value is
+/// decoded.
+fn check_body(h: &FrameHeader, body: &[u8], len: usize) -> Result<(), CodecError> {
+    if h.scheme.is_sparse() {
+        sparse::check(body, h.bucket as usize, h.keep_shift, len)
+    } else if h.scheme.is_quantized() {
+        quant::check_quant(body, h.scheme.bits(), h.bucket as usize, len)
+    } else if body.len() != h.raw_body_len() {
+        Err(CodecError::BodyLength {
+            expected: h.raw_body_len() as u64,
+            found: body.len() as u64,
+        })
+    } else {
+        Ok(())
     }
 }
 

@@ -307,27 +307,25 @@ pub(crate) fn decode_quant(
     kernel: Kernel,
     out: &mut [f32],
 ) -> Result<(), CodecError> {
-    match bits {
-        8 => decode_impl::<8>(body, bucket, kernel, out),
-        4 => decode_impl::<4>(body, bucket, kernel, out),
-        _ => decode_impl::<2>(body, bucket, kernel, out),
-    }
+    check_quant(body, bits, bucket, out.len())?;
+    decode_quant_at(body, bits, bucket, out.len(), kernel, 0, out)
 }
 
-fn decode_impl<const BITS: u32>(
+/// Checks a raw quantized body of `len` values as a whole: its length, and every bucket's scale (sign bit, NaN, ±∞).
+pub(crate) fn check_quant(
     body: &[u8],
+    bits: u32,
     bucket: usize,
-    kernel: Kernel,
-    out: &mut [f32],
+    len: usize,
 ) -> Result<(), CodecError> {
-    let nb = out.len().div_ceil(bucket);
+    let nb = len.div_ceil(bucket);
     if body.len() < 4 * nb {
         return Err(CodecError::Truncated);
     }
     let (scales, codes) = body.split_at(4 * nb);
-    if codes.len() != code_bytes(out.len(), BITS) {
+    if codes.len() != code_bytes(len, bits) {
         return Err(CodecError::BodyLength {
-            expected: code_bytes(out.len(), BITS) as u64,
+            expected: code_bytes(len, bits) as u64,
             found: codes.len() as u64,
         });
     }
@@ -338,17 +336,47 @@ fn decode_impl<const BITS: u32>(
             return Err(CodecError::BadScale);
         }
     }
+    Ok(())
+}
+
+/// Decodes values `start..start + out.len()` of a raw quantized body of `len` values that [`check_quant`] accepted;
+/// `start` is a whole number of buckets, and so is `out.len()` unless the slice ends the frame. A bad code is found
+/// after its bucket was written (the error names the bucket's index in the frame).
+pub(crate) fn decode_quant_at(
+    body: &[u8],
+    bits: u32,
+    bucket: usize,
+    len: usize,
+    kernel: Kernel,
+    start: usize,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
+    match bits {
+        8 => decode_impl::<8>(body, bucket, len, kernel, start, out),
+        4 => decode_impl::<4>(body, bucket, len, kernel, start, out),
+        _ => decode_impl::<2>(body, bucket, len, kernel, start, out),
+    }
+}
+
+fn decode_impl<const BITS: u32>(
+    body: &[u8],
+    bucket: usize,
+    len: usize,
+    kernel: Kernel,
+    start: usize,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
+    let nb = len.div_ceil(bucket);
+    let (scales, codes) = body.split_at(4 * nb);
     let bbytes = code_bytes(bucket, BITS);
     let l = level(BITS) as f32;
-    for (b, (o, s)) in out
-        .chunks_mut(bucket)
-        .zip(scales.chunks_exact(4))
-        .enumerate()
-    {
+    let first = start / bucket;
+    for (b, o) in (first..).zip(out.chunks_mut(bucket)) {
+        let s = &scales[4 * b..4 * b + 4];
         let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
         let step = scale / l;
-        let start = b * bbytes;
-        let c = &codes[start..start + code_bytes(o.len(), BITS)];
+        let at = b * bbytes;
+        let c = &codes[at..at + code_bytes(o.len(), BITS)];
         let ok = match kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: Kernel::Avx2 exists only after runtime AVX2 detection; `c` holds exactly `o`'s code bytes.

@@ -163,8 +163,14 @@ pub(crate) fn decode(
     shift: u8,
     out: &mut [f32],
 ) -> Result<(), CodecError> {
-    let nb = out.len().div_ceil(block);
-    let k_total = body_parts(out.len(), block, shift);
+    check(body, block, shift, out.len())?;
+    decode_at(body, block, shift, out.len(), 0, out)
+}
+
+/// Checks a raw sparse body of `len` values as a whole: its length, every block's scales, and the codes' padding.
+pub(crate) fn check(body: &[u8], block: usize, shift: u8, len: usize) -> Result<(), CodecError> {
+    let nb = len.div_ceil(block);
+    let k_total = body_parts(len, block, shift);
     let need = 8 * nb + 2 * k_total + code_bytes(k_total, 2);
     if body.len() != need {
         return Err(CodecError::BodyLength {
@@ -173,7 +179,7 @@ pub(crate) fn decode(
         });
     }
     let (scales, rest) = body.split_at(8 * nb);
-    let (gaps, codes) = rest.split_at(2 * k_total);
+    let codes = &rest[2 * k_total..];
     for s in scales.chunks_exact(8) {
         let (lo, hi) = block_scales(s);
         if !(lo.is_finite() && hi.is_finite() && lo >= 0.0 && lo <= hi) {
@@ -184,14 +190,30 @@ pub(crate) fn decode(
     if tail_bits != 0 && codes.last().is_some_and(|&c| c >> tail_bits != 0) {
         return Err(CodecError::BadCode { bucket: nb - 1 });
     }
+    Ok(())
+}
+
+/// Decodes values `start..start + out.len()` of a raw sparse body of `len` values that [`check`] accepted; `start`
+/// is a whole number of blocks, and so is `out.len()` unless the slice ends the frame. Every block before `start` is
+/// whole, so its kept values are counted without reading them. A bad position is found while writing (the error
+/// names the block's index in the frame).
+pub(crate) fn decode_at(
+    body: &[u8],
+    block: usize,
+    shift: u8,
+    len: usize,
+    start: usize,
+    out: &mut [f32],
+) -> Result<(), CodecError> {
+    let nb = len.div_ceil(block);
+    let k_total = body_parts(len, block, shift);
+    let (scales, rest) = body.split_at(8 * nb);
+    let (gaps, codes) = rest.split_at(2 * k_total);
     out.fill(0.0);
-    let mut at = 0usize;
-    for (b, (o, s)) in out
-        .chunks_mut(block)
-        .zip(scales.chunks_exact(8))
-        .enumerate()
-    {
-        let (lo, hi) = block_scales(s);
+    let first = start / block;
+    let mut at = first * kept(block, shift);
+    for (b, o) in (first..).zip(out.chunks_mut(block)) {
+        let (lo, hi) = block_scales(&scales[8 * b..8 * b + 8]);
         let mut pos = 0usize;
         for j in 0..kept(o.len(), shift) {
             let gap = usize::from(u16::from_le_bytes([gaps[2 * at], gaps[2 * at + 1]]));

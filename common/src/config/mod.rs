@@ -17,6 +17,7 @@ mod guard;
 mod model;
 mod optimizer;
 mod rollback;
+mod shard;
 mod train;
 mod validate;
 
@@ -31,6 +32,7 @@ pub use guard::{GuardConfig, MAX_GUARD_WINDOW};
 pub use model::{ModelConfig, ModelKind};
 pub use optimizer::{DecayScope, OptimizerConfig, OptimizerKind, OuterOptimizerConfig, Schedule};
 pub use rollback::RollbackConfig;
+pub use shard::ShardConfig;
 pub use train::{ComputePrecision, TrainConfig};
 
 /// Errors loading or validating a configuration.
@@ -100,6 +102,9 @@ pub struct Config {
     /// `[guard]`: the shards' gradient-norm guard (on by default).
     #[serde(default)]
     pub guard: GuardConfig,
+    /// `[shard]`: how each shard process runs its kernels (threads).
+    #[serde(default)]
+    pub shard: ShardConfig,
 }
 
 impl Config {
@@ -179,6 +184,7 @@ impl Config {
             checkpoint: CheckpointConfig::default(),
             rollback: RollbackConfig::default(),
             guard: GuardConfig::default(),
+            shard: ShardConfig::default(),
         }
     }
 }

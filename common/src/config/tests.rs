@@ -159,7 +159,7 @@ fn missing_keys_and_sections_take_the_default_impls() {
     assert_eq!(Config::parse(MINIMAL, Path::new("")).unwrap(), expected);
     let empty_sections = format!(
         "{MINIMAL}[model]\n[data]\n[train]\n[optimizer]\n[optimizer.outer]\n[compression]\n[checkpoint]\n\
-         [rollback]\n[guard]\n"
+         [rollback]\n[guard]\n[shard]\n"
     );
     assert_eq!(
         Config::parse(&empty_sections, Path::new("")).unwrap(),
@@ -214,6 +214,7 @@ fn documented_defaults_are_the_default_impls() {
     );
     assert_eq!((t.loss_scale, t.loss_scale_window), (65536.0, 200));
     assert_eq!((t.local_steps_max, t.fragments), (0, 1));
+    assert_eq!(c.shard.threads, 0);
     let o = &c.optimizer;
     assert_eq!(
         (o.kind, o.lr, o.momentum, o.beta1, o.beta2, o.eps),
@@ -282,6 +283,7 @@ fn unknown_keys_are_errors_naming_the_key_in_every_section() {
         ("checkpoint", "\n[checkpoint]"),
         ("rollback", "\n[rollback]"),
         ("guard", "\n[guard]"),
+        ("shard", "\n[shard]"),
     ] {
         let text = format!("{MINIMAL}{extra}\nno_such_key_here = 1\n");
         let e = Config::parse(&text, Path::new("/")).unwrap_err();
@@ -573,4 +575,16 @@ fn standbys_that_name_a_server_or_each_other_or_miss_a_shard_are_refused_naming_
     assert!(!plain.cluster.replicated());
     assert_eq!(plain.cluster.failover_ms, 1000);
     assert_eq!(plain.cluster.shard_addresses(0), vec!["a:1"]);
+}
+
+#[test]
+fn shard_threads_are_a_count_up_to_1024_naming_the_key() {
+    let cfg = Config::parse(&format!("{MINIMAL}[shard]\nthreads = 3\n"), Path::new("/")).unwrap();
+    assert_eq!(cfg.shard.threads, 3);
+    let e = Config::parse(
+        &format!("{MINIMAL}[shard]\nthreads = 1025\n"),
+        Path::new("/"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("shard.threads"), "{e}");
 }

@@ -3,7 +3,7 @@
 
 use super::{Config, ConfigError, ModelKind};
 
-/// Most compute threads a worker may be given (`train.threads`).
+/// Most compute threads a worker (`train.threads`) or a shard (`shard.threads`) may be given.
 pub const MAX_THREADS: u32 = 1024;
 /// Most streamed fragments (`train.fragments`).
 pub const MAX_FRAGMENTS: u32 = 64;
@@ -254,6 +254,12 @@ impl Config {
             return bad(
                 "train.threads",
                 "must be at most 1024 (0: a share of the cores)",
+            );
+        }
+        if self.shard.threads > MAX_THREADS {
+            return bad(
+                "shard.threads",
+                "must be at most 1024 (0: every core this process may use)",
             );
         }
         if self.model.features == Some(0) || self.model.classes.is_some_and(|c| c < 2) {

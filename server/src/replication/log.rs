@@ -165,10 +165,11 @@ pub fn state_digest(snap: &ShardSnapshot) -> u64 {
 }
 
 /// Fingerprint of what in a configuration shapes a shard's state machine: everything but node-local paths and
-/// addresses (the TLS folder, the deny list, checkpoint storage, data location), which may differ between a standby
-/// and its primary.
+/// addresses (the TLS folder, the deny list, checkpoint storage, data location) and the shard's threads (`[shard]`,
+/// which never change a result), which may differ between a standby and its primary.
 pub fn config_digest(cfg: &Config) -> u64 {
     let mut c = cfg.clone();
+    c.shard = Default::default();
     c.cluster.tls_dir = Default::default();
     c.cluster.revoked.clear();
     c.checkpoint = Default::default();
