@@ -903,6 +903,13 @@ fn no_false_takeover_under_full_cpu_load() {
         max_step_gap(&r0)
     );
     assert_eq!(takeovers, 0, "the standby took over from a live primary");
+    // The primary waits for its standby to hold the last goodbye before it exits: the standby counts both workers
+    // itself and ends on that, not on a SIGTERM or a takeover after its primary left.
+    assert!(
+        slog.contains("all workers finished"),
+        "the standby did not see both workers finish:\n{}",
+        standby.log_tail(2000)
+    );
     assert_eq!(step_downs, 0, "a live primary lost its lease under load");
     assert_eq!(terms.len(), 1, "more than one term served: {terms:?}");
     assert_eq!(

@@ -199,6 +199,15 @@ struct ScaleArgs {
     /// `cluster.quorum` (default 3/4 of the workers; 0: every live worker).
     #[arg(long)]
     quorum: Option<u32>,
+    /// Inner steps per round.
+    #[arg(long, default_value_t = 16)]
+    local_steps: u32,
+    /// The inner Adam learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Push and pull codec: `topk2` (bucket 4096, keep 16) or `q4`.
+    #[arg(long, default_value = "topk2")]
+    scheme: String,
     /// `fashion-mnist` or `digits`.
     #[arg(long, default_value = "fashion-mnist")]
     dataset: String,
@@ -244,6 +253,13 @@ fn scale(a: &ScaleArgs) -> Result<()> {
     if let Some(q) = a.quorum {
         spec.quorum = q;
     }
+    spec.local_steps = a.local_steps;
+    spec.lr = a.lr;
+    anyhow::ensure!(
+        matches!(a.scheme.as_str(), "topk2" | "q4"),
+        "--scheme topk2 or q4"
+    );
+    spec.scheme = a.scheme.clone();
     spec.dataset = a.dataset.clone();
     spec.failover_ms = a.failover_ms;
     spec.seed = a.seed;

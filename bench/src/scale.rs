@@ -95,6 +95,10 @@ pub struct ScaleSpec {
     pub batch: usize,
     /// Inner steps per round (the quickstart's 16).
     pub local_steps: u32,
+    /// The inner Adam step's learning rate (the quickstart's 1e-3).
+    pub lr: f64,
+    /// The push and pull codec: `topk2` (the quickstart's, bucket 4096, keep 16) or `q4`.
+    pub scheme: String,
     /// `cluster.quorum` (0: every live worker).
     pub quorum: u32,
     /// `fashion-mnist` or `digits`.
@@ -122,6 +126,8 @@ impl ScaleSpec {
             epochs: 5,
             batch: (512 / workers.max(1) as usize).max(8),
             local_steps: 16,
+            lr: 1e-3,
+            scheme: "topk2".into(),
             quorum: (workers * 3).div_ceil(4),
             dataset: "fashion-mnist".into(),
             failover_ms: 1000,
@@ -217,9 +223,19 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
     format!(
         "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\n[data]\ndataset = \"{}\"\n\
          [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\n\
-         [optimizer]\nkind = \"adam\"\nlr = 1e-3\n[optimizer.outer]\nlr = 1.4\nmomentum = 0.5\n\
-         [compression]\nscheme = \"topk2\"\npull_scheme = \"topk2\"\nbucket = 4096\nkeep = 16\n",
-        spec.dataset, spec.batch, spec.epochs, spec.local_steps
+         [optimizer]\nkind = \"adam\"\nlr = {:e}\n[optimizer.outer]\nlr = 1.4\nmomentum = 0.5\n\
+         [compression]\nscheme = \"{scheme}\"\npull_scheme = \"{scheme}\"\n{codec}",
+        spec.dataset,
+        spec.batch,
+        spec.epochs,
+        spec.local_steps,
+        spec.lr,
+        scheme = spec.scheme,
+        codec = if spec.scheme == "topk2" {
+            "bucket = 4096\nkeep = 16\n"
+        } else {
+            ""
+        },
     )
 }
 
@@ -938,4 +954,32 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
             accuracy,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_common::codec::Scheme;
+    use tether_common::config::Config;
+
+    #[test]
+    fn the_config_text_is_a_valid_config_with_the_specs_sync() {
+        let mut spec = ScaleSpec::quickstart(8, 64, 8);
+        let place = Placement::new(&spec).unwrap();
+        let cfg = Config::parse(&config_text(&spec, &place), Path::new("/tmp")).unwrap();
+        assert_eq!(cfg.cluster.servers.len(), 8);
+        assert_eq!(cfg.cluster.standbys.len(), 8);
+        assert_eq!((cfg.cluster.workers, cfg.cluster.quorum), (64, 48));
+        assert_eq!((cfg.train.batch, cfg.train.local_steps), (8, 16));
+        assert_eq!(cfg.compression.scheme, Scheme::Topk2);
+        assert!((cfg.optimizer.lr - 1e-3).abs() < 1e-9);
+        spec.scheme = "q4".into();
+        spec.lr = 2.5e-4;
+        spec.local_steps = 8;
+        let cfg = Config::parse(&config_text(&spec, &place), Path::new("/tmp")).unwrap();
+        assert_eq!(cfg.compression.scheme, Scheme::Q4);
+        assert_eq!(cfg.compression.pull_scheme, Scheme::Q4);
+        assert!((cfg.optimizer.lr - 2.5e-4).abs() < 1e-9);
+        assert_eq!(cfg.train.local_steps, 8);
+    }
 }

@@ -100,12 +100,16 @@ pub enum NetError {
 impl NetError {
     /// Whether retrying cannot help until a file or a configuration changes: a TLS refusal, a certificate naming
     /// the wrong node, a protocol violation or refusal (e.g. another protocol version), a peer that closed the
-    /// connection with an application code other than `Overloaded`, or a QUIC version mismatch. Everything else
-    /// (unreachable, timed out, reset, not resolved yet, a shard whose connection budget is full) is transient.
+    /// connection with an error code other than `Overloaded`, or a QUIC version mismatch. Everything else
+    /// (unreachable, timed out, reset, not resolved yet, a shard whose connection budget is full, a connection the
+    /// peer dropped without a code) is transient.
     pub fn is_permanent(&self) -> bool {
         if self.is_not_primary() || self.is_unseeded() {
             return false;
         }
+        // Code 0 is no refusal: quinn closes with it when the peer drops a connection (a node that lost its lease
+        // ends its sessions), and a shard ends a session in order with it. Found at 32 workers x 4 shards: a standby
+        // whose primary stepped down mid-hello took the close for a refusal and exited.
         matches!(
             self,
             NetError::Refused(_)
@@ -114,7 +118,7 @@ impl NetError {
                 | NetError::Connection(quinn::ConnectionError::VersionMismatch)
         ) || self
             .remote_close_code()
-            .is_some_and(|code| code != u64::from(ErrorCode::Overloaded.code()))
+            .is_some_and(|code| code != 0 && code != u64::from(ErrorCode::Overloaded.code()))
     }
 
     /// Whether the peer is a standby still following its primary ([`ErrorCode::NotPrimary`]): the shard's other

@@ -206,5 +206,13 @@ mod tests {
         };
         assert!(!closed(ErrorCode::Overloaded).is_permanent());
         assert!(closed(ErrorCode::Unauthorized).is_permanent());
+        // A connection the peer dropped (quinn closes it with code 0) or ended in order: ask again.
+        let dropped = NetError::from(quinn::ConnectionError::ApplicationClosed(
+            quinn::ApplicationClose {
+                error_code: 0u32.into(),
+                reason: bytes::Bytes::new(),
+            },
+        ));
+        assert!(!dropped.is_permanent(), "{dropped}");
     }
 }
