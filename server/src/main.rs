@@ -399,9 +399,7 @@ async fn serve(cli: Cli, cfg: Config, shard: u32) -> Result<()> {
     // takes over and waits for workers that already left.
     if end == End::WorkersFinished
         && !running.is_following()
-        && !running
-            .standby_caught_up(STANDBY_CATCH_UP_LIMIT)
-            .await
+        && !running.standby_caught_up(STANDBY_CATCH_UP_LIMIT).await
     {
         tracing::warn!(
             shard,

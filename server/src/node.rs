@@ -23,8 +23,8 @@ use tether_common::protocol::{ErrorCode, FrameKind, FrameLimits};
 use tether_common::report::RunReport;
 
 use crate::actor::{
-    CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, SoloRecorded, StandbyHolds, StepDown,
-    TakeOver,
+    CheckpointNow, Follow, GetLayoutHash, GetStats, Replicate, ShardActor, SoloRecorded,
+    StandbyHolds, StepDown, TakeOver,
 };
 use crate::admission::{Admission, AdmissionLimits, HandshakeVerdict, MAX_HANDSHAKE_WAIT};
 use crate::checkpoint::CheckpointStore;
@@ -899,10 +899,10 @@ impl RunningShard {
             return true;
         };
         // A standby that is dropped meanwhile reports u64::MAX (nothing to wait for) or its watch closes.
-        matches!(
-            tokio::time::timeout(limit, acked.wait_for(|a| *a >= seq)).await,
-            Ok(Ok(_))
-        )
+        let caught_up = tokio::time::timeout(limit, acked.wait_for(|a| *a >= seq))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        caught_up
     }
 
     /// Whether this process is a standby that still follows its primary (it has not taken over).
