@@ -114,7 +114,7 @@ i=0
 while read -r line; do
   f="$work/curve-$i.json"
   echo "$line" >"$f"
-  label=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(f"{r[\"way\"]} {r[\"rate_mbit\"]} Mbit/s")' "$line")
+  label=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(r["way"], r["rate_mbit"], "Mbit/s")' "$line")
   python3 -c 'import json,sys; sys.exit(0 if "val_curve" in json.loads(sys.argv[1]) else 1)' "$line" &&
     series+=("$label=$f")
   i=$((i + 1))

@@ -96,6 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--stop-file", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.dim % a.heads:
         p.error("--dim must be a multiple of --heads")
@@ -380,7 +381,13 @@ def run_worker(a: argparse.Namespace) -> None:
                     assert stop is not None  # the launcher always passes --stop-file
                     stop.touch()
                     break
-            elif stop is not None and a.stop_at_target and stop.exists():
+                # The run's soft deadline (--timeout-s less a margin): rank 0 stops everyone and reports what the
+                # budget reached, as gpt_torchft.py does.
+                if a.deadline is not None and stop is not None and time.time() > a.deadline:
+                    ev.maybe(steps * a.batch * a.workers, force=True)
+                    stop.touch()
+                    break
+            elif stop is not None and (a.stop_at_target or a.deadline is not None) and stop.exists():
                 break
         if isinstance(sync, tt.DiLoCo):  # with --diloco
             sync.sync()
@@ -492,10 +499,12 @@ def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                                 stdout=log, stderr=subprocess.STDOUT)
 
     deadline = time.monotonic() + a.timeout_s
+    # Rank 0's soft deadline leaves time for the rest of a round and its final evaluation before the hard one.
+    soft = time.time() + a.timeout_s - max(0.1 * a.timeout_s, min(30.0, 0.5 * a.timeout_s))
     nodes = [start(h, ["--role", "nodes", script]) for h in range(hosts)]
     ranks = [start(hosts + i, ["--node-rank", str(i), "--role", "ranks", script, "--launched",
-                               "--out", str(work / "worker-{rank}.json"), "--stop-file", str(stop_file)]
-                   + pass_through(a)) for i in range(a.workers)]
+                               "--out", str(work / "worker-{rank}.json"), "--stop-file", str(stop_file),
+                               "--deadline", repr(soft)] + pass_through(a)) for i in range(a.workers)]
     failed = None
     try:
         for i, p in enumerate(ranks):
