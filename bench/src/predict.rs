@@ -63,12 +63,16 @@ pub struct ShardCosts {
     pub cpu_ns_per_byte: f64,
 }
 
-/// The shard costs the prediction uses. Not yet measured for topk2 + Nesterov: the apply, cut and QUIC figures are
-/// the per-step prediction's (q4 + Adam on the 2-core VM, `study::prediction_base`), the speedup an assumption.
+/// The shard costs the prediction uses, measured on the 2-core VM with the chunked kernels
+/// (`cargo run --release -p tether-server --example apply_threads -- 4000000 2 3 1,2`, the medians of three runs,
+/// docs/performance.md): a topk2 push with the outer Nesterov step applies at 1.86 GB/s fp32-equivalent at 1
+/// thread (4 / 1.86 = 2.15 ns/param) and 1.46 times that at 2; a delta cut (measured with q4 pulls) runs at
+/// 1.13 GB/s (3.54 ns/param). The per-message and QUIC figures are the per-step prediction's
+/// (`study::prediction_base`).
 pub const SHARD_COSTS: ShardCosts = ShardCosts {
-    apply_ns_per_param: 2.5,
-    cut_ns_per_param: 1.0,
-    speedup_at_2: 1.8,
+    apply_ns_per_param: 2.15,
+    cut_ns_per_param: 3.54,
+    speedup_at_2: 1.46,
     threads: 16,
     msg_s: 20e-6,
     cpu_ns_per_byte: 1.5,

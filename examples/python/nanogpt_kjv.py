@@ -499,8 +499,9 @@ def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                                 stdout=log, stderr=subprocess.STDOUT)
 
     deadline = time.monotonic() + a.timeout_s
-    # Rank 0's soft deadline leaves time for the rest of a round and its final evaluation before the hard one.
-    soft = time.time() + a.timeout_s - max(0.1 * a.timeout_s, min(30.0, 0.5 * a.timeout_s))
+    # Rank 0's soft deadline leaves time for the rest of a round, the last sync, the goodbyes and the final
+    # evaluation before the hard one (at 10 Mbit/s per host a round alone took about 15 s).
+    soft = time.time() + a.timeout_s - max(0.2 * a.timeout_s, min(60.0, 0.5 * a.timeout_s))
     nodes = [start(h, ["--role", "nodes", script]) for h in range(hosts)]
     ranks = [start(hosts + i, ["--node-rank", str(i), "--role", "ranks", script, "--launched",
                                "--out", str(work / "worker-{rank}.json"), "--stop-file", str(stop_file),
