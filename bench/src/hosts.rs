@@ -206,8 +206,8 @@ impl HostsReport {
     }
 }
 
-/// Appends `report` as one JSON line to `path`.
-pub fn append_json(path: &std::path::Path, report: &HostsReport) -> std::io::Result<()> {
+/// Appends `report` (a hosts or a scale report) as one JSON line to `path`.
+pub fn append_json(path: &std::path::Path, report: &impl Serialize) -> std::io::Result<()> {
     use std::io::Write;
     let mut f = std::fs::OpenOptions::new()
         .create(true)

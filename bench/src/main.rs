@@ -276,12 +276,7 @@ fn scale(a: &ScaleArgs) -> Result<()> {
     let report = tether_bench::scale::run(&spec, &bins, &dir)?;
     print!("{}", report.text());
     if let Some(p) = &a.json {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)?;
-        writeln!(f, "{}", serde_json::to_string(&report)?)?;
+        tether_bench::hosts::append_json(p, &report)?;
     }
     Ok(())
 }

@@ -533,25 +533,36 @@ struct Bed<'a> {
 }
 
 impl Bed<'_> {
-    fn spawn(&self, name: &str, host: usize, program: &str, args: Vec<String>) -> Result<Proc> {
-        let log = self.dir.join(format!("{name}.log"));
+    /// Starts `program args` on `host` with its output appended to `log` (a first start and a restart alike).
+    fn start_child(
+        &self,
+        host: usize,
+        program: &Path,
+        args: &[String],
+        log: &Path,
+        what: String,
+    ) -> Result<Child> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(&log)
+            .open(log)
             .map_err(io(format!("open {}", log.display())))?;
-        let program = self.bins.join(program);
-        let child = self
-            .star
-            .command(host, &program)
+        self.star
+            .command(host, program)
             .current_dir(self.dir)
-            .args(&args)
+            .args(args)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(file.try_clone().map_err(io("log"))?)
             .stderr(file)
             .spawn()
-            .map_err(io(format!("start {name}")))?;
+            .map_err(io(what))
+    }
+
+    fn spawn(&self, name: &str, host: usize, program: &str, args: Vec<String>) -> Result<Proc> {
+        let log = self.dir.join(format!("{name}.log"));
+        let program = self.bins.join(program);
+        let child = self.start_child(host, &program, &args, &log, format!("start {name}"))?;
         Ok(Proc {
             name: name.into(),
             host,
@@ -572,22 +583,13 @@ impl Bed<'_> {
     fn restart(&self, p: &mut Proc) -> Result<()> {
         let _ = p.child.kill();
         let _ = p.child.wait();
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&p.log)
-            .map_err(io("log"))?;
-        p.child = self
-            .star
-            .command(p.host, &p.program)
-            .current_dir(self.dir)
-            .args(&p.args)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().map_err(io("log"))?)
-            .stderr(file)
-            .spawn()
-            .map_err(io(format!("restart {}", p.name)))?;
+        p.child = self.start_child(
+            p.host,
+            &p.program,
+            &p.args,
+            &p.log,
+            format!("restart {}", p.name),
+        )?;
         p.cpu_before += p.cpu_now;
         p.cpu_now = 0.0;
         p.starts += 1;
