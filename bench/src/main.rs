@@ -142,6 +142,10 @@ struct SimArgs {
     /// stdout; writes the rows here as JSON (`.json`) or a PNG plot (anything else).
     #[arg(long)]
     predict_default: Option<std::path::PathBuf>,
+    /// What it takes to reach 0.9: the default sync (at --workers × --shards, default 1,024 × 64) under every
+    /// combination of staleness 1, the outer step at round close, steady compute and H = 32, at 1, 10, 100 Gbit/s.
+    #[arg(long)]
+    what_it_takes: bool,
     /// With --default-sync: `cluster.quorum` (0: every live worker).
     #[arg(long)]
     quorum: Option<u32>,
@@ -208,6 +212,15 @@ struct ScaleArgs {
     /// Push and pull codec: `topk2` (bucket 4096, keep 16) or `q4`.
     #[arg(long, default_value = "topk2")]
     scheme: String,
+    /// `cluster.staleness` (0: BSP rounds, the quickstart's).
+    #[arg(long, default_value_t = 0)]
+    staleness: u32,
+    /// The outer Nesterov learning rate (`optimizer.outer.lr`).
+    #[arg(long, default_value_t = 1.4)]
+    outer_lr: f64,
+    /// The outer Nesterov momentum (`optimizer.outer.momentum`).
+    #[arg(long, default_value_t = 0.5)]
+    outer_momentum: f64,
     /// `fashion-mnist` or `digits`.
     #[arg(long, default_value = "fashion-mnist")]
     dataset: String,
@@ -260,6 +273,9 @@ fn scale(a: &ScaleArgs) -> Result<()> {
         "--scheme topk2 or q4"
     );
     spec.scheme = a.scheme.clone();
+    spec.staleness = a.staleness;
+    spec.outer_lr = a.outer_lr;
+    spec.outer_momentum = a.outer_momentum;
     spec.dataset = a.dataset.clone();
     spec.failover_ms = a.failover_ms;
     spec.seed = a.seed;
@@ -290,7 +306,14 @@ fn calibrate(path: &std::path::Path) -> Result<()> {
         .lines()
         .filter(|l| !l.trim().is_empty())
     {
-        let r: ScaleReport = serde_json::from_str(line)?;
+        // A failed run reports nulls, and reports before `compute_per_round_s` lack it: neither can calibrate.
+        let r: ScaleReport = match serde_json::from_str(line) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("skipped a line that is not a completed run's report: {e}");
+                continue;
+            }
+        };
         if !r.completed || r.spec.nemesis != Nemesis::None || r.compute_per_round_s <= 0.0 {
             continue;
         }
@@ -414,6 +437,27 @@ fn run() -> Result<()> {
             use tether_bench::predict;
             if let Some(path) = &args.calibrate {
                 return calibrate(path);
+            }
+            if args.what_it_takes {
+                let t = std::time::Instant::now();
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let (w, k) = (args.workers.unwrap_or(1024), args.shards.unwrap_or(64));
+                let rows = predict::what_it_takes(w, k, threads)?;
+                println!("{w} workers × {k} shards, the default sync and each combination of levers:\n");
+                print!("{}", predict::levers_markdown(&rows));
+                println!("\nThe fewest levers reaching {}:", predict::EFFICIENCY_GOAL);
+                for r in predict::fewest_levers(&rows, predict::EFFICIENCY_GOAL) {
+                    let names: Vec<&str> = r.levers.iter().map(|l| l.name()).collect();
+                    println!(
+                        "- {} Gbit/s: {} ({:.2}, {})",
+                        r.link_gbit,
+                        names.join(" + "),
+                        r.efficiency,
+                        r.limit
+                    );
+                }
+                eprintln!("{} points simulated in {:.1} s", rows.len(), t.elapsed().as_secs_f64());
+                return Ok(());
             }
             if let Some(out) = &args.predict_default {
                 let t = std::time::Instant::now();

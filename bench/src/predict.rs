@@ -395,6 +395,170 @@ pub fn flattening_markdown(flat: &[Flattening]) -> String {
     s
 }
 
+/// The efficiency the issue asks of the default sync at 1,024 workers × 64 shards.
+pub const EFFICIENCY_GOAL: f64 = 0.9;
+
+/// One change to [`default_sync`] that [`what_it_takes`] tries, alone and with the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Lever {
+    /// `cluster.staleness = 1`: a worker starts its next round before the last one's pull (a config key today).
+    StalenessOne,
+    /// The shards sum a round's pushes (0.2 ns/param each) and run one dense outer step when it closes, as DiLoCo
+    /// does; the shards do not implement it (they step on every push).
+    OuterAtClose,
+    /// A compute spread (cv) of 0.02 per round instead of 0.1: steady accelerator steps.
+    SteadyCompute,
+    /// `train.local_steps = 32` instead of 16: half the rounds per sample (a change to the recipe).
+    LocalSteps32,
+}
+
+impl Lever {
+    /// Every lever, in the order of the search's bit mask.
+    pub const ALL: [Lever; 4] = [
+        Lever::StalenessOne,
+        Lever::OuterAtClose,
+        Lever::SteadyCompute,
+        Lever::LocalSteps32,
+    ];
+
+    /// A short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Lever::StalenessOne => "staleness 1",
+            Lever::OuterAtClose => "outer step at close",
+            Lever::SteadyCompute => "compute cv 0.02",
+            Lever::LocalSteps32 => "H = 32",
+        }
+    }
+
+    /// Changes `cfg` and `sync` as the lever says.
+    pub fn apply(self, cfg: &mut SimConfig, sync: &mut SyncModel) {
+        match self {
+            Lever::StalenessOne => cfg.staleness = Some(1),
+            Lever::OuterAtClose => {
+                sync.outer_step = OuterStep::AtClose {
+                    accumulate_ns_per_param: 0.2,
+                }
+            }
+            Lever::SteadyCompute => cfg.compute_cv = 0.02,
+            Lever::LocalSteps32 => {
+                sync.local_steps = 2 * INNER_STEPS;
+                cfg.compute_s = f64::from(2 * INNER_STEPS) * STEP_S;
+            }
+        }
+    }
+}
+
+/// One combination of levers at one link rate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeverRow {
+    /// Every host's link, Gbit/s.
+    pub link_gbit: f64,
+    /// The levers pulled (empty: the default sync).
+    pub levers: Vec<Lever>,
+    /// `1 − stall`.
+    pub efficiency: f64,
+    /// What limits it ([`limit_of`]).
+    pub limit: String,
+}
+
+/// The default sync at `workers` × `shards` under every combination of [`Lever::ALL`], at each of [`LINKS_GBIT`],
+/// on up to `threads` threads (the rows' order and values do not depend on it): link-major, then by bit mask.
+pub fn what_it_takes(workers: u32, shards: u32, threads: usize) -> Result<Vec<LeverRow>, SimError> {
+    let combos = 1usize << Lever::ALL.len();
+    let points: Vec<(f64, usize)> = LINKS_GBIT
+        .iter()
+        .flat_map(|&l| (0..combos).map(move |m| (l, m)))
+        .collect();
+    let per = points.len().div_ceil(threads.clamp(1, points.len()));
+    let mut out: Vec<Option<Result<LeverRow, SimError>>> = (0..points.len()).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        for (i, slot) in out.chunks_mut(per).enumerate() {
+            let points = &points;
+            scope.spawn(move || {
+                for (j, r) in slot.iter_mut().enumerate() {
+                    let (link, mask) = points[i * per + j];
+                    let levers: Vec<Lever> = Lever::ALL
+                        .iter()
+                        .enumerate()
+                        .filter(|(b, _)| mask & (1 << b) != 0)
+                        .map(|(_, &l)| l)
+                        .collect();
+                    let (mut cfg, mut sync) = default_sync(workers, shards, link);
+                    for l in &levers {
+                        l.apply(&mut cfg, &mut sync);
+                    }
+                    *r = Some(predict_point(&cfg, &sync).map(|row| LeverRow {
+                        link_gbit: link,
+                        levers,
+                        efficiency: row.efficiency,
+                        limit: row.limit,
+                    }));
+                }
+            });
+        }
+    });
+    // Every slot was filled by its thread (a panic there propagates out of the scope).
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| unreachable!("every combination is simulated")))
+        .collect()
+}
+
+/// The rows that reach `goal` with no fewer levers doing it: per link, the combinations at or over the goal none of
+/// whose proper subsets is.
+pub fn fewest_levers(rows: &[LeverRow], goal: f64) -> Vec<&LeverRow> {
+    let reaches: Vec<&LeverRow> = rows.iter().filter(|r| r.efficiency >= goal).collect();
+    reaches
+        .iter()
+        .filter(|r| {
+            !reaches.iter().any(|o| {
+                o.link_gbit == r.link_gbit
+                    && o.levers.len() < r.levers.len()
+                    && o.levers.iter().all(|l| r.levers.contains(l))
+            })
+        })
+        .copied()
+        .collect()
+}
+
+/// Every combination as a Markdown table: a row per combination, a column per link.
+pub fn levers_markdown(rows: &[LeverRow]) -> String {
+    let mut s = String::from("| levers |");
+    for l in LINKS_GBIT {
+        let _ = write!(s, " {l} Gbit/s |");
+    }
+    s.push_str("\n|---|");
+    s.push_str(&"---|".repeat(LINKS_GBIT.len()));
+    s.push('\n');
+    let mut combos: Vec<&Vec<Lever>> = Vec::new();
+    for r in rows {
+        if !combos.contains(&&r.levers) {
+            combos.push(&r.levers);
+        }
+    }
+    for c in combos {
+        let name = if c.is_empty() {
+            "the default sync".to_string()
+        } else {
+            c.iter().map(|l| l.name()).collect::<Vec<_>>().join(" + ")
+        };
+        let _ = write!(s, "| {name} |");
+        for l in LINKS_GBIT {
+            match rows.iter().find(|r| r.link_gbit == l && &r.levers == c) {
+                Some(r) if r.efficiency >= EFFICIENCY_GOAL => {
+                    let _ = write!(s, " **{:.2}** {} |", r.efficiency, r.limit);
+                }
+                Some(r) => {
+                    let _ = write!(s, " {:.2} {} |", r.efficiency, r.limit);
+                }
+                None => s.push_str(" — |"),
+            }
+        }
+        s.push('\n');
+    }
+    s
+}
+
 /// A many-worker run's figures, as `tether-bench scale` reports them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScaleMeasurement {
@@ -600,6 +764,57 @@ pub fn calibrate_runs(runs: &[ScaleMeasurement]) -> Result<(f64, Vec<CalibratedR
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn lever_row(link: f64, levers: &[Lever], efficiency: f64) -> LeverRow {
+        LeverRow {
+            link_gbit: link,
+            levers: levers.to_vec(),
+            efficiency,
+            limit: "compute".into(),
+        }
+    }
+
+    #[test]
+    fn fewest_levers_keeps_only_the_minimal_combinations_per_link() {
+        use Lever::*;
+        let rows = vec![
+            lever_row(1.0, &[], 0.5),
+            lever_row(1.0, &[StalenessOne], 0.91),
+            lever_row(1.0, &[StalenessOne, SteadyCompute], 0.95),
+            lever_row(1.0, &[SteadyCompute, LocalSteps32], 0.92),
+            lever_row(10.0, &[StalenessOne], 0.6),
+            lever_row(10.0, &[StalenessOne, SteadyCompute], 0.9),
+        ];
+        let got: Vec<(f64, Vec<Lever>)> = fewest_levers(&rows, 0.9)
+            .into_iter()
+            .map(|r| (r.link_gbit, r.levers.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1.0, vec![StalenessOne]),
+                (1.0, vec![SteadyCompute, LocalSteps32]),
+                (10.0, vec![StalenessOne, SteadyCompute]),
+            ]
+        );
+        let table = levers_markdown(&rows);
+        assert!(table.contains("| the default sync | 0.50 compute |"), "{table}");
+        assert!(table.contains("| staleness 1 | **0.91** compute | 0.60 compute | — |"), "{table}");
+    }
+
+    #[test]
+    fn each_lever_changes_what_it_names() {
+        let (cfg0, sync0) = default_sync(64, 8, 10.0);
+        for l in Lever::ALL {
+            let (mut cfg, mut sync) = (cfg0.clone(), sync0.clone());
+            l.apply(&mut cfg, &mut sync);
+            let changed = (cfg.staleness != cfg0.staleness) as u8
+                + (sync.outer_step != sync0.outer_step) as u8
+                + (cfg.compute_cv != cfg0.compute_cv) as u8
+                + (sync.local_steps != sync0.local_steps) as u8;
+            assert_eq!(changed, 1, "{l:?}");
+        }
+    }
 
     #[test]
     fn topk2_keep_16_on_4096_blocks_is_a_seventh_of_a_byte_per_parameter() {

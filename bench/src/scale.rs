@@ -76,6 +76,7 @@ pub enum Nemesis {
 
 /// One many-worker run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ScaleSpec {
     /// Namespace hosts (at least 2: standbys live on another host than their primary).
     pub hosts: usize,
@@ -99,6 +100,12 @@ pub struct ScaleSpec {
     pub lr: f64,
     /// The push and pull codec: `topk2` (the quickstart's, bucket 4096, keep 16) or `q4`.
     pub scheme: String,
+    /// `cluster.staleness`: 0 (BSP rounds, the quickstart's) or more rounds a worker may run ahead of the gate.
+    pub staleness: u32,
+    /// `optimizer.outer.lr` (the quickstart's 1.4).
+    pub outer_lr: f64,
+    /// `optimizer.outer.momentum` (the quickstart's 0.5).
+    pub outer_momentum: f64,
     /// `cluster.quorum` (0: every live worker).
     pub quorum: u32,
     /// `fashion-mnist` or `digits`.
@@ -109,6 +116,13 @@ pub struct ScaleSpec {
     pub seed: u64,
     /// Stop the run (killing everything) after this many seconds.
     pub limit_s: f64,
+}
+
+/// The quickstart's run at 64 × 8 on 8 hosts: what a report written before a field existed reads for it.
+impl Default for ScaleSpec {
+    fn default() -> Self {
+        ScaleSpec::quickstart(8, 64, 8)
+    }
 }
 
 impl ScaleSpec {
@@ -128,6 +142,9 @@ impl ScaleSpec {
             local_steps: 16,
             lr: 1e-3,
             scheme: "topk2".into(),
+            staleness: 0,
+            outer_lr: 1.4,
+            outer_momentum: 0.5,
             quorum: (workers * 3).div_ceil(4),
             dataset: "fashion-mnist".into(),
             failover_ms: 1000,
@@ -201,9 +218,9 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
             .collect(),
     );
     let mut cluster = format!(
-        "[cluster]\nservers = [{servers}]\nworkers = {}\nstaleness = 0\nquorum = {}\ngrace_factor = 0.5\n\
+        "[cluster]\nservers = [{servers}]\nworkers = {}\nstaleness = {}\nquorum = {}\ngrace_factor = 0.5\n\
          worker_timeout_ms = 10000\n",
-        spec.workers, spec.quorum
+        spec.workers, spec.staleness, spec.quorum
     );
     if let Some(w) = place.witness {
         let standbys = list(
@@ -223,13 +240,15 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
     format!(
         "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\n[data]\ndataset = \"{}\"\n\
          [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\n\
-         [optimizer]\nkind = \"adam\"\nlr = {:e}\n[optimizer.outer]\nlr = 1.4\nmomentum = 0.5\n\
+         [optimizer]\nkind = \"adam\"\nlr = {:e}\n[optimizer.outer]\nlr = {}\nmomentum = {}\n\
          [compression]\nscheme = \"{scheme}\"\npull_scheme = \"{scheme}\"\n{codec}",
         spec.dataset,
         spec.batch,
         spec.epochs,
         spec.local_steps,
         spec.lr,
+        spec.outer_lr,
+        spec.outer_momentum,
         scheme = spec.scheme,
         codec = if spec.scheme == "topk2" {
             "bucket = 4096\nkeep = 16\n"
@@ -978,7 +997,13 @@ mod tests {
         spec.scheme = "q4".into();
         spec.lr = 2.5e-4;
         spec.local_steps = 8;
+        spec.staleness = 1;
+        spec.outer_lr = 0.7;
+        spec.outer_momentum = 0.9;
         let cfg = Config::parse(&config_text(&spec, &place), Path::new("/tmp")).unwrap();
+        assert_eq!(cfg.cluster.staleness, tether_common::config::Staleness::Bounded(1));
+        assert!((cfg.optimizer.outer.lr - 0.7).abs() < 1e-6);
+        assert!((cfg.optimizer.outer.momentum - 0.9).abs() < 1e-6);
         assert_eq!(cfg.compression.scheme, Scheme::Q4);
         assert_eq!(cfg.compression.pull_scheme, Scheme::Q4);
         assert!((cfg.optimizer.lr - 2.5e-4).abs() < 1e-9);
