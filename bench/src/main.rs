@@ -212,6 +212,9 @@ struct ScaleArgs {
     /// Push and pull codec: `topk2` (bucket 4096, keep 16) or `q4`.
     #[arg(long, default_value = "topk2")]
     scheme: String,
+    /// The pull codec, `topk2` or `q4` (default: --scheme's).
+    #[arg(long)]
+    pull_scheme: Option<String>,
     /// `cluster.staleness` (0: BSP rounds, the quickstart's).
     #[arg(long, default_value_t = 0)]
     staleness: u32,
@@ -273,6 +276,11 @@ fn scale(a: &ScaleArgs) -> Result<()> {
         "--scheme topk2 or q4"
     );
     spec.scheme = a.scheme.clone();
+    spec.pull_scheme = a.pull_scheme.clone().unwrap_or_else(|| a.scheme.clone());
+    anyhow::ensure!(
+        matches!(spec.pull_scheme.as_str(), "topk2" | "q4"),
+        "--pull-scheme topk2 or q4"
+    );
     spec.staleness = a.staleness;
     spec.outer_lr = a.outer_lr;
     spec.outer_momentum = a.outer_momentum;

@@ -100,6 +100,8 @@ pub struct ScaleSpec {
     pub lr: f64,
     /// The push and pull codec: `topk2` (the quickstart's, bucket 4096, keep 16) or `q4`.
     pub scheme: String,
+    /// The pull codec (`compression.pull_scheme`): `topk2` or `q4`; the quickstart's is `scheme`'s.
+    pub pull_scheme: String,
     /// `cluster.staleness`: 0 (BSP rounds, the quickstart's) or more rounds a worker may run ahead of the gate.
     pub staleness: u32,
     /// `optimizer.outer.lr` (the quickstart's 1.4).
@@ -142,6 +144,7 @@ impl ScaleSpec {
             local_steps: 16,
             lr: 1e-3,
             scheme: "topk2".into(),
+            pull_scheme: "topk2".into(),
             staleness: 0,
             outer_lr: 1.4,
             outer_momentum: 0.5,
@@ -241,7 +244,7 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
         "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\n[data]\ndataset = \"{}\"\n\
          [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\n\
          [optimizer]\nkind = \"adam\"\nlr = {:e}\n[optimizer.outer]\nlr = {}\nmomentum = {}\n\
-         [compression]\nscheme = \"{scheme}\"\npull_scheme = \"{scheme}\"\n{codec}",
+         [compression]\nscheme = \"{scheme}\"\npull_scheme = \"{pull_scheme}\"\n{codec}",
         spec.dataset,
         spec.batch,
         spec.epochs,
@@ -250,7 +253,8 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
         spec.outer_lr,
         spec.outer_momentum,
         scheme = spec.scheme,
-        codec = if spec.scheme == "topk2" {
+        pull_scheme = spec.pull_scheme,
+        codec = if spec.scheme == "topk2" || spec.pull_scheme == "topk2" {
             "bucket = 4096\nkeep = 16\n"
         } else {
             ""
@@ -995,6 +999,7 @@ mod tests {
         assert_eq!(cfg.compression.scheme, Scheme::Topk2);
         assert!((cfg.optimizer.lr - 1e-3).abs() < 1e-9);
         spec.scheme = "q4".into();
+        spec.pull_scheme = "q4".into();
         spec.lr = 2.5e-4;
         spec.local_steps = 8;
         spec.staleness = 1;
