@@ -15,7 +15,8 @@
 #
 # Knobs (environment): RATES ("100 10", Mbit/s), WAYS ("tether torchft"), TARGET (1.465), BUDGET_S (480), WORKERS
 # (4), BATCH (3 per worker), H (16), SHARDS (2), STANDBYS (1; 0: Tether's shards run without standbys and the
-# witness, and its runs are labelled tether-no-standbys), PYTHON (/tmp/tether-venv/bin/python: torch, numpy, tether),
+# witness, and its runs are labelled tether-no-standbys), COLOCATE (0; 1: Tether's shards on the worker hosts,
+# labelled tether-colocated; give SHARDS=WORKERS), PYTHON (/tmp/tether-venv/bin/python: torch, numpy, tether),
 # TORCHFT_VENV (/tmp/torchft-venv), BIN (target/release: tether-server and tether-bench), OUT
 # (bench/results/peers-hosts-<date>.jsonl), PLOT (bench/results/peers-hosts-<date>.png), KEEP (a folder to keep the
 # runs' work folders in; default: removed).
@@ -23,12 +24,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-case "${1:-}" in -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 [ $# -eq 0 ] || { echo "no arguments: set the knobs in the environment (--help)" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
 
 RATES=${RATES:-100 10} WAYS=${WAYS:-tether torchft} TARGET=${TARGET:-1.465} BUDGET_S=${BUDGET_S:-480}
-WORKERS=${WORKERS:-4} BATCH=${BATCH:-3} H=${H:-16} SHARDS=${SHARDS:-2} STANDBYS=${STANDBYS:-1}
+WORKERS=${WORKERS:-4} BATCH=${BATCH:-3} H=${H:-16} SHARDS=${SHARDS:-2} STANDBYS=${STANDBYS:-1} COLOCATE=${COLOCATE:-0}
 PYTHON=${PYTHON:-/tmp/tether-venv/bin/python} TORCHFT_VENV=${TORCHFT_VENV:-/tmp/torchft-venv}
 BIN=$(cd "${BIN:-target/release}" && pwd)
 OUT=${OUT:-bench/results/peers-hosts-$(date +%Y-%m-%d).jsonl}
@@ -96,6 +97,7 @@ for rate in $RATES; do
       tether)
         standby_flags=() label=tether
         [ "$STANDBYS" = 1 ] || { standby_flags=(--no-standbys); label=tether-no-standbys; }
+        [ "$COLOCATE" = 1 ] && { standby_flags+=(--colocate); label=tether-colocated${label#tether}; }
         on_hosts "$label" "$rate" "$PYTHON" examples/python/nanogpt_kjv.py --on-hosts --shard-hosts 2 "${standby_flags[@]}" \
           --workers "$WORKERS" --shards "$SHARDS" --batch "$BATCH" --diloco "$H" --stop-at-target \
           --target "$TARGET" --timeout-s "$BUDGET_S" --bin-dir "$BIN" --work-dir "$work/tether-$rate" ;;

@@ -307,9 +307,10 @@ fn scale(a: &ScaleArgs) -> Result<()> {
 
 /// `simulate --calibrate`: the simulator against the undisturbed runs of a scale results file.
 fn calibrate(path: &std::path::Path) -> Result<()> {
-    use tether_bench::predict::{calibrate_runs, ScaleMeasurement};
+    use tether_bench::predict::ScaleMeasurement;
     use tether_bench::scale::{Nemesis, ScaleReport};
     let mut runs = Vec::new();
+    let mut shared_runs = Vec::new();
     for line in std::fs::read_to_string(path)?
         .lines()
         .filter(|l| !l.trim().is_empty())
@@ -337,8 +338,31 @@ fn calibrate(path: &std::path::Path) -> Result<()> {
         m.standbys = r.spec.standbys;
         m.quorum = r.spec.quorum;
         runs.push(m);
+        if r.cores > 0 && r.worker_cpu_per_round_s > 0.0 {
+            let mut shared = runs[runs.len() - 1].clone();
+            shared.shared_cores = Some((r.cores, r.worker_cpu_per_round_s));
+            shared_runs.push(shared);
+        }
     }
-    let (cv, checked) = calibrate_runs(&runs)?;
+    print_calibration(
+        "each node on cores of its own, the measured wall time as compute",
+        &runs,
+    )?;
+    if !shared_runs.is_empty() {
+        println!();
+        print_calibration(
+            "every process on the machine's cores, the workers' CPU time as compute",
+            &shared_runs,
+        )?;
+    }
+    Ok(())
+}
+
+/// Calibrates on the first of `runs`, validates on the others, and prints the table.
+fn print_calibration(model: &str, runs: &[tether_bench::predict::ScaleMeasurement]) -> Result<()> {
+    use tether_bench::predict::calibrate_runs;
+    println!("{model}:");
+    let (cv, checked) = calibrate_runs(runs)?;
     println!("compute spread fitted on the first run: cv {cv:.2}");
     println!("| run | workers × shards | link | round p50 measured / simulated | error | stall measured / simulated | error |");
     println!("|---|---|---|---|---|---|---|");
@@ -451,7 +475,9 @@ fn run() -> Result<()> {
                 let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
                 let (w, k) = (args.workers.unwrap_or(1024), args.shards.unwrap_or(64));
                 let rows = predict::what_it_takes(w, k, threads)?;
-                println!("{w} workers × {k} shards, the default sync and each combination of levers:\n");
+                println!(
+                    "{w} workers × {k} shards, the default sync and each combination of levers:\n"
+                );
                 print!("{}", predict::levers_markdown(&rows));
                 println!("\nThe fewest levers reaching {}:", predict::EFFICIENCY_GOAL);
                 for r in predict::fewest_levers(&rows, predict::EFFICIENCY_GOAL) {
@@ -464,7 +490,11 @@ fn run() -> Result<()> {
                         r.limit
                     );
                 }
-                eprintln!("{} points simulated in {:.1} s", rows.len(), t.elapsed().as_secs_f64());
+                eprintln!(
+                    "{} points simulated in {:.1} s",
+                    rows.len(),
+                    t.elapsed().as_secs_f64()
+                );
                 return Ok(());
             }
             if let Some(out) = &args.predict_default {

@@ -471,7 +471,8 @@ pub fn what_it_takes(workers: u32, shards: u32, threads: usize) -> Result<Vec<Le
         .flat_map(|&l| (0..combos).map(move |m| (l, m)))
         .collect();
     let per = points.len().div_ceil(threads.clamp(1, points.len()));
-    let mut out: Vec<Option<Result<LeverRow, SimError>>> = (0..points.len()).map(|_| None).collect();
+    let mut out: Vec<Option<Result<LeverRow, SimError>>> =
+        (0..points.len()).map(|_| None).collect();
     std::thread::scope(|scope| {
         for (i, slot) in out.chunks_mut(per).enumerate() {
             let points = &points;
@@ -580,6 +581,11 @@ pub struct ScaleMeasurement {
     pub standbys: bool,
     /// `cluster.quorum` (the scale run's default: ⌈3W/4⌉).
     pub quorum: u32,
+    /// The cores every process of the run shared, with a worker's CPU time per round: when set, [`scale_config`]
+    /// simulates one machine of that many cores (`SimConfig::cores`) and that CPU time as the compute, instead of
+    /// the measured wall time on nodes of their own.
+    #[serde(default)]
+    pub shared_cores: Option<(u32, f64)>,
 }
 
 impl ScaleMeasurement {
@@ -603,6 +609,7 @@ impl ScaleMeasurement {
             compute_per_round_s,
             standbys: true,
             quorum: (workers * 3).div_ceil(4),
+            shared_cores: None,
         }
     }
 }
@@ -649,7 +656,8 @@ pub fn check(
 /// The simulator's configuration of a `tether-bench scale` run: the quickstart's MLP (235,146 parameters) with its
 /// sync (H = 16, topk2 keep 16 on 4096-value blocks both ways, BSP, grace 0.5 within its 10 s worker timeout),
 /// the run's placement, quorum and standbys, the measured compute per round (cv 0.1), and [`SHARD_COSTS`] on
-/// shards of one thread (every process shares the VM's cores). Adjust the returned values and call
+/// shards of one thread (every process shares the VM's cores); with [`ScaleMeasurement::shared_cores`], one machine
+/// of those cores running every worker's CPU time per round. Adjust the returned values and call
 /// [`calibrate_with`] to try other costs.
 pub fn scale_config(m: &ScaleMeasurement) -> (SimConfig, SyncModel) {
     const MLP_PARAMS: u64 = 235_146;
@@ -680,6 +688,15 @@ pub fn scale_config(m: &ScaleMeasurement) -> (SimConfig, SyncModel) {
         pull_overhead_s: 200e-6,
         worker_io_s: 0.0,
         shard_io_ns_per_param: 0.0,
+    };
+    let (cores, compute_s) = match m.shared_cores {
+        Some((cores, cpu_s)) if cores > 0 && cpu_s > 0.0 => (Some(cores), cpu_s),
+        _ => (None, m.compute_per_round_s),
+    };
+    let cfg = SimConfig {
+        cores,
+        compute_s,
+        ..cfg
     };
     let sync = SyncModel {
         local_steps: INNER_STEPS,
@@ -798,8 +815,30 @@ mod tests {
             ]
         );
         let table = levers_markdown(&rows);
-        assert!(table.contains("| the default sync | 0.50 compute |"), "{table}");
-        assert!(table.contains("| staleness 1 | **0.91** compute | 0.60 compute | — |"), "{table}");
+        assert!(
+            table.contains("| the default sync | 0.50 compute |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| staleness 1 | **0.91** compute | 0.60 compute | — |"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn shared_cores_simulate_one_machine_running_the_workers_cpu_time() {
+        let mut m = ScaleMeasurement::new(64, 8, 8, Some(1.0), 0.49, 0.27, 0.23);
+        let (cfg, _) = scale_config(&m);
+        assert_eq!((cfg.cores, cfg.compute_s), (None, 0.23));
+        m.shared_cores = Some((2, 0.011));
+        let (cfg, _) = scale_config(&m);
+        assert_eq!((cfg.cores, cfg.compute_s), (Some(2), 0.011));
+        m.shared_cores = Some((0, 0.011));
+        assert_eq!(
+            scale_config(&m).0.cores,
+            None,
+            "a report without its cores keeps the wall-time model"
+        );
     }
 
     #[test]

@@ -322,6 +322,13 @@ pub struct ScaleReport {
     /// Compute per round (the workers' `compute_seconds` over their rounds), median over workers, seconds.
     #[serde(default)]
     pub compute_per_round_s: f64,
+    /// A worker's CPU time per round (user + system over all its incarnations, over its rounds), median over
+    /// workers, seconds: what its rounds cost the machine's cores, where `compute_per_round_s` is their wall time.
+    #[serde(default)]
+    pub worker_cpu_per_round_s: f64,
+    /// Cores of the machine the run shared (`available_parallelism`; 0 in reports from before the field).
+    #[serde(default)]
+    pub cores: u32,
     /// Rounds per worker whose gap exceeded 3× the median round (stalls), summed over workers.
     pub long_rounds: u64,
     /// Per shard node (`s{k}` primaries, `b{k}` standbys, `witness`): CPU and peak memory.
@@ -385,6 +392,17 @@ pub fn summarize(spec: &ScaleSpec, placement: Placement, c: Collected) -> ScaleR
         .map(|w| w.compute_s / w.rounds as f64)
         .collect();
     computes.sort_by(f64::total_cmp);
+    let mut cpus: Vec<f64> = workers
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.rounds > 0)
+        .filter_map(|(r, w)| {
+            usage
+                .get(&format!("w{r}"))
+                .map(|u| u.cpu_s / w.rounds as f64)
+        })
+        .collect();
+    cpus.sort_by(f64::total_cmp);
     let mut rounds: Vec<f64> = workers.iter().map(|w| w.rounds as f64).collect();
     rounds.sort_by(f64::total_cmp);
     let mut rss: Vec<u64> = usage
@@ -411,6 +429,8 @@ pub fn summarize(spec: &ScaleSpec, placement: Placement, c: Collected) -> ScaleR
         ],
         stall_s: quantile(&stalls, 0.5),
         compute_per_round_s: quantile(&computes, 0.5),
+        worker_cpu_per_round_s: quantile(&cpus, 0.5),
+        cores: std::thread::available_parallelism().map_or(0, |n| n.get() as u32),
         long_rounds,
         shard_nodes,
         worker_peak_rss: [
@@ -447,13 +467,14 @@ impl ScaleReport {
         );
         out.push_str(&format!(
             "  rounds per worker {:.0}; round time p50 {:.3} s, p90 {:.3} s, max {:.3} s; stall (pull wait per round) \
-             {:.3} s; compute per round {:.3} s; {} rounds over 3× the median\n",
+             {:.3} s; compute per round {:.3} s ({:.3} CPU s); {} rounds over 3× the median\n",
             self.rounds,
             self.round_s[0],
             self.round_s[1],
             self.round_s[2],
             self.stall_s,
             self.compute_per_round_s,
+            self.worker_cpu_per_round_s,
             self.long_rounds
         ));
         out.push_str(&format!(
@@ -1006,7 +1027,10 @@ mod tests {
         spec.outer_lr = 0.7;
         spec.outer_momentum = 0.9;
         let cfg = Config::parse(&config_text(&spec, &place), Path::new("/tmp")).unwrap();
-        assert_eq!(cfg.cluster.staleness, tether_common::config::Staleness::Bounded(1));
+        assert_eq!(
+            cfg.cluster.staleness,
+            tether_common::config::Staleness::Bounded(1)
+        );
         assert!((cfg.optimizer.outer.lr - 0.7).abs() < 1e-6);
         assert!((cfg.optimizer.outer.momentum - 0.9).abs() < 1e-6);
         assert_eq!(cfg.compression.scheme, Scheme::Q4);

@@ -90,6 +90,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "by python -m tether.launch")
     p.add_argument("--shard-hosts", type=int, default=2, help="with --on-hosts: hosts holding the shards (default 2)")
     p.add_argument("--no-standbys", action="store_true", help="with --on-hosts: no standbys and no witness")
+    p.add_argument("--colocate", action="store_true",
+                   help="with --on-hosts: the shards on the worker hosts (shard k's primary on worker host k mod "
+                        "workers, its standby on the next one; the witness on host 0), so that no two hosts' links "
+                        "carry every worker's traffic")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -436,21 +440,29 @@ def run_cluster(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     return summarize(a, results, work)
 
 
+def node_hosts(a: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The host index of each shard's primary and of its standby with --on-hosts: shard k's primary on shard host
+    k mod S and its standby on the next shard host; with --colocate, on worker host k mod W and the next one."""
+    first, count = (a.shard_hosts, a.workers) if a.colocate else (0, a.shard_hosts)
+    return ([first + k % count for k in range(a.shards)], [first + (k + 1) % count for k in range(a.shards)])
+
+
 def host_placement(a: argparse.Namespace, addrs: Sequence[str]) -> dict[str, Any]:
-    """Where each node listens with --on-hosts: shard k's primary on shard host k mod S, its standby on the next
-    shard host, the witness on host 0 (ports 17400 + k, 17500 + k, 17600); worker i on host S + i."""
+    """Where each node listens with --on-hosts (ports 17400 + k for shard k's primary, 17500 + k for its standby,
+    17600 for the witness on host 0; see `node_hosts`); worker i on host S + i."""
     hosts = a.shard_hosts
     if hosts < 1 or len(addrs) < hosts + a.workers:
         sys.exit(f"--on-hosts: {len(addrs)} hosts for {hosts} shard host(s) and {a.workers} worker host(s)")
     standbys = not a.no_standbys
-    if standbys and hosts < 2:
-        sys.exit("--on-hosts: standbys need --shard-hosts >= 2 (a standby never shares its primary's host)")
+    if standbys and (a.workers if a.colocate else hosts) < 2:
+        sys.exit("--on-hosts: standbys need two hosts to hold shards (a standby never shares its primary's host)")
+    primary, standby = node_hosts(a)
     place: dict[str, Any] = {
-        "servers": [f"{addrs[k % hosts]}:{17400 + k}" for k in range(a.shards)],
+        "servers": [f"{addrs[h]}:{17400 + k}" for k, h in enumerate(primary)],
         "workers": a.workers,
     }
     if standbys:
-        place["standbys"] = [f"{addrs[(k + 1) % hosts]}:{17500 + k}" for k in range(a.shards)]
+        place["standbys"] = [f"{addrs[h]}:{17500 + k}" for k, h in enumerate(standby)]
         place["witness"] = f"{addrs[0]}:17600"
     return place
 
@@ -477,13 +489,14 @@ def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     def keygen(*args: str) -> None:
         subprocess.run([server, "keygen", *args], check=True, stdout=subprocess.DEVNULL)
 
+    primary, standby = node_hosts(a)
     if not (certs / "ca").exists():
-        keygen("--out", str(certs), "--hosts", ",".join(addrs[k % hosts] for k in range(a.shards)),
+        keygen("--out", str(certs), "--hosts", ",".join(addrs[h] for h in primary),
                "--servers", str(a.shards), "--workers", str(a.workers), *(["--standbys"] if "standbys" in place else []))
-        # A standby runs on the next shard host: its certificate names that host.
+        # A standby runs on another host than its primary: its certificate names that host.
         for k in range(a.shards if "standbys" in place else 0):
             keygen("issue", "--ca", str(certs / "ca"), "--out", str(certs), "--standby", str(k),
-                   "--host", addrs[(k + 1) % hosts], "--force")
+                   "--host", addrs[standby[k]], "--force")
     stop_file = work / "stop"
     if stop_file.exists():
         stop_file.unlink()
@@ -502,8 +515,12 @@ def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     # Rank 0's soft deadline leaves time for the rest of a round, the last sync, the goodbyes and the final
     # evaluation before the hard one (at 10 Mbit/s per host a round alone took about 15 s).
     soft = time.time() + a.timeout_s - max(0.2 * a.timeout_s, min(60.0, 0.5 * a.timeout_s))
-    nodes = [start(h, ["--role", "nodes", script]) for h in range(hosts)]
-    ranks = [start(hosts + i, ["--node-rank", str(i), "--role", "ranks", script, "--launched",
+    # With --colocate a worker host's one launcher runs its shard nodes and its rank (role all); host 0 holds only
+    # the witness, and host 1 nothing.
+    node_hosts_used = ([0] if "standbys" in place else []) if a.colocate else list(range(hosts))
+    nodes = [start(h, ["--role", "nodes", script]) for h in node_hosts_used]
+    rank_role = [] if a.colocate else ["--role", "ranks"]
+    ranks = [start(hosts + i, ["--node-rank", str(i), *rank_role, script, "--launched",
                                "--out", str(work / "worker-{rank}.json"), "--stop-file", str(stop_file),
                                "--deadline", repr(soft)] + pass_through(a)) for i in range(a.workers)]
     failed = None
@@ -536,7 +553,8 @@ def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         sys.exit(failed)
     results = [json.loads((work / f"worker-{r}.json").read_text()) for r in range(a.workers)]
     out = summarize(a, results, work)
-    out.update(placement={"shard_hosts": hosts, "worker_hosts": a.workers, **place})
+    out.update(placement={"shard_hosts": 0 if a.colocate else hosts, "worker_hosts": a.workers,
+                          "colocated": a.colocate, **place})
     return out
 
 

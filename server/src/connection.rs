@@ -30,6 +30,7 @@ use crate::actor::{
     Subscribe,
 };
 use crate::admission::{Admission, HandshakeTicket};
+use crate::replication::ack_watch::AckWatch;
 use crate::protocol::ConnId;
 use crate::shard::ShardError;
 
@@ -308,11 +309,10 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>, nod
         Err(_) => return,
     };
     let (acked, mut log, image_seq, link_id) = (sub.acked, sub.log, sub.seq, sub.link);
-    // A standby that stops acknowledging while entries wait is dropped after one lease (the primary then serves on
-    // alone, once the fence records it).
+    // A standby that stops acknowledging while entries wait, and no longer takes the log's bytes, is dropped after
+    // one lease (the primary then serves on alone, once the fence records it): `AckWatch` decides.
     let ack_deadline = Duration::from_millis(ctx.fence.as_ref().map_or(1000, |f| f.lease_ms()));
     let written = AtomicU64::new(image_seq);
-    let stalled_since = std::sync::Mutex::new(None::<std::time::Instant>);
     let link = async {
         control
             .send(&Control::ReplicaWelcome {
@@ -340,22 +340,27 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>, nod
             Ok::<_, NetError>(())
         };
         let watchdog = async {
-            let mut last_acked = 0;
+            let tick = ack_deadline / 4;
+            let mut watch = AckWatch::new(ack_deadline);
+            let mut sent = conn.stats().udp_tx.bytes;
             loop {
-                tokio::time::sleep(ack_deadline / 4).await;
-                let now_acked = (*acked.borrow()).min(written.load(Ordering::Acquire));
-                let behind = now_acked < written.load(Ordering::Acquire);
-                let mut since = stalled_since.lock().unwrap_or_else(|p| p.into_inner());
-                if !behind || now_acked != last_acked {
-                    *since = None;
-                } else if since.get_or_insert_with(std::time::Instant::now).elapsed() > ack_deadline
-                {
+                tokio::time::sleep(tick).await;
+                let now_sent = conn.stats().udp_tx.bytes;
+                let w = written.load(Ordering::Acquire);
+                let now_acked = (*acked.borrow()).min(w);
+                if watch.tick(
+                    std::time::Instant::now(),
+                    now_acked,
+                    w,
+                    now_sent.saturating_sub(sent),
+                    tick,
+                ) {
                     return Err::<(), _>(NetError::Protocol(ProtocolError::Rejected {
                         code: ErrorCode::Overloaded,
                         message: "the standby stopped acknowledging the log".into(),
                     }));
                 }
-                last_acked = now_acked;
+                sent = now_sent;
             }
         };
         let mut synced = false;

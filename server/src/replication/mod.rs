@@ -6,6 +6,7 @@
 //! a shard has a primary, which serves, and a standby, which follows the primary's log and takes over when the
 //! fence lets it. Everything here is pure: the actor and the node's replication sessions move the bytes.
 
+pub mod ack_watch;
 pub mod image;
 pub mod log;
 pub mod primary;
