@@ -30,8 +30,8 @@ use crate::actor::{
     Subscribe,
 };
 use crate::admission::{Admission, HandshakeTicket};
-use crate::replication::ack_watch::AckWatch;
 use crate::protocol::ConnId;
+use crate::replication::ack_watch::AckWatch;
 use crate::shard::ShardError;
 
 /// A peer must finish the TLS handshake, and then the hello, each within this time.
