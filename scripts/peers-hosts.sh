@@ -16,7 +16,7 @@
 # Knobs (environment): RATES ("100 10", Mbit/s), WAYS ("tether torchft"), TARGET (1.465), BUDGET_S (480), WORKERS
 # (4), BATCH (3 per worker), H (16), SHARDS (2), STANDBYS (1; 0: Tether's shards run without standbys and the
 # witness, and its runs are labelled tether-no-standbys), COLOCATE (0; 1: Tether's shards on the worker hosts,
-# labelled tether-colocated; give SHARDS=WORKERS), PYTHON (/tmp/tether-venv/bin/python: torch, numpy, tether),
+# labelled tether-colocated, SHARDS then WORKERS; the "shard hosts" columns are hosts 0-1 all the same), PYTHON (/tmp/tether-venv/bin/python: torch, numpy, tether),
 # TORCHFT_VENV (/tmp/torchft-venv), BIN (target/release: tether-server and tether-bench), OUT
 # (bench/results/peers-hosts-<date>.jsonl), PLOT (bench/results/peers-hosts-<date>.png), KEEP (a folder to keep the
 # runs' work folders in; default: removed).
@@ -29,7 +29,8 @@ case "${1:-}" in -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
 
 RATES=${RATES:-100 10} WAYS=${WAYS:-tether torchft} TARGET=${TARGET:-1.465} BUDGET_S=${BUDGET_S:-480}
-WORKERS=${WORKERS:-4} BATCH=${BATCH:-3} H=${H:-16} SHARDS=${SHARDS:-2} STANDBYS=${STANDBYS:-1} COLOCATE=${COLOCATE:-0}
+WORKERS=${WORKERS:-4} BATCH=${BATCH:-3} H=${H:-16} STANDBYS=${STANDBYS:-1} COLOCATE=${COLOCATE:-0}
+if [ "$COLOCATE" = 1 ]; then SHARDS=${SHARDS:-$WORKERS}; else SHARDS=${SHARDS:-2}; fi
 PYTHON=${PYTHON:-/tmp/tether-venv/bin/python} TORCHFT_VENV=${TORCHFT_VENV:-/tmp/torchft-venv}
 BIN=$(cd "${BIN:-target/release}" && pwd)
 OUT=${OUT:-bench/results/peers-hosts-$(date +%Y-%m-%d).jsonl}

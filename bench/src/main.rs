@@ -276,9 +276,9 @@ fn scale(a: &ScaleArgs) -> Result<()> {
         "--scheme topk2 or q4"
     );
     spec.scheme = a.scheme.clone();
-    spec.pull_scheme = a.pull_scheme.clone().unwrap_or_else(|| a.scheme.clone());
+    spec.pull_scheme = a.pull_scheme.clone();
     anyhow::ensure!(
-        matches!(spec.pull_scheme.as_str(), "topk2" | "q4"),
+        matches!(spec.pull_scheme.as_deref(), None | Some("topk2" | "q4")),
         "--pull-scheme topk2 or q4"
     );
     spec.staleness = a.staleness;
@@ -355,6 +355,37 @@ fn calibrate(path: &std::path::Path) -> Result<()> {
             &shared_runs,
         )?;
     }
+    Ok(())
+}
+
+/// `simulate --what-it-takes`: the default sync at `workers` × `shards` under every combination of levers, and the
+/// minimal sets that reach the efficiency goal.
+fn what_it_takes(workers: u32, shards: u32) -> Result<()> {
+    use tether_bench::predict;
+    let t = std::time::Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let rows = predict::what_it_takes(workers, shards, threads)?;
+    println!("{workers} workers × {shards} shards, the default sync and each combination of levers:\n");
+    print!("{}", predict::levers_markdown(&rows));
+    println!(
+        "\nThe minimal sets of levers reaching {} (none of their subsets does):",
+        predict::EFFICIENCY_GOAL
+    );
+    for r in predict::minimal_lever_sets(&rows, predict::EFFICIENCY_GOAL) {
+        let names: Vec<&str> = r.levers.iter().map(|l| l.name()).collect();
+        println!(
+            "- {} Gbit/s: {} ({:.2}, {})",
+            r.link_gbit,
+            names.join(" + "),
+            r.efficiency,
+            r.limit
+        );
+    }
+    eprintln!(
+        "{} points simulated in {:.1} s",
+        rows.len(),
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -471,31 +502,7 @@ fn run() -> Result<()> {
                 return calibrate(path);
             }
             if args.what_it_takes {
-                let t = std::time::Instant::now();
-                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let (w, k) = (args.workers.unwrap_or(1024), args.shards.unwrap_or(64));
-                let rows = predict::what_it_takes(w, k, threads)?;
-                println!(
-                    "{w} workers × {k} shards, the default sync and each combination of levers:\n"
-                );
-                print!("{}", predict::levers_markdown(&rows));
-                println!("\nThe fewest levers reaching {}:", predict::EFFICIENCY_GOAL);
-                for r in predict::fewest_levers(&rows, predict::EFFICIENCY_GOAL) {
-                    let names: Vec<&str> = r.levers.iter().map(|l| l.name()).collect();
-                    println!(
-                        "- {} Gbit/s: {} ({:.2}, {})",
-                        r.link_gbit,
-                        names.join(" + "),
-                        r.efficiency,
-                        r.limit
-                    );
-                }
-                eprintln!(
-                    "{} points simulated in {:.1} s",
-                    rows.len(),
-                    t.elapsed().as_secs_f64()
-                );
-                return Ok(());
+                return what_it_takes(args.workers.unwrap_or(1024), args.shards.unwrap_or(64));
             }
             if let Some(out) = &args.predict_default {
                 let t = std::time::Instant::now();

@@ -505,9 +505,9 @@ pub fn what_it_takes(workers: u32, shards: u32, threads: usize) -> Result<Vec<Le
         .collect()
 }
 
-/// The rows that reach `goal` with no fewer levers doing it: per link, the combinations at or over the goal none of
-/// whose proper subsets is.
-pub fn fewest_levers(rows: &[LeverRow], goal: f64) -> Vec<&LeverRow> {
+/// The minimal sets of levers that reach `goal`: per link, the combinations at or over the goal none of whose
+/// proper subsets is (not only those of the fewest levers).
+pub fn minimal_lever_sets(rows: &[LeverRow], goal: f64) -> Vec<&LeverRow> {
     let reaches: Vec<&LeverRow> = rows.iter().filter(|r| r.efficiency >= goal).collect();
     reaches
         .iter()
@@ -792,7 +792,7 @@ mod tests {
     }
 
     #[test]
-    fn fewest_levers_keeps_only_the_minimal_combinations_per_link() {
+    fn minimal_lever_sets_keeps_only_the_minimal_combinations_per_link() {
         use Lever::*;
         let rows = vec![
             lever_row(1.0, &[], 0.5),
@@ -802,7 +802,7 @@ mod tests {
             lever_row(10.0, &[StalenessOne], 0.6),
             lever_row(10.0, &[StalenessOne, SteadyCompute], 0.9),
         ];
-        let got: Vec<(f64, Vec<Lever>)> = fewest_levers(&rows, 0.9)
+        let got: Vec<(f64, Vec<Lever>)> = minimal_lever_sets(&rows, 0.9)
             .into_iter()
             .map(|r| (r.link_gbit, r.levers.clone()))
             .collect();

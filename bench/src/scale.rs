@@ -76,7 +76,6 @@ pub enum Nemesis {
 
 /// One many-worker run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(default)]
 pub struct ScaleSpec {
     /// Namespace hosts (at least 2: standbys live on another host than their primary).
     pub hosts: usize,
@@ -97,22 +96,30 @@ pub struct ScaleSpec {
     /// Inner steps per round (the quickstart's 16).
     pub local_steps: u32,
     /// The inner Adam step's learning rate (the quickstart's 1e-3).
+    #[serde(default = "since::lr")]
     pub lr: f64,
     /// The push and pull codec: `topk2` (the quickstart's, bucket 4096, keep 16) or `q4`.
+    #[serde(default = "since::scheme")]
     pub scheme: String,
-    /// The pull codec (`compression.pull_scheme`): `topk2` or `q4`; the quickstart's is `scheme`'s.
-    pub pull_scheme: String,
+    /// The pull codec (`compression.pull_scheme`), `topk2` or `q4`; `None`: `scheme`'s, as the quickstart (and
+    /// every report written before the field existed).
+    #[serde(default)]
+    pub pull_scheme: Option<String>,
     /// `cluster.staleness`: 0 (BSP rounds, the quickstart's) or more rounds a worker may run ahead of the gate.
+    #[serde(default)]
     pub staleness: u32,
     /// `optimizer.outer.lr` (the quickstart's 1.4).
+    #[serde(default = "since::outer_lr")]
     pub outer_lr: f64,
     /// `optimizer.outer.momentum` (the quickstart's 0.5).
+    #[serde(default = "since::outer_momentum")]
     pub outer_momentum: f64,
     /// `cluster.quorum` (0: every live worker).
     pub quorum: u32,
     /// `fashion-mnist` or `digits`.
     pub dataset: String,
     /// `cluster.failover_ms`: how long a silent link or an unrenewed lease lasts (the default is 1000).
+    #[serde(default = "since::failover_ms")]
     pub failover_ms: u64,
     /// Seed of the nemesis's choices.
     pub seed: u64,
@@ -120,10 +127,28 @@ pub struct ScaleSpec {
     pub limit_s: f64,
 }
 
-/// The quickstart's run at 64 × 8 on 8 hosts: what a report written before a field existed reads for it.
-impl Default for ScaleSpec {
-    fn default() -> Self {
-        ScaleSpec::quickstart(8, 64, 8)
+/// Defaults of the fields added after the first reports were written: what such a report reads for them (the
+/// quickstart's).
+mod since {
+    /// The inner learning rate.
+    pub(super) fn lr() -> f64 {
+        1e-3
+    }
+    /// The push codec.
+    pub(super) fn scheme() -> String {
+        "topk2".into()
+    }
+    /// The lease and silent-link timeout.
+    pub(super) fn failover_ms() -> u64 {
+        1000
+    }
+    /// The outer learning rate.
+    pub(super) fn outer_lr() -> f64 {
+        1.4
+    }
+    /// The outer momentum.
+    pub(super) fn outer_momentum() -> f64 {
+        0.5
     }
 }
 
@@ -144,7 +169,7 @@ impl ScaleSpec {
             local_steps: 16,
             lr: 1e-3,
             scheme: "topk2".into(),
-            pull_scheme: "topk2".into(),
+            pull_scheme: None,
             staleness: 0,
             outer_lr: 1.4,
             outer_momentum: 0.5,
@@ -240,6 +265,7 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
             spec.failover_ms
         ));
     }
+    let pull_scheme = spec.pull_scheme.as_deref().unwrap_or(&spec.scheme);
     format!(
         "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\n[data]\ndataset = \"{}\"\n\
          [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\n\
@@ -253,8 +279,8 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
         spec.outer_lr,
         spec.outer_momentum,
         scheme = spec.scheme,
-        pull_scheme = spec.pull_scheme,
-        codec = if spec.scheme == "topk2" || spec.pull_scheme == "topk2" {
+        pull_scheme = pull_scheme,
+        codec = if spec.scheme == "topk2" || pull_scheme == "topk2" {
             "bucket = 4096\nkeep = 16\n"
         } else {
             ""
@@ -1009,6 +1035,19 @@ mod tests {
     use tether_common::config::Config;
 
     #[test]
+    fn a_spec_written_before_the_newer_fields_reads_them_as_the_quickstarts() {
+        // The spec of a report from the first scale runs (bench/results/scale-2026-12-07.jsonl).
+        let old = r#"{"hosts":8,"workers":64,"shards":8,"standbys":true,"rate_bps":1000000000,"nemesis":"None",
+            "epochs":5,"batch":8,"local_steps":16,"quorum":48,"dataset":"fashion-mnist","seed":1,"limit_s":600.0}"#;
+        let spec: ScaleSpec = serde_json::from_str(old).unwrap();
+        assert_eq!((spec.workers, spec.shards, spec.failover_ms), (64, 8, 1000));
+        assert_eq!((spec.scheme.as_str(), spec.pull_scheme.as_deref()), ("topk2", None));
+        assert_eq!((spec.lr, spec.outer_lr, spec.outer_momentum, spec.staleness), (1e-3, 1.4, 0.5, 0));
+        // A field the first reports had is still required.
+        assert!(serde_json::from_str::<ScaleSpec>(&old.replace(r#""workers":64,"#, "")).is_err());
+    }
+
+    #[test]
     fn the_config_text_is_a_valid_config_with_the_specs_sync() {
         let mut spec = ScaleSpec::quickstart(8, 64, 8);
         let place = Placement::new(&spec).unwrap();
@@ -1020,7 +1059,7 @@ mod tests {
         assert_eq!(cfg.compression.scheme, Scheme::Topk2);
         assert!((cfg.optimizer.lr - 1e-3).abs() < 1e-9);
         spec.scheme = "q4".into();
-        spec.pull_scheme = "q4".into();
+        spec.pull_scheme = Some("q4".into());
         spec.lr = 2.5e-4;
         spec.local_steps = 8;
         spec.staleness = 1;

@@ -497,6 +497,10 @@ def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         for k in range(a.shards if "standbys" in place else 0):
             keygen("issue", "--ca", str(certs / "ca"), "--out", str(certs), "--standby", str(k),
                    "--host", addrs[standby[k]], "--force")
+        # The witness runs on host 0, which `--hosts` names only when shard 0's primary is there too.
+        if "witness" in place:
+            keygen("issue", "--ca", str(certs / "ca"), "--out", str(certs), "--witness", "--host", addrs[0],
+                   "--force")
     stop_file = work / "stop"
     if stop_file.exists():
         stop_file.unlink()
@@ -535,7 +539,8 @@ def run_on_hosts(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 break
         for h, p in enumerate(nodes):
             try:
-                p.wait(timeout=60 if failed is None else 5)
+                # A launcher holding only the witness (host 0 with --colocate) runs until it is stopped.
+                p.wait(timeout=60 if failed is None and not a.colocate else 5)
             except subprocess.TimeoutExpired:
                 pass
     finally:

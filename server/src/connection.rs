@@ -340,27 +340,30 @@ async fn serve_standby(conn: quinn::Connection, ctx: Arc<ConnectionContext>, nod
             Ok::<_, NetError>(())
         };
         let watchdog = async {
-            let tick = ack_deadline / 4;
             let mut watch = AckWatch::new(ack_deadline);
-            let mut sent = conn.stats().udp_tx.bytes;
+            // Sent less declared lost: retransmissions into a cut link are not the log flowing.
+            let delivered = || {
+                let s = conn.stats();
+                s.udp_tx.bytes.saturating_sub(s.path.lost_bytes)
+            };
+            let mut before = delivered();
             loop {
-                tokio::time::sleep(tick).await;
-                let now_sent = conn.stats().udp_tx.bytes;
+                tokio::time::sleep(ack_deadline / 4).await;
+                let now_delivered = delivered();
                 let w = written.load(Ordering::Acquire);
                 let now_acked = (*acked.borrow()).min(w);
                 if watch.tick(
                     std::time::Instant::now(),
                     now_acked,
                     w,
-                    now_sent.saturating_sub(sent),
-                    tick,
+                    now_delivered.saturating_sub(before),
                 ) {
                     return Err::<(), _>(NetError::Protocol(ProtocolError::Rejected {
                         code: ErrorCode::Overloaded,
                         message: "the standby stopped acknowledging the log".into(),
                     }));
                 }
-                sent = now_sent;
+                before = now_delivered;
             }
         };
         let mut synced = false;
