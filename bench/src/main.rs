@@ -365,7 +365,9 @@ fn what_it_takes(workers: u32, shards: u32) -> Result<()> {
     let t = std::time::Instant::now();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let rows = predict::what_it_takes(workers, shards, threads)?;
-    println!("{workers} workers × {shards} shards, the default sync and each combination of levers:\n");
+    println!(
+        "{workers} workers × {shards} shards, the default sync and each combination of levers:\n"
+    );
     print!("{}", predict::levers_markdown(&rows));
     println!(
         "\nThe minimal sets of levers reaching {} (none of their subsets does):",

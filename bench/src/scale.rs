@@ -1041,8 +1041,14 @@ mod tests {
             "epochs":5,"batch":8,"local_steps":16,"quorum":48,"dataset":"fashion-mnist","seed":1,"limit_s":600.0}"#;
         let spec: ScaleSpec = serde_json::from_str(old).unwrap();
         assert_eq!((spec.workers, spec.shards, spec.failover_ms), (64, 8, 1000));
-        assert_eq!((spec.scheme.as_str(), spec.pull_scheme.as_deref()), ("topk2", None));
-        assert_eq!((spec.lr, spec.outer_lr, spec.outer_momentum, spec.staleness), (1e-3, 1.4, 0.5, 0));
+        assert_eq!(
+            (spec.scheme.as_str(), spec.pull_scheme.as_deref()),
+            ("topk2", None)
+        );
+        assert_eq!(
+            (spec.lr, spec.outer_lr, spec.outer_momentum, spec.staleness),
+            (1e-3, 1.4, 0.5, 0)
+        );
         // A field the first reports had is still required.
         assert!(serde_json::from_str::<ScaleSpec>(&old.replace(r#""workers":64,"#, "")).is_err());
     }
