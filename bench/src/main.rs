@@ -210,10 +210,10 @@ struct ScaleArgs {
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
     /// Push and pull codec: `topk2` (bucket 4096, keep 16) or `q4`.
-    #[arg(long, default_value = "topk2")]
+    #[arg(long, default_value = "topk2", value_parser = ["topk2", "q4"])]
     scheme: String,
     /// The pull codec, `topk2` or `q4` (default: --scheme's).
-    #[arg(long)]
+    #[arg(long, value_parser = ["topk2", "q4"])]
     pull_scheme: Option<String>,
     /// `cluster.staleness` (0: BSP rounds, the quickstart's).
     #[arg(long, default_value_t = 0)]
@@ -271,16 +271,8 @@ fn scale(a: &ScaleArgs) -> Result<()> {
     }
     spec.local_steps = a.local_steps;
     spec.lr = a.lr;
-    anyhow::ensure!(
-        matches!(a.scheme.as_str(), "topk2" | "q4"),
-        "--scheme topk2 or q4"
-    );
     spec.scheme = a.scheme.clone();
     spec.pull_scheme = a.pull_scheme.clone();
-    anyhow::ensure!(
-        matches!(spec.pull_scheme.as_deref(), None | Some("topk2" | "q4")),
-        "--pull-scheme topk2 or q4"
-    );
     spec.staleness = a.staleness;
     spec.outer_lr = a.outer_lr;
     spec.outer_momentum = a.outer_momentum;
