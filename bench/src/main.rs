@@ -233,6 +233,12 @@ struct ScaleArgs {
     /// Seed of the nemesis's choices.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// `model.seed`: the initial weights.
+    #[arg(long, default_value_t = 42)]
+    model_seed: u64,
+    /// `train.seed`: data shuffling and stochastic rounding.
+    #[arg(long, default_value_t = 7)]
+    train_seed: u64,
     /// Stop after this many seconds.
     #[arg(long, default_value_t = 600.0)]
     limit: f64,
@@ -279,6 +285,8 @@ fn scale(a: &ScaleArgs) -> Result<()> {
     spec.dataset = a.dataset.clone();
     spec.failover_ms = a.failover_ms;
     spec.seed = a.seed;
+    spec.model_seed = a.model_seed;
+    spec.train_seed = a.train_seed;
     spec.limit_s = a.limit;
     let bins = match &a.bin_dir {
         Some(d) => d.clone(),

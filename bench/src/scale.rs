@@ -123,6 +123,12 @@ pub struct ScaleSpec {
     pub failover_ms: u64,
     /// Seed of the nemesis's choices.
     pub seed: u64,
+    /// `model.seed`: the initial weights (the product's default, 42).
+    #[serde(default = "since::model_seed")]
+    pub model_seed: u64,
+    /// `train.seed`: data shuffling and stochastic rounding (the product's default, 7).
+    #[serde(default = "since::train_seed")]
+    pub train_seed: u64,
     /// Stop the run (killing everything) after this many seconds.
     pub limit_s: f64,
 }
@@ -149,6 +155,14 @@ mod since {
     /// The outer momentum.
     pub(super) fn outer_momentum() -> f64 {
         0.5
+    }
+    /// The initial weights' seed.
+    pub(super) fn model_seed() -> u64 {
+        42
+    }
+    /// The data order's seed.
+    pub(super) fn train_seed() -> u64 {
+        7
     }
 }
 
@@ -177,6 +191,8 @@ impl ScaleSpec {
             dataset: "fashion-mnist".into(),
             failover_ms: 1000,
             seed: 1,
+            model_seed: 42,
+            train_seed: 7,
             limit_s: 600.0,
         }
     }
@@ -267,14 +283,16 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
     }
     let pull_scheme = spec.pull_scheme.as_deref().unwrap_or(&spec.scheme);
     format!(
-        "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\n[data]\ndataset = \"{}\"\n\
-         [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\n\
+        "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\nseed = {}\n[data]\ndataset = \"{}\"\n\
+         [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\nseed = {}\n\
          [optimizer]\nkind = \"adam\"\nlr = {:e}\n[optimizer.outer]\nlr = {}\nmomentum = {}\n\
          [compression]\nscheme = \"{scheme}\"\npull_scheme = \"{pull_scheme}\"\n{codec}",
+        spec.model_seed,
         spec.dataset,
         spec.batch,
         spec.epochs,
         spec.local_steps,
+        spec.train_seed,
         spec.lr,
         spec.outer_lr,
         spec.outer_momentum,
@@ -676,6 +694,19 @@ impl Bed<'_> {
     }
 }
 
+/// Seconds a worker incarnation started again after its goodbye may run on once the shards left.
+const AFTER_THE_JOB_S: f64 = 15.0;
+
+/// Whether, for each of `shards` shards, a node of it (`s{k}` or `b{k}`) exited 0 by itself.
+fn every_shard_took_every_goodbye(nodes: &[Proc], shards: usize) -> bool {
+    (0..shards).all(|k| {
+        let names = [format!("s{k}"), format!("b{k}")];
+        nodes.iter().any(|p| {
+            names.contains(&p.name) && !p.left_killed && p.status.is_some_and(|s| s.success())
+        })
+    })
+}
+
 /// Bytes host `i`'s end of its link sent and received.
 fn link_bytes(star: &Star, i: usize) -> Result<LinkBytes> {
     let (sent, received) = star.link_bytes(i)?;
@@ -828,6 +859,7 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
     };
     let mut pending_restart: Option<(f64, bool, usize)> = None;
     let mut cut_state = 0; // 0: not yet, 1: cut, 2: healed
+    let mut job_over_at: Option<f64> = None;
     let limit = Duration::from_secs_f64(spec.limit_s);
     let mut last_sample = Instant::now() - Duration::from_secs(1);
     loop {
@@ -846,6 +878,40 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
                 }
             }
             last_sample = Instant::now();
+        }
+        // Every shard took every rank's goodbye once, for each shard, a node of it exited 0 by itself (they exit
+        // only on `--exit-after-workers` distinct goodbyes). The job is then over for the cluster: a worker the
+        // nemesis killed after its goodbye has nothing to rejoin.
+        if job_over_at.is_none() && every_shard_took_every_goodbye(&shards, place.primary.len()) {
+            job_over_at = Some(t);
+            events.push((t, "every shard took every goodbye and exited".into()));
+            if let Some((_, true, i)) = pending_restart {
+                pending_restart = None;
+                workers[i].left_killed = true;
+                events.push((
+                    t,
+                    format!(
+                        "{} not started again: killed after its goodbye",
+                        workers[i].name
+                    ),
+                ));
+            }
+        }
+        // An incarnation started again after its goodbye (the kill fell between its goodbye and its exit, and the
+        // shards left while it started) finds no cluster; past a grace it is stopped and counted as killed.
+        if job_over_at.is_some_and(|at| t >= at + AFTER_THE_JOB_S) {
+            for p in workers
+                .iter_mut()
+                .filter(|p| p.status.is_none() && p.starts > 1)
+            {
+                let _ = p.child.kill();
+                p.status = p.child.wait().ok();
+                p.left_killed = true;
+                events.push((
+                    t,
+                    format!("{} stopped: started again after its goodbye", p.name),
+                ));
+            }
         }
         // A killed worker waiting to be started again has not finished.
         let worker_pending = matches!(pending_restart, Some((_, true, _)));
@@ -881,7 +947,7 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
                 pending_restart = None;
             }
         }
-        if let (Some(at), None) = (next_kill, pending_restart) {
+        if let (Some(at), None, None) = (next_kill, pending_restart, job_over_at) {
             if t >= at {
                 // Victims: live workers 1.. and live shard nodes (not the witness).
                 let mut victims: Vec<(bool, usize)> = (1..workers.len())
@@ -1049,6 +1115,7 @@ mod tests {
             (spec.lr, spec.outer_lr, spec.outer_momentum, spec.staleness),
             (1e-3, 1.4, 0.5, 0)
         );
+        assert_eq!((spec.model_seed, spec.train_seed), (42, 7));
         // A field the first reports had is still required.
         assert!(serde_json::from_str::<ScaleSpec>(&old.replace(r#""workers":64,"#, "")).is_err());
     }
@@ -1082,5 +1149,10 @@ mod tests {
         assert_eq!(cfg.compression.pull_scheme, Scheme::Q4);
         assert!((cfg.optimizer.lr - 2.5e-4).abs() < 1e-9);
         assert_eq!(cfg.train.local_steps, 8);
+        assert_eq!((cfg.model.seed, cfg.train.seed), (42, 7));
+        spec.model_seed = 3;
+        spec.train_seed = 11;
+        let cfg = Config::parse(&config_text(&spec, &place), Path::new("/tmp")).unwrap();
+        assert_eq!((cfg.model.seed, cfg.train.seed), (3, 11));
     }
 }
