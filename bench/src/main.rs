@@ -218,6 +218,18 @@ struct ScaleArgs {
     /// `cluster.staleness` (0: BSP rounds, the quickstart's).
     #[arg(long, default_value_t = 0)]
     staleness: u32,
+    /// topk2's kept values per 4,096-value bucket (`compression.keep`).
+    #[arg(long, default_value_t = 16)]
+    keep: u32,
+    /// The inner optimizer (`optimizer.kind`).
+    #[arg(long, default_value = "adam", value_parser = ["adam", "sgd", "momentum", "nesterov"])]
+    inner: String,
+    /// Adam's β2 (`optimizer.beta2`).
+    #[arg(long, default_value_t = 0.999)]
+    beta2: f64,
+    /// Adam's ε (`optimizer.eps`).
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f64,
     /// The outer Nesterov learning rate (`optimizer.outer.lr`).
     #[arg(long, default_value_t = 1.4)]
     outer_lr: f64,
@@ -280,6 +292,10 @@ fn scale(a: &ScaleArgs) -> Result<()> {
     spec.scheme = a.scheme.clone();
     spec.pull_scheme = a.pull_scheme.clone();
     spec.staleness = a.staleness;
+    spec.keep = a.keep;
+    spec.inner = a.inner.clone();
+    spec.beta2 = a.beta2;
+    spec.eps = a.eps;
     spec.outer_lr = a.outer_lr;
     spec.outer_momentum = a.outer_momentum;
     spec.dataset = a.dataset.clone();
@@ -311,6 +327,7 @@ fn calibrate(path: &std::path::Path) -> Result<()> {
     use tether_bench::scale::{Nemesis, ScaleReport};
     let mut runs = Vec::new();
     let mut shared_runs = Vec::new();
+    let mut quantile_runs = Vec::new();
     for line in std::fs::read_to_string(path)?
         .lines()
         .filter(|l| !l.trim().is_empty())
@@ -337,7 +354,18 @@ fn calibrate(path: &std::path::Path) -> Result<()> {
         );
         m.standbys = r.spec.standbys;
         m.quorum = r.spec.quorum;
+        m.compute_cv = (r.compute_cv > 0.0).then_some(r.compute_cv);
+        m.wire_bytes_per_param = r
+            .wire_bytes_per_param
+            .iter()
+            .all(|&b| b > 0.0)
+            .then_some(r.wire_bytes_per_param);
         runs.push(m);
+        if r.compute_quantiles_s.len() >= 2 {
+            let mut q = runs[runs.len() - 1].clone();
+            q.compute_quantiles_s = Some(r.compute_quantiles_s.clone());
+            quantile_runs.push(q);
+        }
         if r.cores > 0 && r.worker_cpu_per_round_s > 0.0 {
             let mut shared = runs[runs.len() - 1].clone();
             shared.shared_cores = Some((r.cores, r.worker_cpu_per_round_s));
@@ -348,6 +376,18 @@ fn calibrate(path: &std::path::Path) -> Result<()> {
         "each node on cores of its own, the measured wall time as compute",
         &runs,
     )?;
+    let measured = tether_bench::predict::validate_measured(&runs)?;
+    if !measured.is_empty() {
+        println!();
+        println!("each run with its own measured compute spread and wire bytes, nothing fitted:");
+        print_checks(&measured, false);
+    }
+    let measured = tether_bench::predict::validate_measured(&quantile_runs)?;
+    if !measured.is_empty() {
+        println!();
+        println!("each run with its own measured distribution of compute and wire bytes, nothing fitted:");
+        print_checks(&measured, false);
+    }
     if !shared_runs.is_empty() {
         println!();
         print_calibration(
@@ -397,17 +437,33 @@ fn print_calibration(model: &str, runs: &[tether_bench::predict::ScaleMeasuremen
     println!("{model}:");
     let (cv, checked) = calibrate_runs(runs)?;
     println!("compute spread fitted on the first run: cv {cv:.2}");
-    println!("| run | workers × shards | link | round p50 measured / simulated | error | stall measured / simulated | error |");
-    println!("|---|---|---|---|---|---|---|");
+    print_checks(&checked, true);
+    Ok(())
+}
+
+/// The calibration table: the first row is the calibration run when `first_fits`, every row a validation otherwise.
+fn print_checks(checked: &[tether_bench::predict::CalibratedRun], first_fits: bool) {
+    println!("| run | workers × shards | link | compute cv | round p50 measured / simulated | error | stall measured / simulated | error |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (i, c) in checked.iter().enumerate() {
         let m = &c.measured;
         println!(
-            "| {} | {} × {} | {} | {:.3} / {:.3} s | {:.0} % | {:.3} / {:.3} s | {:.0} % |",
-            if i == 0 { "calibration" } else { "validation" },
+            "| {} | {} × {} | {} | {} | {:.3} / {:.3} s | {:.0} % | {:.3} / {:.3} s | {:.0} % |",
+            if i == 0 && first_fits {
+                "calibration"
+            } else {
+                "validation"
+            },
             m.workers,
             m.shards,
             m.link_gbit
                 .map_or("unshaped".into(), |g| format!("{g} Gbit/s")),
+            match (&m.compute_quantiles_s, m.compute_cv) {
+                _ if first_fits => "fitted".into(),
+                (Some(_), _) => "measured quantiles".into(),
+                (None, Some(cv)) => format!("{cv:.2}"),
+                (None, None) => "0.10".into(),
+            },
             c.check.measured_round_s,
             c.check.sim_round_s,
             c.check.round_error * 100.0,
@@ -416,7 +472,6 @@ fn print_calibration(model: &str, runs: &[tether_bench::predict::ScaleMeasuremen
             c.check.stall_error * 100.0
         );
     }
-    Ok(())
 }
 
 fn sim_config(a: &SimArgs) -> Result<SimConfig> {

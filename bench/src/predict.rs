@@ -121,6 +121,7 @@ pub fn default_sync(workers: u32, shards: u32, link_gbit: f64) -> (SimConfig, Sy
         pull_overhead_s: 200e-6,
         worker_io_s: 0.0,
         shard_io_ns_per_param: 0.0,
+        compute_quantiles_s: Vec::new(),
     };
     let sync = SyncModel {
         local_steps: INNER_STEPS,
@@ -586,6 +587,18 @@ pub struct ScaleMeasurement {
     /// the measured wall time on nodes of their own.
     #[serde(default)]
     pub shared_cores: Option<(u32, f64)>,
+    /// The measured spread of a round's compute (the scale report's `compute_cv`): when set, [`scale_config`]
+    /// simulates it instead of 0.1, and nothing is fitted.
+    #[serde(default)]
+    pub compute_cv: Option<f64>,
+    /// The measured wire bytes per parameter of a push and of a pull (the scale report's `wire_bytes_per_param`):
+    /// when set, [`scale_config`] sends them instead of topk2's upper bound.
+    #[serde(default)]
+    pub wire_bytes_per_param: Option<[f64; 2]>,
+    /// The measured distribution of a round's compute (the scale report's `compute_quantiles_s`): when set,
+    /// [`scale_config`] draws each round's compute from it (it supersedes `compute_cv`).
+    #[serde(default)]
+    pub compute_quantiles_s: Option<Vec<f64>>,
 }
 
 impl ScaleMeasurement {
@@ -610,6 +623,9 @@ impl ScaleMeasurement {
             standbys: true,
             quorum: (workers * 3).div_ceil(4),
             shared_cores: None,
+            compute_cv: None,
+            wire_bytes_per_param: None,
+            compute_quantiles_s: None,
         }
     }
 }
@@ -662,7 +678,11 @@ pub fn check(
 pub fn scale_config(m: &ScaleMeasurement) -> (SimConfig, SyncModel) {
     const MLP_PARAMS: u64 = 235_146;
     let shards = m.shards.max(1);
-    let bytes = topk2_bytes_per_param(TOPK2_BUCKET, TOPK2_KEEP, MLP_PARAMS / u64::from(shards));
+    let bound = topk2_bytes_per_param(TOPK2_BUCKET, TOPK2_KEEP, MLP_PARAMS / u64::from(shards));
+    let [push_bytes, pull_bytes] = m
+        .wire_bytes_per_param
+        .filter(|b| b.iter().all(|&x| x > 0.0))
+        .unwrap_or([bound; 2]);
     let c = SHARD_COSTS;
     let cfg = SimConfig {
         workers: m.workers,
@@ -671,11 +691,11 @@ pub fn scale_config(m: &ScaleMeasurement) -> (SimConfig, SyncModel) {
         staleness: Some(0),
         rounds: 30,
         compute_s: m.compute_per_round_s,
-        compute_cv: 0.1,
+        compute_cv: m.compute_cv.filter(|&cv| cv > 0.0).unwrap_or(0.1),
         straggle: None,
         slow_worker: None,
-        push_bytes_per_param: bytes,
-        pull_bytes_per_param: bytes,
+        push_bytes_per_param: push_bytes,
+        pull_bytes_per_param: pull_bytes,
         // The measured compute already holds the worker's codec work.
         worker_ns_per_param: 0.0,
         apply_ns_per_param: c.apply_ns_per_param,
@@ -688,6 +708,7 @@ pub fn scale_config(m: &ScaleMeasurement) -> (SimConfig, SyncModel) {
         pull_overhead_s: 200e-6,
         worker_io_s: 0.0,
         shard_io_ns_per_param: 0.0,
+        compute_quantiles_s: m.compute_quantiles_s.clone().unwrap_or_default(),
     };
     let (cores, compute_s) = match m.shared_cores {
         Some((cores, cpu_s)) if cores > 0 && cpu_s > 0.0 => (Some(cores), cpu_s),
@@ -778,9 +799,63 @@ pub fn calibrate_runs(runs: &[ScaleMeasurement]) -> Result<(f64, Vec<CalibratedR
     Ok((cv, checked))
 }
 
+/// Simulates every run with its own measured compute and wire bytes ([`ScaleMeasurement::compute_cv`] or
+/// [`ScaleMeasurement::compute_quantiles_s`], and [`ScaleMeasurement::wire_bytes_per_param`]): nothing is fitted,
+/// so every run is a validation. Runs without those figures are left out.
+pub fn validate_measured(runs: &[ScaleMeasurement]) -> Result<Vec<CalibratedRun>, SimError> {
+    runs.iter()
+        .filter(|m| {
+            (m.compute_cv.is_some() || m.compute_quantiles_s.is_some())
+                && m.wire_bytes_per_param.is_some()
+        })
+        .map(|m| {
+            Ok(CalibratedRun {
+                measured: m.clone(),
+                check: calibrate(m)?,
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_measured_spread_and_measured_bytes_replace_the_assumed_ones() {
+        let mut m = ScaleMeasurement::new(64, 8, 8, Some(0.1), 0.55, 0.29, 0.26);
+        let (assumed, _) = scale_config(&m);
+        assert_eq!(assumed.compute_cv, 0.1);
+        assert!(assumed.push_bytes_per_param > 0.14);
+        assert!(validate_measured(std::slice::from_ref(&m))
+            .unwrap()
+            .is_empty());
+        m.compute_cv = Some(0.3);
+        m.wire_bytes_per_param = Some([0.08, 0.12]);
+        let (cfg, _) = scale_config(&m);
+        assert_eq!(cfg.compute_cv, 0.3);
+        assert_eq!(
+            (cfg.push_bytes_per_param, cfg.pull_bytes_per_param),
+            (0.08, 0.12)
+        );
+        // Fewer bytes on a 100 Mbit/s link: a shorter simulated round.
+        let fewer = validate_measured(std::slice::from_ref(&m)).unwrap();
+        m.wire_bytes_per_param = Some([0.3, 0.3]);
+        let more = validate_measured(std::slice::from_ref(&m)).unwrap();
+        assert!(fewer[0].check.sim_round_s < more[0].check.sim_round_s);
+        // A measured distribution supersedes the spread: a heavier tail, a longer wait for the round to close.
+        m.wire_bytes_per_param = Some([0.08, 0.08]);
+        let light = validate_measured(std::slice::from_ref(&m)).unwrap();
+        let mut q: Vec<f64> = (0..=20).map(|i| 0.2 + 0.005 * f64::from(i)).collect();
+        q[20] = 2.0;
+        m.compute_quantiles_s = Some(q.clone());
+        assert_eq!(scale_config(&m).0.compute_quantiles_s, q);
+        let heavy = validate_measured(std::slice::from_ref(&m)).unwrap();
+        assert!(
+            heavy[0].check.sim_stall_s > light[0].check.sim_stall_s,
+            "{heavy:?} {light:?}"
+        );
+    }
 
     fn lever_row(link: f64, levers: &[Lever], efficiency: f64) -> LeverRow {
         LeverRow {

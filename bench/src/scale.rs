@@ -108,6 +108,18 @@ pub struct ScaleSpec {
     /// `cluster.staleness`: 0 (BSP rounds, the quickstart's) or more rounds a worker may run ahead of the gate.
     #[serde(default)]
     pub staleness: u32,
+    /// topk2's kept values per 4,096-value bucket (`compression.keep`, the quickstart's 16).
+    #[serde(default = "since::keep")]
+    pub keep: u32,
+    /// The inner optimizer (`optimizer.kind`): `adam` (the quickstart's), `sgd`, `momentum` or `nesterov`.
+    #[serde(default = "since::inner")]
+    pub inner: String,
+    /// Adam's β2 (`optimizer.beta2`, the product's default 0.999).
+    #[serde(default = "since::beta2")]
+    pub beta2: f64,
+    /// Adam's ε (`optimizer.eps`, the product's default 1e-8).
+    #[serde(default = "since::eps")]
+    pub eps: f64,
     /// `optimizer.outer.lr` (the quickstart's 1.4).
     #[serde(default = "since::outer_lr")]
     pub outer_lr: f64,
@@ -156,6 +168,22 @@ mod since {
     pub(super) fn outer_momentum() -> f64 {
         0.5
     }
+    /// topk2's keep.
+    pub(super) fn keep() -> u32 {
+        16
+    }
+    /// The inner optimizer.
+    pub(super) fn inner() -> String {
+        "adam".into()
+    }
+    /// Adam's β2.
+    pub(super) fn beta2() -> f64 {
+        0.999
+    }
+    /// Adam's ε.
+    pub(super) fn eps() -> f64 {
+        1e-8
+    }
     /// The initial weights' seed.
     pub(super) fn model_seed() -> u64 {
         42
@@ -185,6 +213,10 @@ impl ScaleSpec {
             scheme: "topk2".into(),
             pull_scheme: None,
             staleness: 0,
+            keep: 16,
+            inner: "adam".into(),
+            beta2: 0.999,
+            eps: 1e-8,
             outer_lr: 1.4,
             outer_momentum: 0.5,
             quorum: (workers * 3).div_ceil(4),
@@ -285,7 +317,7 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
     format!(
         "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\nseed = {}\n[data]\ndataset = \"{}\"\n\
          [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\nseed = {}\n\
-         [optimizer]\nkind = \"adam\"\nlr = {:e}\n[optimizer.outer]\nlr = {}\nmomentum = {}\n\
+         [optimizer]\nkind = \"{}\"\nlr = {:e}\nbeta2 = {}\neps = {:e}\n[optimizer.outer]\nlr = {}\nmomentum = {}\n\
          [compression]\nscheme = \"{scheme}\"\npull_scheme = \"{pull_scheme}\"\n{codec}",
         spec.model_seed,
         spec.dataset,
@@ -293,15 +325,18 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
         spec.epochs,
         spec.local_steps,
         spec.train_seed,
+        spec.inner,
         spec.lr,
+        spec.beta2,
+        spec.eps,
         spec.outer_lr,
         spec.outer_momentum,
         scheme = spec.scheme,
         pull_scheme = pull_scheme,
         codec = if spec.scheme == "topk2" || pull_scheme == "topk2" {
-            "bucket = 4096\nkeep = 16\n"
+            format!("bucket = 4096\nkeep = {}\n", spec.keep)
         } else {
-            ""
+            String::new()
         },
     )
 }
@@ -340,6 +375,19 @@ pub struct WorkerOutcome {
     pub compute_s: f64,
     /// Seconds between consecutive settled rounds on shard 0, from its history.
     pub round_gaps_s: Vec<f64>,
+    /// Each round's compute from its history: from the last reply of clock `c` to its push of `c` settling on
+    /// shard 0, seconds.
+    #[serde(default)]
+    pub round_computes_s: Vec<f64>,
+    /// Wire bytes it pushed and pulled (its report's `wire_bytes_pushed` and `wire_bytes_pulled`).
+    #[serde(default)]
+    pub wire_bytes: [f64; 2],
+    /// Its model's parameters (its report's `params`).
+    #[serde(default)]
+    pub params: f64,
+    /// Inner steps it ran (its report's `steps`; the last incarnation's).
+    #[serde(default)]
+    pub steps: f64,
     /// Whether its last incarnation exited 0 with a report.
     pub finished: bool,
 }
@@ -373,6 +421,18 @@ pub struct ScaleReport {
     /// Cores of the machine the run shared (`available_parallelism`; 0 in reports from before the field).
     #[serde(default)]
     pub cores: u32,
+    /// Spread of a round's compute: the coefficient of variation of every worker's per-round compute (from the
+    /// histories: last reply to the push settling on shard 0); 0 in reports from before the field.
+    #[serde(default)]
+    pub compute_cv: f64,
+    /// Wire bytes per model parameter of one push and of one pull reply, summed over the shards (the workers'
+    /// reported bytes over their rounds, `steps / local_steps`); 0 in reports from before the field.
+    #[serde(default)]
+    pub wire_bytes_per_param: [f64; 2],
+    /// The distribution of a round's compute over every worker's rounds (from the histories, as `compute_cv`): its
+    /// quantiles at 0, 5, …, 100 %, seconds; empty in reports from before the field.
+    #[serde(default)]
+    pub compute_quantiles_s: Vec<f64>,
     /// Rounds per worker whose gap exceeded 3× the median round (stalls), summed over workers.
     pub long_rounds: u64,
     /// Per shard node (`s{k}` primaries, `b{k}` standbys, `witness`): CPU and peak memory.
@@ -404,6 +464,17 @@ pub struct Collected {
     pub failures: Vec<String>,
     /// Rank 0's final test accuracy.
     pub accuracy: f64,
+}
+
+/// Standard deviation over mean (0 for fewer than two values or a zero mean).
+fn coefficient_of_variation(xs: &[f64]) -> f64 {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 || mean <= 0.0 {
+        return 0.0;
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    var.sqrt() / mean
 }
 
 /// Builds the report's figures from what the run collected.
@@ -447,6 +518,32 @@ pub fn summarize(spec: &ScaleSpec, placement: Placement, c: Collected) -> ScaleR
         })
         .collect();
     cpus.sort_by(f64::total_cmp);
+    let all_computes: Vec<f64> = workers
+        .iter()
+        .flat_map(|w| w.round_computes_s.iter().copied())
+        .collect();
+    let compute_cv = coefficient_of_variation(&all_computes);
+    let compute_quantiles_s = {
+        let mut sorted = all_computes.clone();
+        sorted.sort_by(f64::total_cmp);
+        if sorted.len() < 2 {
+            Vec::new()
+        } else {
+            (0..=20)
+                .map(|i| quantile(&sorted, f64::from(i) / 20.0))
+                .collect()
+        }
+    };
+    // Rounds each worker's reported bytes cover (its last incarnation's steps over H), times its parameters.
+    let param_rounds: f64 = workers
+        .iter()
+        .map(|w| (w.steps / f64::from(spec.local_steps.max(1))).floor() * w.params)
+        .sum();
+    let wire_bytes_per_param = if param_rounds > 0.0 {
+        [0, 1].map(|i| workers.iter().map(|w| w.wire_bytes[i]).sum::<f64>() / param_rounds)
+    } else {
+        [0.0; 2]
+    };
     let mut rounds: Vec<f64> = workers.iter().map(|w| w.rounds as f64).collect();
     rounds.sort_by(f64::total_cmp);
     let mut rss: Vec<u64> = usage
@@ -475,6 +572,9 @@ pub fn summarize(spec: &ScaleSpec, placement: Placement, c: Collected) -> ScaleR
         compute_per_round_s: quantile(&computes, 0.5),
         worker_cpu_per_round_s: quantile(&cpus, 0.5),
         cores: std::thread::available_parallelism().map_or(0, |n| n.get() as u32),
+        compute_cv,
+        wire_bytes_per_param,
+        compute_quantiles_s,
         long_rounds,
         shard_nodes,
         worker_peak_rss: [
@@ -511,7 +611,8 @@ impl ScaleReport {
         );
         out.push_str(&format!(
             "  rounds per worker {:.0}; round time p50 {:.3} s, p90 {:.3} s, max {:.3} s; stall (pull wait per round) \
-             {:.3} s; compute per round {:.3} s ({:.3} CPU s); {} rounds over 3× the median\n",
+             {:.3} s; compute per round {:.3} s ({:.3} CPU s, cv {:.2}); {} rounds over 3× the median; wire bytes per \
+             parameter {:.4} a push, {:.4} a pull\n",
             self.rounds,
             self.round_s[0],
             self.round_s[1],
@@ -519,7 +620,10 @@ impl ScaleReport {
             self.stall_s,
             self.compute_per_round_s,
             self.worker_cpu_per_round_s,
-            self.long_rounds
+            self.compute_cv,
+            self.long_rounds,
+            self.wire_bytes_per_param[0],
+            self.wire_bytes_per_param[1],
         ));
         out.push_str(&format!(
             "  worker peak RSS median {:.1} MiB, largest {:.1} MiB\n",
@@ -748,28 +852,53 @@ fn issue(dir: &Path, place: &Placement) -> Result<()> {
     Ok(())
 }
 
-/// Rounds settled on shard 0 in a worker's history file (every incarnation's lines), and the seconds between
-/// consecutive ones.
-fn round_gaps(history: &Path) -> (u64, Vec<f64>) {
+/// What a worker's history says: rounds settled on shard 0, the gaps between them, and each round's compute.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct HistoryFigures {
+    rounds: u64,
+    gaps_s: Vec<f64>,
+    computes_s: Vec<f64>,
+}
+
+/// Reads a worker's history (JSON lines of `tether-worker --history`). A round's compute is the time from the last
+/// shard's reply for clock `c` (its `read` records) to its push of `c` settling on shard 0: the inner steps, the
+/// encoding and the push's round trip to shard 0 (a few ms on these links).
+fn history_figures(history: &Path) -> HistoryFigures {
     let text = std::fs::read_to_string(history).unwrap_or_default();
     let mut settled: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut read: BTreeMap<u64, u64> = BTreeMap::new();
     for line in text.lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
+        let (Some(c), Some(t)) = (v["clock"].as_u64(), v["t_us"].as_u64()) else {
+            continue;
+        };
         let applied = matches!(v["outcome"].as_str(), Some("applied" | "duplicate"));
         if v["kind"] == "push" && v["shard"] == 0 && applied {
-            if let (Some(c), Some(t)) = (v["clock"].as_u64(), v["t_us"].as_u64()) {
-                settled.entry(c).or_insert(t);
-            }
+            settled.entry(c).or_insert(t);
+        } else if v["kind"] == "read" {
+            let last = read.entry(c).or_insert(t);
+            *last = (*last).max(t);
         }
     }
+    let computes_s = settled
+        .iter()
+        .filter_map(|(c, &pushed)| {
+            let from = *read.get(c)?;
+            (pushed >= from).then(|| (pushed - from) as f64 / 1e6)
+        })
+        .collect();
     let times: Vec<u64> = settled.into_values().collect();
-    let gaps = times
+    let gaps_s = times
         .windows(2)
         .map(|w| w[1].saturating_sub(w[0]) as f64 / 1e6)
         .collect();
-    (times.len() as u64, gaps)
+    HistoryFigures {
+        rounds: times.len() as u64,
+        gaps_s,
+        computes_s,
+    }
 }
 
 /// Runs `spec` with the binaries in `bins`, working in `dir` (logs, reports, histories stay there).
@@ -1061,13 +1190,17 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
                     .ok()
                     .and_then(|t| serde_json::from_str(&t).ok());
             let f = |k: &str| report.as_ref().and_then(|v| v[k].as_f64()).unwrap_or(0.0);
-            let (rounds, round_gaps_s) = round_gaps(&dir.join(format!("w{r}.history")));
+            let h = history_figures(&dir.join(format!("w{r}.history")));
             WorkerOutcome {
-                rounds,
+                rounds: h.rounds,
                 wall_s: f("wall_seconds"),
                 pull_wait_s: f("pull_wait_seconds"),
                 compute_s: f("compute_seconds"),
-                round_gaps_s,
+                round_gaps_s: h.gaps_s,
+                round_computes_s: h.computes_s,
+                wire_bytes: [f("wire_bytes_pushed"), f("wire_bytes_pulled")],
+                params: f("params"),
+                steps: f("steps"),
                 finished: report.is_some() && p.status.is_some_and(|s| s.success()),
             }
         })
@@ -1099,6 +1232,43 @@ mod tests {
     use super::*;
     use tether_common::codec::Scheme;
     use tether_common::config::Config;
+
+    #[test]
+    fn a_history_gives_each_rounds_compute_from_its_last_reply_to_its_push_settling() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.history");
+        let line = |t: u64, kind: &str, shard: u32, clock: u64, outcome: &str| {
+            format!(
+                r#"{{"t_us":{t},"kind":"{kind}","shard":{shard},"clock":{clock},"min_clock":0,"outcome":"{outcome}","version":0,"term":1}}"#
+            )
+        };
+        let lines = [
+            line(1_000_000, "read", 0, 0, ""),
+            line(1_100_000, "read", 1, 0, ""),
+            line(1_400_000, "push", 1, 0, "applied"),
+            line(1_500_000, "push", 0, 0, "applied"),
+            line(1_600_000, "read", 1, 1, ""),
+            line(1_700_000, "read", 0, 1, ""),
+            line(1_900_000, "push", 0, 1, "refused"),
+            line(2_000_000, "push", 0, 1, "duplicate"),
+            // A torn last line of a killed incarnation.
+            r#"{"t_us":2100000,"kind":"re"#.to_string(),
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let h = history_figures(&path);
+        assert_eq!(h.rounds, 2);
+        assert_eq!(h.gaps_s, vec![0.5]);
+        // Round 0: the last reply at 1.1 s to shard 0's settle at 1.5 s; round 1: 1.7 s to 2.0 s.
+        assert_eq!(h.computes_s.len(), 2);
+        assert!((h.computes_s[0] - 0.4).abs() < 1e-9 && (h.computes_s[1] - 0.3).abs() < 1e-9);
+        assert_eq!(
+            history_figures(&dir.path().join("none")),
+            HistoryFigures::default()
+        );
+        let cv = coefficient_of_variation(&[1.0, 2.0, 3.0]);
+        assert!((cv - 0.5).abs() < 1e-12, "{cv}");
+        assert_eq!(coefficient_of_variation(&[2.0]), 0.0);
+    }
 
     #[test]
     fn a_spec_written_before_the_newer_fields_reads_them_as_the_quickstarts() {
@@ -1150,9 +1320,27 @@ mod tests {
         assert!((cfg.optimizer.lr - 2.5e-4).abs() < 1e-9);
         assert_eq!(cfg.train.local_steps, 8);
         assert_eq!((cfg.model.seed, cfg.train.seed), (42, 7));
+        assert_eq!(
+            cfg.optimizer.kind,
+            tether_common::config::OptimizerKind::Adam
+        );
+        assert!(
+            (cfg.optimizer.beta2 - 0.999).abs() < 1e-6 && (cfg.optimizer.eps - 1e-8).abs() < 1e-12
+        );
+        spec.keep = 64;
+        spec.inner = "momentum".into();
+        spec.beta2 = 0.95;
+        spec.eps = 1e-6;
         spec.model_seed = 3;
         spec.train_seed = 11;
         let cfg = Config::parse(&config_text(&spec, &place), Path::new("/tmp")).unwrap();
         assert_eq!((cfg.model.seed, cfg.train.seed), (3, 11));
+        assert_eq!(
+            cfg.optimizer.kind,
+            tether_common::config::OptimizerKind::Momentum
+        );
+        assert!(
+            (cfg.optimizer.beta2 - 0.95).abs() < 1e-6 && (cfg.optimizer.eps - 1e-6).abs() < 1e-12
+        );
     }
 }

@@ -432,7 +432,11 @@ impl<'a> Engine<'a> {
             return;
         }
         wk.stalled += t - wk.pull_started;
-        let mut compute = (self.mu + self.sigma * self.rng.normal()).exp();
+        let mut compute = if self.cfg.compute_quantiles_s.is_empty() {
+            (self.mu + self.sigma * self.rng.normal()).exp()
+        } else {
+            inverse_cdf(&self.cfg.compute_quantiles_s, self.rng.next_f64())
+        };
         if let Some((p, f)) = self.cfg.straggle {
             if self.rng.next_f64() < p {
                 compute *= f;
@@ -731,4 +735,16 @@ impl HostMap {
             }
         }
     }
+}
+
+/// The value at probability `u` (in 0..1) of the distribution given by equally spaced quantiles `q` (at least 2,
+/// ascending), linear between them.
+pub(super) fn inverse_cdf(q: &[f64], u: f64) -> f64 {
+    let Some(last) = q.len().checked_sub(1) else {
+        return 0.0;
+    };
+    let x = u.clamp(0.0, 1.0) * last as f64;
+    let i = (x.floor() as usize).min(last);
+    let j = (i + 1).min(last);
+    q[i] + (q[j] - q[i]) * (x - i as f64)
 }

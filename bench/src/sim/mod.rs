@@ -88,6 +88,11 @@ pub struct SimConfig {
     /// from the shared pool but nothing waits for it.
     #[serde(default)]
     pub shard_io_ns_per_param: f64,
+    /// A measured distribution of a round's compute, as equally spaced quantiles from the smallest to the largest
+    /// (seconds, at least 2, ascending): when given, each round's compute is drawn from it (the inverse of its
+    /// distribution function, linear between the points) instead of the lognormal of `compute_s` and `compute_cv`.
+    #[serde(default)]
+    pub compute_quantiles_s: Vec<f64>,
 }
 
 impl Default for SimConfig {
@@ -115,6 +120,7 @@ impl Default for SimConfig {
             pull_overhead_s: 0.0,
             worker_io_s: 0.0,
             shard_io_ns_per_param: 0.0,
+            compute_quantiles_s: Vec::new(),
         }
     }
 }
@@ -190,6 +196,19 @@ impl SimConfig {
                     "needs P in [0, 1] and F ≥ 1",
                 );
             }
+        }
+        let q = &self.compute_quantiles_s;
+        if !q.is_empty()
+            && (q.len() < 2
+                || q.len() > 1001
+                || q.iter().any(|v| !(v.is_finite() && *v >= 0.0))
+                || q.windows(2).any(|w| w[1] < w[0]))
+        {
+            return bad(
+                "compute_quantiles_s",
+                format!("{} points", q.len()),
+                "must be 2..=1001 finite, non-negative, ascending seconds",
+            );
         }
         if let Some(c) = self.cores {
             if c == 0 || c > 4096 {

@@ -172,6 +172,7 @@ pub(super) fn sim_of(m: &Measured, o: &Outcome, cal: &Calibration) -> SimConfig 
         latency_s: 50e-6,
         seed: 3,
         cores: Some(cal.cores),
+        compute_quantiles_s: Vec::new(),
         pull_overhead_s,
         worker_io_s,
     }

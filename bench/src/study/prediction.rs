@@ -37,6 +37,7 @@ pub fn prediction_base() -> SimConfig {
         pull_overhead_s: 200e-6,
         worker_io_s: 0.0,
         shard_io_ns_per_param: 0.0,
+        compute_quantiles_s: Vec::new(),
     }
 }
 
