@@ -708,7 +708,11 @@ pub fn scale_config(m: &ScaleMeasurement) -> (SimConfig, SyncModel) {
         pull_overhead_s: 200e-6,
         worker_io_s: 0.0,
         shard_io_ns_per_param: 0.0,
-        compute_quantiles_s: m.compute_quantiles_s.clone().unwrap_or_default(),
+        compute_quantiles_s: m
+            .compute_quantiles_s
+            .as_deref()
+            .map(|q| shifted_to_mean(q, m.compute_per_round_s))
+            .unwrap_or_default(),
     };
     let (cores, compute_s) = match m.shared_cores {
         Some((cores, cpu_s)) if cores > 0 && cpu_s > 0.0 => (Some(cores), cpu_s),
@@ -732,6 +736,21 @@ pub fn scale_config(m: &ScaleMeasurement) -> (SimConfig, SyncModel) {
         hosts: Some(m.hosts.max(1)),
     };
     (cfg, sync)
+}
+
+/// The quantiles `q` (equally spaced, ascending) moved by one constant so that their distribution's mean is `mean`
+/// (none below 0). The histories' compute of a round ends when its push settled on shard 0, so it holds the push's
+/// round trip through a busy shard; the workers' own compute time does not. The shape is the histories', the mean
+/// the workers'.
+pub fn shifted_to_mean(q: &[f64], mean: f64) -> Vec<f64> {
+    let n = q.len();
+    if n < 2 || !(mean.is_finite() && mean > 0.0) {
+        return q.to_vec();
+    }
+    let inner: f64 = q[1..n - 1].iter().sum();
+    let current = (q[0] / 2.0 + inner + q[n - 1] / 2.0) / (n - 1) as f64;
+    let shift = current - mean;
+    q.iter().map(|v| (v - shift).max(0.0)).collect()
 }
 
 /// Simulates the measured run with [`scale_config`] and reports the errors on round time and stall.
@@ -849,7 +868,13 @@ mod tests {
         let mut q: Vec<f64> = (0..=20).map(|i| 0.2 + 0.005 * f64::from(i)).collect();
         q[20] = 2.0;
         m.compute_quantiles_s = Some(q.clone());
-        assert_eq!(scale_config(&m).0.compute_quantiles_s, q);
+        let drawn = scale_config(&m).0.compute_quantiles_s;
+        let mean = (drawn[0] / 2.0 + drawn[1..20].iter().sum::<f64>() + drawn[20] / 2.0) / 20.0;
+        assert!((mean - m.compute_per_round_s).abs() < 1e-9, "{drawn:?}");
+        assert!(
+            (drawn[20] - drawn[0] - (q[20] - q[0])).abs() < 1e-9,
+            "the shape is kept: {drawn:?}"
+        );
         let heavy = validate_measured(std::slice::from_ref(&m)).unwrap();
         assert!(
             heavy[0].check.sim_stall_s > light[0].check.sim_stall_s,

@@ -388,7 +388,8 @@ pub struct WorkerOutcome {
     /// Inner steps it ran (its report's `steps`; the last incarnation's).
     #[serde(default)]
     pub steps: f64,
-    /// Whether its last incarnation exited 0 with a report.
+    /// Whether its last incarnation exited 0 with a report, or was killed by the nemesis after every shard took its
+    /// goodbye.
     pub finished: bool,
 }
 
@@ -1201,7 +1202,9 @@ pub fn run(spec: &ScaleSpec, bins: &Path, dir: &Path) -> Result<ScaleReport> {
                 wire_bytes: [f("wire_bytes_pushed"), f("wire_bytes_pulled")],
                 params: f("params"),
                 steps: f("steps"),
-                finished: report.is_some() && p.status.is_some_and(|s| s.success()),
+                // A worker the nemesis killed after every shard took its goodbye finished its part of the job.
+                finished: (report.is_some() && p.status.is_some_and(|s| s.success()))
+                    || p.left_killed,
             }
         })
         .collect();
