@@ -155,9 +155,42 @@ fn nonsense_is_refused() {
             rounds: u64::MAX,
             ..base()
         },
+        SimConfig {
+            compute_quantiles_s: vec![0.2],
+            ..base()
+        },
+        SimConfig {
+            compute_quantiles_s: vec![0.3, 0.2],
+            ..base()
+        },
+        SimConfig {
+            compute_quantiles_s: vec![0.1, f64::INFINITY],
+            ..base()
+        },
     ] {
         assert!(simulate(&cfg).is_err(), "{cfg:?}");
     }
+}
+
+#[test]
+fn a_measured_distribution_is_drawn_from_its_quantiles() {
+    use super::engine::inverse_cdf;
+    let q = [0.1, 0.2, 0.6];
+    assert_eq!(inverse_cdf(&q, 0.0), 0.1);
+    assert!((inverse_cdf(&q, 0.25) - 0.15).abs() < 1e-12);
+    assert!((inverse_cdf(&q, 0.75) - 0.4).abs() < 1e-12);
+    assert_eq!(inverse_cdf(&q, 1.0), 0.6);
+    // A point mass: every round computes 0.05 s (not `compute_s`), so 10 rounds of one worker with free links and
+    // shards take 0.5 s.
+    let r = simulate(&SimConfig {
+        workers: 1,
+        shards: 1,
+        rounds: 10,
+        compute_quantiles_s: vec![0.05, 0.05],
+        ..base()
+    })
+    .unwrap();
+    assert!((r.wall_s - 0.5).abs() < 1e-9, "{r:?}");
 }
 
 /// Local-step rounds with nothing else: BSP rounds, one cut per round.
