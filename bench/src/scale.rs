@@ -1328,7 +1328,6 @@ mod tests {
         assert!(
             (cfg.optimizer.beta2 - 0.999).abs() < 1e-6 && (cfg.optimizer.eps - 1e-8).abs() < 1e-12
         );
-        spec.keep = 64;
         spec.inner = "momentum".into();
         spec.beta2 = 0.95;
         spec.eps = 1e-6;
@@ -1342,6 +1341,15 @@ mod tests {
         );
         assert!(
             (cfg.optimizer.beta2 - 0.95).abs() < 1e-6 && (cfg.optimizer.eps - 1e-6).abs() < 1e-12
+        );
+        // topk2's keep reaches the config only with a topk2 codec.
+        spec.scheme = "topk2".into();
+        spec.pull_scheme = None;
+        spec.keep = 64;
+        let cfg = Config::parse(&config_text(&spec, &place), Path::new("/tmp")).unwrap();
+        assert_eq!(
+            (cfg.compression.scheme, cfg.compression.keep),
+            (Scheme::Topk2, 64)
         );
     }
 }
