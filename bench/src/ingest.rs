@@ -48,6 +48,10 @@ pub struct IngestArgs {
     /// Nesterov step (`[optimizer.outer]`; 0: a gradient push every step, `--optimizer` on the shards).
     #[arg(long, default_value_t = 0)]
     pub local_steps: u32,
+    /// With --local-steps: the shards sum a round's pushes and step once when it closes
+    /// (`optimizer.outer.at_close`; needs a bounded --staleness).
+    #[arg(long)]
+    pub at_close: bool,
     /// Threads of each shard (`tether-server --threads`; 0: every core).
     #[arg(long, default_value_t = 0)]
     pub threads: u32,
@@ -132,7 +136,15 @@ pub fn run(a: &IngestArgs) -> Result<IngestReport> {
             "epochs = 1\nbatch = {batch}\neval_every = 0\nlocal_steps = {}",
             a.local_steps
         ),
-        optimizer: format!("kind = \"{}\"\nlr = 0.001", a.optimizer),
+        optimizer: format!(
+            "kind = \"{}\"\nlr = 0.001{}",
+            a.optimizer,
+            if a.at_close {
+                "\n[optimizer.outer]\nat_close = true"
+            } else {
+                ""
+            }
+        ),
         compression: compression_lines(a),
     };
     let cfg_path = dir.path().join("cluster.toml");
@@ -294,7 +306,11 @@ pub fn print(r: &IngestReport) {
         if a.zstd { "+zstd" } else { "" },
         a.pull,
         if a.local_steps > 0 {
-            format!("outer nesterov (H = {})", a.local_steps)
+            format!(
+                "outer nesterov (H = {}{})",
+                a.local_steps,
+                if a.at_close { ", at close" } else { "" }
+            )
         } else {
             a.optimizer.clone()
         },

@@ -236,6 +236,9 @@ struct ScaleArgs {
     /// The outer Nesterov momentum (`optimizer.outer.momentum`).
     #[arg(long, default_value_t = 0.5)]
     outer_momentum: f64,
+    /// Step the outer optimizer once per round, when it closes (`optimizer.outer.at_close`).
+    #[arg(long)]
+    at_close: bool,
     /// `fashion-mnist` or `digits`.
     #[arg(long, default_value = "fashion-mnist")]
     dataset: String,
@@ -298,6 +301,7 @@ fn scale(a: &ScaleArgs) -> Result<()> {
     spec.eps = a.eps;
     spec.outer_lr = a.outer_lr;
     spec.outer_momentum = a.outer_momentum;
+    spec.at_close = a.at_close;
     spec.dataset = a.dataset.clone();
     spec.failover_ms = a.failover_ms;
     spec.seed = a.seed;

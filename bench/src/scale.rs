@@ -126,6 +126,9 @@ pub struct ScaleSpec {
     /// `optimizer.outer.momentum` (the quickstart's 0.5).
     #[serde(default = "since::outer_momentum")]
     pub outer_momentum: f64,
+    /// `optimizer.outer.at_close`: one outer step per round when it closes (false: on every push, the default).
+    #[serde(default)]
+    pub at_close: bool,
     /// `cluster.quorum` (0: every live worker).
     pub quorum: u32,
     /// `fashion-mnist` or `digits`.
@@ -219,6 +222,7 @@ impl ScaleSpec {
             eps: 1e-8,
             outer_lr: 1.4,
             outer_momentum: 0.5,
+            at_close: false,
             quorum: (workers * 3).div_ceil(4),
             dataset: "fashion-mnist".into(),
             failover_ms: 1000,
@@ -317,7 +321,7 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
     format!(
         "{cluster}[model]\nkind = \"mlp\"\nhidden = [256, 128]\nseed = {}\n[data]\ndataset = \"{}\"\n\
          [train]\nbatch = {}\nepochs = {}\neval_every = 1000000\nlocal_steps = {}\nthreads = 1\nseed = {}\n\
-         [optimizer]\nkind = \"{}\"\nlr = {:e}\nbeta2 = {}\neps = {:e}\n[optimizer.outer]\nlr = {}\nmomentum = {}\n\
+         [optimizer]\nkind = \"{}\"\nlr = {:e}\nbeta2 = {}\neps = {:e}\n[optimizer.outer]\nlr = {}\nmomentum = {}\nat_close = {}\n\
          [compression]\nscheme = \"{scheme}\"\npull_scheme = \"{pull_scheme}\"\n{codec}",
         spec.model_seed,
         spec.dataset,
@@ -331,6 +335,7 @@ pub fn config_text(spec: &ScaleSpec, place: &Placement) -> String {
         spec.eps,
         spec.outer_lr,
         spec.outer_momentum,
+        spec.at_close,
         scheme = spec.scheme,
         pull_scheme = pull_scheme,
         codec = if spec.scheme == "topk2" || pull_scheme == "topk2" {

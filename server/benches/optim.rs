@@ -101,6 +101,7 @@ fn bench_checkpoint(_c: &mut Criterion) {
         evicted: Vec::new(),
         weights: w,
         slots: opt.slots().to_vec(),
+        pending: Vec::new(),
     };
     for round in 0..2 {
         let snap = ShardSnapshot {

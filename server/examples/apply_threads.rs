@@ -1,6 +1,7 @@
 //! The shard's chunked kernels alone, at 1 and at 2 threads (or any counts): `ShardCore::apply` (open and
 //! decompress, decode and norm in chunks, the optimizer's check and apply passes in chunks) for q4 and topk2 pushes
-//! with Adam and with the outer Nesterov step of local-step rounds, the public copy's q4 delta cut, and the phases
+//! with Adam and with the outer Nesterov step of local-step rounds (on every push, and at round close with 8 pushes a
+//! round, `optimizer.outer.at_close`), the public copy's q4 delta cut, and the phases
 //! of a q4 + Adam apply alone (open: zstd on one thread; decode and norm; the optimizer's passes). Frames and
 //! settings are `tether-bench ingest`'s defaults (bucket 512, keep 64, stochastic rounding, zstd). Each repeat
 //! measures every thread count back to back, so a neighbour's load shows in both; figures are fp32-equivalent GB/s
@@ -23,7 +24,7 @@ use tether_server::decode::decode_and_square;
 use tether_server::optim::Optimizer;
 use tether_server::public::PublicCopy;
 use tether_server::shard::{Push, ShardCore, ShardSpec};
-use tether_server::update_rule::{push_scale, shard_optimizer};
+use tether_server::update_rule::{outer_at_close, push_scale, shard_optimizer};
 
 /// GB/s of fp32 (4 bytes × `n` per call of `f`) over at least `seconds`: the mean, and the best single call (the
 /// one no neighbour's load slowed).
@@ -54,6 +55,13 @@ fn config(scheme: Scheme, outer: bool) -> Config {
 
 /// `ShardCore::apply` of 8 distinct frames in turn, at `threads` threads.
 fn apply(cfg: &Config, n: usize, threads: usize, seconds: f64) -> (f64, f64) {
+    apply_rounds(cfg, n, threads, seconds, 1)
+}
+
+/// `ShardCore::apply` of 8 distinct frames in turn by `workers` workers, round by round (each worker pushes clock c,
+/// then clock c + 1), at `threads` threads. Stepping at close (`optimizer.outer.at_close`), each push adds to the
+/// round's sum and the round's last push also runs the outer step: the figure is per push, the step shared out.
+fn apply_rounds(cfg: &Config, n: usize, threads: usize, seconds: f64, workers: u32) -> (f64, f64) {
     let layout = Layout::new(vec![TensorSpec::new(
         "w",
         &[n],
@@ -64,7 +72,11 @@ fn apply(cfg: &Config, n: usize, threads: usize, seconds: f64) -> (f64, f64) {
         shards: 1,
         seed: 1,
         optimizer: shard_optimizer(cfg),
-        staleness: Staleness::Unbounded,
+        staleness: if workers > 1 {
+            Staleness::Bounded(0)
+        } else {
+            Staleness::Unbounded
+        },
         worker_timeout_ms: u64::MAX,
         spike_factor: 0.0,
     };
@@ -73,7 +85,10 @@ fn apply(cfg: &Config, n: usize, threads: usize, seconds: f64) -> (f64, f64) {
         ChunkPool::new(threads, "apply-threads").expect("threads"),
     ));
     core.set_push_scale(push_scale(cfg));
-    core.join(0, 0);
+    core.set_outer_at_close(outer_at_close(cfg));
+    for w in 0..workers {
+        core.join(w, 0);
+    }
     let mut enc = Encoder::new(cfg.compression.codec()).expect("codec");
     let frames: Vec<Vec<u8>> = (0..8)
         .map(|k| {
@@ -83,17 +98,18 @@ fn apply(cfg: &Config, n: usize, threads: usize, seconds: f64) -> (f64, f64) {
             f
         })
         .collect();
-    let mut clock = 0u64;
+    let mut k = 0u64;
+    let w = u64::from(workers);
     gbps(n, seconds, || {
         let push = Push {
-            worker: 0,
-            clock,
+            worker: (k % w) as u32,
+            clock: k / w,
             shard: 0,
             range: (0, n as u64),
             read_version: core.version(),
-            payload: &frames[(clock % 8) as usize],
+            payload: &frames[(k % 8) as usize],
         };
-        clock += 1;
+        k += 1;
         black_box(core.apply(&push, 0).expect("apply"));
     })
 }
@@ -187,6 +203,18 @@ fn main() {
             (name, f)
         })
         .collect();
+    for (name, at_close) in [
+        ("topk2 + outer, 8 a round", false),
+        ("topk2 + outer at close, 8", true),
+    ] {
+        let mut cfg = config(Scheme::Topk2, true);
+        cfg.cluster.workers = 8;
+        cfg.optimizer.outer.at_close = at_close;
+        cases.push((
+            name,
+            Box::new(move |t| apply_rounds(&cfg, n, t, seconds, 8)),
+        ));
+    }
     cases.push((
         "delta cut (q4 pulls)",
         Box::new(move |t| cut(n, t, seconds)),

@@ -58,6 +58,9 @@ pub const WEIGHTS_FILE: &str = "weights.f32.zst";
 pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 /// Most optimizer slots a checkpoint may hold (Adam needs two).
 pub const MAX_SLOTS: usize = 4;
+/// Most open rounds' sums a checkpoint may hold (a shard stepping at round close holds at most
+/// `max(staleness + 2, fragments)`; the configuration keeps that within this).
+pub const MAX_PENDING_ROUNDS: usize = tether_common::config::MAX_OPEN_ROUNDS as usize;
 
 /// zstd level for data files: level 1 is the fastest that still shrinks f32 weights.
 const ZSTD_LEVEL: i32 = 1;
@@ -211,6 +214,30 @@ pub struct ShardSnapshot {
     pub weights: Vec<f32>,
     /// Optimizer state slots, each as long as `weights`.
     pub slots: Vec<Vec<f32>>,
+    /// The sums of the rounds not stepped yet (`optimizer.outer.at_close`), as (round, sum), rounds ascending, each
+    /// sum as long as `weights` (zero outside its round's part).
+    pub pending: Vec<(u64, Vec<f32>)>,
+}
+
+/// Why open rounds' sums cannot belong to a shard of `n` values, if they cannot: more than
+/// [`MAX_PENDING_ROUNDS`], rounds not strictly ascending or beyond [`MAX_CLOCK`], or a sum not `n` long.
+pub fn pending_problem(pending: &[(u64, Vec<f32>)], n: usize) -> Option<String> {
+    if pending.len() > MAX_PENDING_ROUNDS {
+        return Some(format!("{} open rounds' sums", pending.len()));
+    }
+    if let Some((round, _)) = pending.iter().find(|(r, _)| *r > MAX_CLOCK) {
+        return Some(format!("round {round} is past the maximum clock"));
+    }
+    if pending.windows(2).any(|w| w[0].0 >= w[1].0) {
+        return Some("rounds not strictly ascending".into());
+    }
+    if let Some((round, sum)) = pending.iter().find(|(_, s)| s.len() != n) {
+        return Some(format!(
+            "the sum of round {round} has {} values for a range of {n}",
+            sum.len()
+        ));
+    }
+    None
 }
 
 /// The manifest envelope: the body plus the MAC of its canonical JSON (format 1 had a CRC-32 instead).
@@ -243,6 +270,9 @@ struct ManifestBody {
     /// Digest algorithm of `files[].digest`.
     digest: String,
     files: Vec<FileEntry>,
+    /// The rounds whose sums are the last data files (`pend{i}`), ascending; absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pending_rounds: Vec<u64>,
 }
 
 /// One data file of a checkpoint.
@@ -289,16 +319,21 @@ fn manifest_mac(key: &hmac::Key, canonical_body: &[u8]) -> hmac::Tag {
     ctx.sign()
 }
 
-/// The data file names of a checkpoint with `slots` optimizer slots, in manifest order.
-fn data_file_names(slots: usize) -> Vec<String> {
+/// The data file names of a checkpoint with `slots` optimizer slots and `pending` open rounds' sums, in manifest
+/// order.
+fn data_file_names(slots: usize, pending: usize) -> Vec<String> {
     std::iter::once(WEIGHTS_FILE.to_owned())
         .chain((0..slots).map(|i| format!("slot{i}.f32.zst")))
+        .chain((0..pending).map(|i| format!("pend{i}.f32.zst")))
         .collect()
 }
 
 /// Whether `name` is a file a checkpoint directory can hold (the manifest or a data file).
 pub fn is_checkpoint_file(name: &str) -> bool {
-    name == MANIFEST_FILE || data_file_names(MAX_SLOTS).iter().any(|n| n == name)
+    name == MANIFEST_FILE
+        || data_file_names(MAX_SLOTS, MAX_PENDING_ROUNDS)
+            .iter()
+            .any(|n| n == name)
 }
 
 /// The directory name of checkpoint `version` (`v` and 20 digits).
@@ -447,12 +482,13 @@ impl CheckpointStore {
         ));
         fs::create_dir(&tmp).map_err(io_err(&tmp))?;
 
-        let names = data_file_names(snap.slots.len());
+        let names = data_file_names(snap.slots.len(), snap.pending.len());
         let mut files = Vec::with_capacity(names.len());
-        for (name, values) in names
-            .into_iter()
-            .zip(std::iter::once(&snap.weights).chain(&snap.slots))
-        {
+        for (name, values) in names.into_iter().zip(
+            std::iter::once(&snap.weights)
+                .chain(&snap.slots)
+                .chain(snap.pending.iter().map(|(_, sum)| sum)),
+        ) {
             let (bytes, digest) = write_data_file(&tmp.join(&name), values)?;
             files.push(FileEntry {
                 name,
@@ -473,6 +509,7 @@ impl CheckpointStore {
             evicted: snap.evicted.clone(),
             digest: DIGEST_ALGO.to_owned(),
             files,
+            pending_rounds: snap.pending.iter().map(|(round, _)| *round).collect(),
         };
         let manifest_path = tmp.join(MANIFEST_FILE);
         let manifest =
@@ -611,6 +648,10 @@ fn snapshot_len(snap: &ShardSnapshot) -> Result<u64, CheckpointError> {
             s.len()
         )));
     }
+    let len = usize::try_from(n).map_err(|_| format_err("range too large"))?;
+    if let Some(why) = pending_problem(&snap.pending, len) {
+        return Err(format_err(why));
+    }
     Ok(n)
 }
 
@@ -633,6 +674,9 @@ pub fn check_values(snap: &ShardSnapshot) -> Result<(), CheckpointError> {
     check_finite("weights", &snap.weights)?;
     for (i, slot) in snap.slots.iter().enumerate() {
         check_finite(&format!("optimizer slot {i}"), slot)?;
+    }
+    for (round, sum) in &snap.pending {
+        check_finite(&format!("the sum of open round {round}"), sum)?;
     }
     Ok(())
 }
@@ -779,13 +823,17 @@ pub fn verify_dir(
         .checked_mul(4)
         .filter(|&b| usize::try_from(b).is_ok_and(|b| b <= isize::MAX as usize))
         .ok_or_else(|| format_err(format!("range of {n} values does not fit in memory")))?;
+    let pending = body.pending_rounds.len();
+    if pending > MAX_PENDING_ROUNDS {
+        return Err(format_err(format!("{pending} open rounds' sums")));
+    }
     let slot_count = body
         .files
         .len()
-        .checked_sub(1)
+        .checked_sub(1 + pending)
         .filter(|&s| s <= MAX_SLOTS)
         .ok_or_else(|| format_err(format!("{} data files", body.files.len())))?;
-    let names = data_file_names(slot_count);
+    let names = data_file_names(slot_count, pending);
     if let Some((entry, want)) = body.files.iter().zip(&names).find(|(e, w)| e.name != **w) {
         return Err(format_err(format!(
             "file {:?} where {want:?} was expected",
@@ -819,8 +867,12 @@ pub fn verify_dir(
         clocks: body.clocks,
         evicted: body.evicted,
         weights,
-        slots: columns.collect(),
+        slots: columns.by_ref().take(slot_count).collect(),
+        pending: body.pending_rounds.into_iter().zip(columns).collect(),
     };
+    if let Some(why) = pending_problem(&snap.pending, snap.weights.len()) {
+        return Err(format_err(why));
+    }
     check_values(&snap)?;
     Ok(snap)
 }

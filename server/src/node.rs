@@ -245,6 +245,7 @@ pub async fn start_shard(cfg: &Config, opts: ShardOptions) -> Result<RunningShar
     core.set_push_scale(update_rule::push_scale(cfg));
     core.set_push_scale_per_live(update_rule::push_scale_per_live(cfg));
     core.set_fragments(cfg.train.fragments);
+    core.set_outer_at_close(update_rule::outer_at_close(cfg));
     core.set_rollback(&cfg.rollback);
     core.set_membership(Membership {
         workers: Some(cfg.cluster.rank_limit()),

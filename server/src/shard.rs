@@ -7,11 +7,17 @@
 //! ([`ShardCore::set_pool`]): chunk boundaries come from the frame and the range, never from the thread count, and
 //! reductions add chunk results in chunk order, so the state is the same bits at any count.
 //!
+//! In local-step rounds with `optimizer.outer.at_close` ([`ShardCore::set_outer_at_close`]) a push is not stepped
+//! when it comes: its scaled pseudo-gradient is added to its round's sum, and the optimizer takes one step on that
+//! sum when the round closes (the gate passes it, or nobody is left live to close it), as DiLoCo steps once per round
+//! on the mean. A push whose round already closed (a laggard's) joins the lowest open round of the same fragment. The
+//! sums are state: they go into checkpoints and state images, and a restore brings them back.
+//!
 //! With loss-spike rollback on ([`ShardCore::set_rollback`]), every clock move settles the rounds the minimum clock
 //! passed: their reported losses go to the spike detector, a snapshot is kept at each boundary, and an alarm restores
 //! weights and optimizer state from the snapshot of the same round on every shard (see [`crate::rollback`]).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -174,6 +180,9 @@ pub enum RestoreError {
     /// Optimizer state of the wrong shape.
     #[error(transparent)]
     Optim(#[from] OptimError),
+    /// Open rounds' sums that do not fit the shard (see [`crate::checkpoint::pending_problem`]).
+    #[error("open rounds' sums: {0}")]
+    Pending(String),
 }
 
 impl From<ClockError> for ShardError {
@@ -355,6 +364,8 @@ pub struct ShardStats {
     pub rollbacks_missed: u64,
     /// Largest gradient norm the guard admitted.
     pub max_push_norm: f32,
+    /// Rounds stepped at their close (`optimizer.outer.at_close`).
+    pub rounds_stepped: u64,
 }
 
 impl ShardStats {
@@ -432,6 +443,10 @@ pub struct ShardCore {
     push_scale: f32,
     /// Scale each push by `min(push_scale, 1/live)` instead of `push_scale`.
     push_scale_per_live: bool,
+    /// Step once per round, on the sum of its pushes, when it closes (`optimizer.outer.at_close`).
+    at_close: bool,
+    /// The sums of the rounds not stepped yet, each over its round's part (see [`ShardCore::set_outer_at_close`]).
+    pending: BTreeMap<u64, Vec<f32>>,
     /// The seed of the initial weights while they came from it (`None` once restored from a checkpoint).
     init_seed: Option<u64>,
     /// The initial cut offered in welcomes (see [`ShardCore::initial_cut`]): a promise that cut 0 of its lineage
@@ -510,6 +525,8 @@ impl ShardCore {
             lineage: layout.hash() ^ u64::from(spec.shard),
             push_scale: 1.0,
             push_scale_per_live: false,
+            at_close: false,
+            pending: BTreeMap::new(),
             init_seed: Some(spec.seed),
             initial: None,
             rollback: None,
@@ -580,6 +597,7 @@ impl ShardCore {
     /// Settles the rounds the minimum clock passed since the last call: feeds them to the spike detector, rolls back
     /// on an alarm, and otherwise snapshots at a boundary.
     fn settle_rounds(&mut self) {
+        self.step_closed_rounds();
         let m = self.clocks.min_clock();
         let Some(rb) = self.rollback.as_mut() else {
             return;
@@ -632,6 +650,8 @@ impl ShardCore {
         }
         self.weights.copy_from_slice(&point.weights);
         self.dirty = 0..self.weights.len();
+        // The open rounds' sums were pushed from the parameters rolled back.
+        self.pending.clear();
         let record = RollbackRecord {
             shard: self.shard,
             at_round: alarm.round,
@@ -706,9 +726,111 @@ impl ShardCore {
     /// `c mod fragments` ([`tether_common::layout::fragment_part`]) and the outer step applies to that part alone.
     /// Each part gets a guard of its own with the current settings (forgetting the norms seen).
     pub fn set_fragments(&mut self, fragments: u32) {
+        // The open rounds' sums are cut again to the new parts (they are restored whole-range).
+        let pending = self.pending_whole();
         self.fragments = fragments.max(1);
         let settings = self.guard();
         self.guards = vec![NormGuard::new(settings); self.fragments as usize];
+        self.pending = self.cut_pending(pending);
+    }
+
+    /// Steps once per round instead of once per push (local-step rounds, `optimizer.outer.at_close`): a push adds
+    /// its scaled pseudo-gradient to its round's sum, and the optimizer steps on the sum when the round closes.
+    /// Turned off, the sums held (from a restore) are stepped now.
+    pub fn set_outer_at_close(&mut self, at_close: bool) {
+        self.at_close = at_close;
+        self.step_closed_rounds();
+    }
+
+    /// Whether the shard steps once per round (see [`set_outer_at_close`](Self::set_outer_at_close)).
+    pub fn outer_at_close(&self) -> bool {
+        self.at_close
+    }
+
+    /// The rounds whose sums wait for their close, lowest first.
+    pub fn pending_rounds(&self) -> impl Iterator<Item = u64> + '_ {
+        self.pending.keys().copied()
+    }
+
+    /// The open rounds' sums over the whole range (zero outside each round's part), lowest round first.
+    fn pending_whole(&self) -> Vec<(u64, Vec<f32>)> {
+        self.pending
+            .iter()
+            .map(|(&round, sum)| {
+                let mut whole = vec![0.0; self.weights.len()];
+                whole[self.part(round)].copy_from_slice(sum);
+                (round, whole)
+            })
+            .collect()
+    }
+
+    /// Whole-range sums cut to their rounds' parts (each is as long as the range: checked by the callers).
+    fn cut_pending(&self, whole: Vec<(u64, Vec<f32>)>) -> BTreeMap<u64, Vec<f32>> {
+        whole
+            .into_iter()
+            .map(|(round, w)| (round, w[self.part(round)].to_vec()))
+            .collect()
+    }
+
+    /// The round a push of `clock` joins at close: its own while it is open, otherwise (a laggard's push) the lowest
+    /// open round of the same fragment, so that it adds to the same part.
+    fn open_round_for(&self, clock: u64) -> u64 {
+        let gate = self.clocks.gate();
+        if clock >= gate {
+            return clock;
+        }
+        let f = u64::from(self.fragments);
+        gate + (clock % f + f - gate % f) % f
+    }
+
+    /// Steps the sums of the rounds the gate passed, lowest first (all of them when nobody is live to close them,
+    /// or when stepping at close is off); each step is one version. A step the optimizer refuses (it would leave
+    /// the state non-finite) changes nothing and is counted as a refused update.
+    fn step_closed_rounds(&mut self) {
+        let everything = !self.at_close || self.clocks.live() == 0;
+        let gate = self.clocks.gate();
+        while let Some(entry) = self.pending.first_entry() {
+            if !everything && *entry.key() >= gate {
+                break;
+            }
+            let (round, sum) = entry.remove_entry();
+            let part = self.part(round);
+            match self.optimizer.try_step_part_on(
+                &self.pool,
+                CHUNK_VALUES,
+                part.clone(),
+                &mut self.weights,
+                &sum,
+                1.0,
+            ) {
+                Ok(()) => {
+                    self.mark_dirty(part);
+                    self.version += 1;
+                    self.stats.rounds_stepped += 1;
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        shard = self.shard,
+                        round,
+                        "the round's outer step would leave the state non-finite: not taken"
+                    );
+                    *self
+                        .stats
+                        .rejected
+                        .entry(reject_reason(&ShardError::NonFiniteState))
+                        .or_default() += 1;
+                }
+            }
+        }
+    }
+
+    /// Widens the hull of values changed since the public copy's last cut by `part`.
+    fn mark_dirty(&mut self, part: Range<usize>) {
+        self.dirty = if self.dirty.is_empty() {
+            part
+        } else {
+            self.dirty.start.min(part.start)..self.dirty.end.max(part.end)
+        };
     }
 
     /// Streamed fragments (1: whole-range pushes).
@@ -904,7 +1026,9 @@ impl ShardCore {
     /// Closes the rounds whose grace window ended by `now_ms` (the shell calls it at
     /// [`ClockTable::deadline`]); returns how many closed.
     pub fn settle(&mut self, now_ms: u64) -> u64 {
-        self.clocks.settle(now_ms).closed
+        let closed = self.clocks.settle(now_ms).closed;
+        self.step_closed_rounds();
+        closed
     }
 
     /// Evicts the workers at the minimum clock that made no progress for the progress deadline (call it while a
@@ -1041,8 +1165,10 @@ impl ShardCore {
     }
 
     fn commit(&mut self, push: &Push<'_>, now_ms: u64) -> Result<Applied, ShardError> {
-        // Clock first: it is the last check that can fail, and it must not fail after the weights changed.
+        // Clock first: it is the last check that can fail, and it must not fail after the weights changed. The
+        // round a sum joins is read before: the advance may close the push's own round.
         let next = next_clock(push.worker, push.clock)?;
+        let round = self.open_round_for(push.clock);
         self.clocks.advance(push.worker, next, now_ms)?;
         let staleness = self.version.saturating_sub(push.read_version);
         let scale = if self.staleness_aware {
@@ -1057,14 +1183,28 @@ impl ShardCore {
             .rollback
             .as_ref()
             .map_or(1.0, |rb| rb.lr_factor(push.clock));
-        // A refused step changed nothing but the clock, which advances as for any push refused for its values.
         let part = self.part(push.clock);
+        if self.at_close {
+            let grad = &self.scratch[..part.len()];
+            // `round` has the push's fragment, so its part is the push's: the sum and the gradient have one length.
+            let sum = self
+                .pending
+                .entry(round)
+                .or_insert_with(|| vec![0.0; part.len()]);
+            for (s, g) in sum.iter_mut().zip(grad) {
+                *s += scale * g;
+            }
+            self.stats.updates_applied += 1;
+            self.stats.staleness.record(staleness);
+            return Ok(Applied {
+                version: self.version,
+                staleness,
+                clock: next,
+            });
+        }
+        // A refused step changed nothing but the clock, which advances as for any push refused for its values.
+        self.mark_dirty(part.clone());
         let grad = &self.scratch[..part.len()];
-        self.dirty = if self.dirty.is_empty() {
-            part.clone()
-        } else {
-            self.dirty.start.min(part.start)..self.dirty.end.max(part.end)
-        };
         self.optimizer
             .try_step_part_on(
                 &self.pool,
@@ -1120,6 +1260,17 @@ impl ShardCore {
         if self.guards.len() != local.guards.len() {
             return Err("a guard per fragment is due".into());
         }
+        if self.pending.len() > crate::checkpoint::MAX_PENDING_ROUNDS {
+            return Err(format!("{} open rounds' sums", self.pending.len()));
+        }
+        if let Some((round, sum)) = self.pending.iter().find(|(&round, sum)| {
+            round > MAX_CLOCK || sum.len() != fragment_part(n, round, self.fragments).len()
+        }) {
+            return Err(format!(
+                "the sum of open round {round} has {} values",
+                sum.len()
+            ));
+        }
         self.guards.iter().try_for_each(NormGuard::check)?;
         if self.dirty.start > self.dirty.end || self.dirty.end > n {
             return Err("the changed hull lies outside the range".into());
@@ -1157,6 +1308,7 @@ impl ShardCore {
             evicted: self.clocks.evicted().collect(),
             weights: self.weights.clone(),
             slots: self.optimizer.slots().to_vec(),
+            pending: self.pending_whole(),
         }
     }
 
@@ -1171,7 +1323,12 @@ impl ShardCore {
         {
             return Err(ClockError::Unbounded { worker, clock }.into());
         }
+        let n = self.weights.len();
+        if let Some(why) = crate::checkpoint::pending_problem(&snap.pending, n) {
+            return Err(RestoreError::Pending(why));
+        }
         self.optimizer.restore(snap.opt_steps, snap.slots)?;
+        self.pending = self.cut_pending(snap.pending);
         self.weights = snap.weights;
         self.version = snap.version;
         self.restored = true;

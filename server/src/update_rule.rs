@@ -35,6 +35,12 @@ pub fn push_scale(cfg: &Config) -> f32 {
     }
 }
 
+/// Whether the shards step once per round, on the sum of its pushes, when it closes (`optimizer.outer.at_close`,
+/// local-step rounds only).
+pub fn outer_at_close(cfg: &Config) -> bool {
+    cfg.train.local_steps > 0 && cfg.optimizer.outer.at_close
+}
+
 /// Whether the shards scale each push by `min(push_scale, 1/live)` instead of [`push_scale`] (local-step rounds).
 pub fn push_scale_per_live(cfg: &Config) -> bool {
     cfg.train.local_steps > 0

@@ -82,6 +82,7 @@ fn snapshot(version: u64) -> ShardSnapshot {
             (0..n).map(|i| i as f32 * 1e-3).collect(),
             (0..n).map(|i| (i as f32).sqrt() * version as f32).collect(),
         ],
+        pending: Vec::new(),
     }
 }
 
@@ -100,6 +101,11 @@ fn assert_same(a: &ShardSnapshot, b: &ShardSnapshot) {
     assert_eq!(bits(&a.weights), bits(&b.weights));
     assert_eq!(a.slots.len(), b.slots.len());
     for (x, y) in a.slots.iter().zip(&b.slots) {
+        assert_eq!(bits(x), bits(y));
+    }
+    assert_eq!(a.pending.len(), b.pending.len());
+    for ((ra, x), (rb, y)) in a.pending.iter().zip(&b.pending) {
+        assert_eq!(ra, rb);
         assert_eq!(bits(x), bits(y));
     }
 }
@@ -683,4 +689,37 @@ fn every_corrupt_checkpoint_is_reported_when_none_is_usable() {
         }
         other => panic!("expected NoneUsable, got {other:?}"),
     }
+}
+
+/// The open rounds' sums of a shard stepping at round close round-trip as data files after the slots; a manifest
+/// that names more rounds than it has files, or a sum of the wrong length, is refused.
+#[test]
+fn open_rounds_sums_round_trip_and_a_manifest_that_miscounts_them_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(tmp.path(), 3);
+    let n = (RANGE.1 - RANGE.0) as usize;
+    let mut snap = snapshot(1);
+    snap.pending = vec![
+        (7, (0..n).map(|i| i as f32 * -1e-3).collect()),
+        (8, vec![0.25; n]),
+    ];
+    let dir = s.write(&snap).unwrap();
+    assert!(dir.join("pend1.f32.zst").exists());
+    let (loaded, _) = load(&s).unwrap().unwrap();
+    assert_same(&loaded, &snap);
+
+    let mut short = snapshot(2);
+    short.pending = vec![(9, vec![0.0; n - 1])];
+    assert!(s.write(&short).is_err(), "a sum shorter than the range");
+    let mut unordered = snapshot(2);
+    unordered.pending = vec![(9, vec![0.0; n]), (9, vec![0.0; n])];
+    assert!(s.write(&unordered).is_err(), "a round twice");
+
+    rewrite_manifest_with(&dir, &KEY, |body| {
+        body["pending_rounds"] = serde_json::json!([7, 8, 9]);
+    });
+    assert!(
+        matches!(load(&s), Err(CheckpointError::NoneUsable { .. })),
+        "three rounds named, two files"
+    );
 }

@@ -137,6 +137,7 @@ fn snapshot(version: u64) -> ShardSnapshot {
             .map(|i| (i as f32 * 0.01 + version as f32).sin())
             .collect(),
         slots: vec![(0..n).map(|i| i as f32 * version as f32).collect()],
+        pending: Vec::new(),
     }
 }
 

@@ -34,6 +34,7 @@ pub use optimizer::{DecayScope, OptimizerConfig, OptimizerKind, OuterOptimizerCo
 pub use rollback::RollbackConfig;
 pub use shard::ShardConfig;
 pub use train::{ComputePrecision, TrainConfig};
+pub use validate::{MAX_FRAGMENTS, MAX_OPEN_ROUNDS, MAX_THREADS};
 
 /// Errors loading or validating a configuration.
 #[derive(Debug, thiserror::Error)]

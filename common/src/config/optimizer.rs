@@ -116,6 +116,10 @@ pub struct OuterOptimizerConfig {
     /// Outer momentum (default 0.5, the quickstart's: DiLoCo's 0.9 overshoots at H ≤ 64 and diverged with s = 3,
     /// docs/pulls-and-local-steps.md).
     pub momentum: f32,
+    /// Step once per round, on the sum of its pushes, when the round closes (as DiLoCo does), instead of on every
+    /// push as it comes (default false). Needs a bounded `cluster.staleness` of at most
+    /// [`MAX_OPEN_ROUNDS`](super::MAX_OPEN_ROUNDS) − 2: the shards hold a sum per open round.
+    pub at_close: bool,
 }
 
 impl Default for OuterOptimizerConfig {
@@ -124,6 +128,7 @@ impl Default for OuterOptimizerConfig {
             kind: OptimizerKind::Nesterov,
             lr: 0.7,
             momentum: 0.5,
+            at_close: false,
         }
     }
 }

@@ -7,6 +7,9 @@ use super::{Config, ConfigError, ModelKind};
 pub const MAX_THREADS: u32 = 1024;
 /// Most streamed fragments (`train.fragments`).
 pub const MAX_FRAGMENTS: u32 = 64;
+/// Most rounds whose sums a shard stepping at round close (`optimizer.outer.at_close`) holds at once:
+/// `max(staleness + 2, fragments)`.
+pub const MAX_OPEN_ROUNDS: u32 = 64;
 
 impl Config {
     /// Settings that are valid but were measured to train badly, each as one sentence citing the measurement; the
@@ -243,6 +246,24 @@ impl Config {
                 "train.fragments",
                 "must be in [1, 64] (1: the whole model each round)",
             );
+        }
+        if self.optimizer.outer.at_close {
+            if self.train.local_steps == 0 {
+                return bad(
+                    "optimizer.outer.at_close",
+                    "needs local-step rounds (train.local_steps > 0): a push every step has no round to close",
+                );
+            }
+            let open = match self.cluster.staleness {
+                super::Staleness::Bounded(s) => u64::from(s) + 2,
+                super::Staleness::Unbounded => u64::MAX,
+            };
+            if open > u64::from(MAX_OPEN_ROUNDS) {
+                return bad(
+                    "optimizer.outer.at_close",
+                    "needs cluster.staleness of at most 62: the shards hold a sum for each round still open",
+                );
+            }
         }
         if self.train.fragments > 1 && self.train.local_steps == 0 {
             return bad(
