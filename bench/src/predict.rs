@@ -37,6 +37,15 @@ pub const WORKERS: [u32; 5] = [64, 128, 256, 512, 1024];
 pub const SHARDS: [u32; 4] = [8, 16, 32, 64];
 /// Per-host link rates of the grid, Gbit/s.
 pub const LINKS_GBIT: [f64; 3] = [1.0, 10.0, 100.0];
+/// A push's shard CPU when stepping at close (open, decode, norm, add into the round's sum) as a share of a push
+/// stepped as it comes: `cargo run --release -p tether-server --example apply_threads -- 4000000 1.5 3 1,2`, topk2
+/// with the outer Nesterov step, 8 pushes a round, 1 thread, the means of three repeats: a push stepped as it comes
+/// took 2.04 ns per parameter, the Nesterov passes alone 1.14, and a push at close with the round's step shared out
+/// 1.37, so a push at close costs 1.37 − 1.14 / 8 = 1.23 ns (0.60 of 2.04) and the step 1.14 (0.56).
+pub const AT_CLOSE_PUSH_SHARE: f64 = 0.60;
+/// The outer step at close over the range, as a share of a push stepped as it comes (see [`AT_CLOSE_PUSH_SHARE`]).
+pub const AT_CLOSE_STEP_SHARE: f64 = 0.56;
+
 /// The calibration's goal: relative error on round time and on stall.
 pub const CALIBRATION_GOAL: f64 = 0.15;
 /// Rate of an unshaped link of the namespace harness, Gbit/s (one UDP flow through the star's bridge on the 2-core
@@ -438,7 +447,8 @@ impl Lever {
             Lever::StalenessOne => cfg.staleness = Some(1),
             Lever::OuterAtClose => {
                 sync.outer_step = OuterStep::AtClose {
-                    accumulate_ns_per_param: 0.2,
+                    push_ns_per_param: AT_CLOSE_PUSH_SHARE * cfg.apply_ns_per_param,
+                    step_ns_per_param: AT_CLOSE_STEP_SHARE * cfg.apply_ns_per_param,
                 }
             }
             Lever::SteadyCompute => cfg.compute_cv = 0.02,

@@ -164,7 +164,13 @@ fn phase(which: &str, n: usize, threads: usize, seconds: f64) -> (f64, f64) {
         _ => {
             dec.decode(&frame, &mut g).expect("decode");
             let mut w = noise(n, 11, 0.1);
-            let mut opt = Optimizer::new(&shard_optimizer(&cfg), n);
+            // "outer": the outer Nesterov step of local-step rounds over a decoded pseudo-gradient.
+            let opt_cfg = if which == "outer" {
+                shard_optimizer(&config(Scheme::Topk2, true))
+            } else {
+                shard_optimizer(&cfg)
+            };
+            let mut opt = Optimizer::new(&opt_cfg, n);
             gbps(n, seconds, || {
                 opt.try_step_part_on(&pool, CHUNK_VALUES, 0..n, &mut w, &g, 1.0)
                     .expect("step");
@@ -223,6 +229,7 @@ fn main() {
         ("  q4 + adam: open (zstd)", "open"),
         ("  q4 + adam: decode + norm", "decode"),
         ("  q4 + adam: optimizer passes", "step"),
+        ("  outer nesterov passes", "outer"),
     ] {
         cases.push((name, Box::new(move |t| phase(which, n, t, seconds))));
     }

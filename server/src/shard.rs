@@ -1191,9 +1191,16 @@ impl ShardCore {
                 .pending
                 .entry(round)
                 .or_insert_with(|| vec![0.0; part.len()]);
-            for (s, g) in sum.iter_mut().zip(grad) {
-                *s += scale * g;
-            }
+            // Per element, in chunks on the shard's threads: the same bits at any thread count.
+            let jobs: Vec<(&mut [f32], &[f32])> = sum
+                .chunks_mut(CHUNK_VALUES)
+                .zip(grad.chunks(CHUNK_VALUES))
+                .collect();
+            self.pool.map(jobs, |(s, g)| {
+                for (s, g) in s.iter_mut().zip(g) {
+                    *s += scale * g;
+                }
+            });
             self.stats.updates_applied += 1;
             self.stats.staleness.record(staleness);
             return Ok(Applied {

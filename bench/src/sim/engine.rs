@@ -90,10 +90,11 @@ impl Costs {
         let rounds = sync.rounds();
         let (apply, outer) = match sync.outer_step {
             OuterStep::AtClose {
-                accumulate_ns_per_param,
+                push_ns_per_param,
+                step_ns_per_param,
             } if rounds => (
-                msg(push_bytes, accumulate_ns_per_param),
-                kernel(cfg.apply_ns_per_param),
+                msg(push_bytes, push_ns_per_param),
+                kernel(step_ns_per_param),
             ),
             _ => (msg(push_bytes, cfg.apply_ns_per_param), 0.0),
         };

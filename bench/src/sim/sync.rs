@@ -15,11 +15,13 @@ pub enum OuterStep {
     /// On every push, over the shard's whole range, scaled by 1/workers: what `ShardCore::apply` does today
     /// (decode, norm, then the optimizer step over the part), costing `apply_ns_per_param` per push.
     EveryPush,
-    /// Pushes are summed into an accumulator (`accumulate_ns_per_param` each) and one dense outer step
-    /// (`apply_ns_per_param`) runs when the round closes: the DiLoCo formulation, not implemented by the shards.
+    /// Each push is opened, decoded, judged and added to its round's sum (`push_ns_per_param`), and one dense outer
+    /// step (`step_ns_per_param`) runs when the round closes: `optimizer.outer.at_close`.
     AtClose {
-        /// Shard CPU per shard parameter to add one push into the accumulator, ns (one thread).
-        accumulate_ns_per_param: f64,
+        /// Shard CPU per shard parameter of one push (open, decode, norm, add into the sum), ns (one thread).
+        push_ns_per_param: f64,
+        /// Shard CPU per shard parameter of the outer step at close, ns (one thread).
+        step_ns_per_param: f64,
     },
 }
 
@@ -135,15 +137,14 @@ impl SyncModel {
             );
         }
         if let OuterStep::AtClose {
-            accumulate_ns_per_param: a,
+            push_ns_per_param: a,
+            step_ns_per_param: b,
         } = self.outer_step
         {
-            if !(a.is_finite() && a >= 0.0) {
-                return bad(
-                    "accumulate_ns_per_param",
-                    a.to_string(),
-                    "must be finite and ≥ 0",
-                );
+            for (name, v) in [("push_ns_per_param", a), ("step_ns_per_param", b)] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return bad(name, v.to_string(), "must be finite and ≥ 0");
+                }
             }
         }
         if let Some(h) = self.hosts {

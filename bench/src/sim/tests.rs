@@ -403,7 +403,8 @@ fn an_outer_step_at_close_costs_one_dense_pass_per_round() {
         &cfg,
         &SyncModel {
             outer_step: OuterStep::AtClose {
-                accumulate_ns_per_param: 0.5,
+                push_ns_per_param: 0.5,
+                step_ns_per_param: 10.0,
             },
             ..rounds()
         },
