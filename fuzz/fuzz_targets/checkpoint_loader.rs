@@ -66,6 +66,8 @@ fn template() -> &'static Template {
             evicted: vec![(2, 2)],
             weights: wave(0.1),
             slots: vec![wave(0.2), wave(0.3)],
+            // An open round's sum (a shard stepping at round close), so the pend files are fuzzed too.
+            pending: vec![(5, wave(0.4))],
         };
         let version_dir = store
             .write(&snap)
@@ -155,6 +157,8 @@ fuzz_target!(|data: &[u8]| {
         Ok(Some((snap, _))) => {
             assert_eq!(snap.weights.len(), N);
             assert!(snap.slots.iter().all(|s| s.len() == N));
+            assert!(snap.pending.iter().all(|(_, s)| s.len() == N && s.iter().all(|v| v.is_finite())));
+            assert!(snap.pending.windows(2).all(|w| w[0].0 < w[1].0));
             assert!(snap.weights.iter().chain(snap.slots.iter().flatten()).all(|v| v.is_finite()));
             assert!(snap.clocks.iter().chain(&snap.evicted).all(|&(_, c)| c <= MAX_CLOCK));
             assert!(snap.opt_steps <= snap.version);
