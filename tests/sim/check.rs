@@ -110,7 +110,7 @@ impl Sim {
             let Some(p) = &s.proto else {
                 continue;
             };
-            let weights = p.core().weights();
+            let weights = super::effective_weights(p.core());
             for (i, v) in weights.iter().enumerate() {
                 if *v != 0.0 && *v != 1.0 {
                     return Err(format!("shard {k}: slot {i} = {v} at {} ms", self.now));

@@ -199,7 +199,40 @@ fn shard_core(layout: &Layout, shard: usize, faults: &Faults) -> ShardCore {
         grace_factor: GRACE_FACTOR,
         grace_max_ms: TIMEOUT_MS,
     });
+    core.set_outer_at_close(faults.at_close);
     core
+}
+
+/// The values a shard's weights hold once its open rounds close: the weights, less the open rounds' sums of a shard
+/// stepping at round close (under SGD at lr 1 a round's pushes add minus their sum), so that a slot reads 1 from
+/// the push that owns it on, whether the shard steps on every push or at close.
+pub(crate) fn effective_weights(core: &ShardCore) -> Vec<f32> {
+    let mut weights = core.weights().to_vec();
+    if core.outer_at_close() {
+        for (_, sum) in core.snapshot().pending {
+            for (w, s) in weights.iter_mut().zip(&sum) {
+                *w -= s;
+            }
+        }
+    }
+    weights
+}
+
+/// [`effective_weights`] of a checkpoint snapshot.
+fn effective_snapshot(snap: &tether::server::checkpoint::ShardSnapshot) -> Vec<f32> {
+    let mut weights = snap.weights.clone();
+    for (_, sum) in &snap.pending {
+        for (w, s) in weights.iter_mut().zip(sum) {
+            *w -= s;
+        }
+    }
+    weights
+}
+
+/// Whether a random schedule's shards step at round close (a third of the bounded ones), from its own generator.
+fn at_close_of(seed: u64, staleness: Staleness) -> bool {
+    matches!(staleness, Staleness::Bounded(_))
+        && TestRng::new(seed ^ 0xa7c1_05e0_0000_0000).chance(333)
 }
 
 /// The grace window of quorum schedules, as a multiple of the median round time.
@@ -281,6 +314,7 @@ impl Sim {
         // Drawn from the hostile member's own generator: the schedules without it are the same as before it existed.
         faults.hostile = hostile_rng(seed).chance(300);
         faults.quorum = quorum_of(seed);
+        faults.at_close = at_close_of(seed, faults.staleness);
         Sim::build(rng, faults, seed)
     }
 
@@ -538,12 +572,13 @@ impl Sim {
             return;
         };
         let (start, _) = self.ranges(k);
-        let before = p.core().weights().to_vec();
+        let before = effective_weights(p.core());
         let snap = self.shards[k].snapshot.clone();
+        let after = effective_snapshot(&snap);
         for w in 0..WORKERS {
             for c in 0..SLOTS {
                 let i = slot(w, c);
-                if before[i] == 1.0 && snap.weights[i] == 0.0 {
+                if before[i] == 1.0 && after[i] == 0.0 {
                     self.shards[k].rolled_back.insert((w, c));
                 }
             }

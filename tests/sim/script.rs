@@ -45,6 +45,9 @@ pub struct Faults {
     /// Every shard has a standby fed its input log; a shard crash is then a failover to the standby, with nothing
     /// rolled back (once per shard: a crash after it is a restart from the checkpoint). Drawn from its own generator.
     pub standbys: bool,
+    /// The shards step at round close (`optimizer.outer.at_close`): a push waits in its round's sum until the round
+    /// closes. Drawn from its own generator, only under a bounded staleness (the product refuses it otherwise).
+    pub at_close: bool,
 }
 
 impl Faults {
@@ -73,6 +76,7 @@ impl Faults {
             hostile: false,
             quorum: 0,
             standbys: false,
+            at_close: false,
         }
     }
 
@@ -96,6 +100,7 @@ impl Faults {
             hostile: false,
             quorum: 0,
             standbys: false,
+            at_close: false,
         }
     }
 }
