@@ -271,7 +271,8 @@ pub struct ShardActor {
 /// One applied push as the history file records it (a JSON line).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct HistoryLine {
-    /// Wall-clock time, microseconds since the Unix epoch (comparable across the processes of one machine).
+    /// Wall-clock time, microseconds since the Unix epoch (comparable across the processes of one machine), taken
+    /// when the node decided it served the push, before applying it.
     pub t_us: u64,
     /// `primary` or `standby` (which node of the shard applied it).
     pub node: String,
@@ -788,6 +789,14 @@ impl ShardActor {
         msg: ApplyPush,
         ctx: &mut Context<Self>,
     ) -> Result<Outcome, ProtocolError> {
+        // The history records when this node decided it served the push: a process paused between that decision
+        // and the write (SIGSTOP) would otherwise stamp a push it took while serving with a time after its lease.
+        let decided = self.history.as_ref().map(|_| {
+            let t_us = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64);
+            (t_us, self.fence.as_ref().map_or(0, |f| f.term()))
+        });
         if !self.serve_now() {
             return Err(not_primary());
         }
@@ -836,11 +845,9 @@ impl ShardActor {
         if let (Ok(Some(a)), Some((file, node))) = (&applied, self.history.as_mut()) {
             use std::io::Write;
             let line = HistoryLine {
-                t_us: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_micros() as u64),
+                t_us: decided.map_or(0, |d| d.0),
                 node: (*node).to_string(),
-                term: self.fence.as_ref().map_or(0, |f| f.term()),
+                term: decided.map_or(0, |d| d.1),
                 worker: meta.worker,
                 clock: meta.clock,
                 version: a.version,
